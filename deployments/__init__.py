@@ -1,0 +1,1 @@
+"""Ways to run the flows: the local demo, local services it needs, and deployments."""

@@ -1,0 +1,93 @@
+"""Turn the ranks' results into the run's record: metrics, report and files under the output.
+
+Every rank reports the same all-reduced metrics; a disagreement means the ranks did not
+train one model together, and is an error rather than something to average away.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+
+from blocks.data_location import DataLocation
+from tasks.manifest import Manifest
+from tasks.retries import retry_transient
+from tasks.reporting import markdown_table
+from tasks.splitting import Split
+from tasks.storage import child_url, exists, write_bytes, write_json
+
+GLOBAL_METRICS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "train_samples", "val_samples")
+REPORT_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "seconds"]
+
+
+def global_history(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's per-epoch history, after checking that every rank saw the same numbers."""
+    if not results:
+        raise ValueError("No rank results to aggregate: the gang returned nothing.")
+    reference = [{k: h[k] for k in GLOBAL_METRICS} for h in results[0]["history"]]
+    for result in results[1:]:
+        theirs = [{k: h[k] for k in GLOBAL_METRICS} for h in result["history"]]
+        if theirs != reference:
+            raise ValueError(
+                f"Rank {result['rank']} reports other global metrics than rank 0 "
+                f"({theirs[-1:]} vs {reference[-1:]}): the ranks did not train together."
+            )
+    return results[0]["history"]
+
+
+def summarize(results: list[dict[str, Any]], split: Split) -> dict[str, Any]:
+    history = global_history(results)
+    best = max(history, key=lambda h: (h["val_acc"], -h["val_loss"]))
+    return {
+        "world_size": len(results),
+        "ranks": [{"rank": r["rank"], "worker_address": r["worker_address"]} for r in results],
+        "split_digests": sorted({r["split_digest"] for r in results}),
+        "train_size": len(split.train),
+        "val_size": len(split.val),
+        "history": history,
+        "best_epoch": best["epoch"],
+        "best_val_acc": best["val_acc"],
+        "final_val_acc": history[-1]["val_acc"],
+        "final_val_loss": history[-1]["val_loss"],
+    }
+
+
+def report_markdown(summary: dict[str, Any], manifest: Manifest, files: dict[str, str]) -> str:
+    rows = [[h[k] for k in REPORT_COLUMNS] for h in summary["history"]]
+    workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
+    return (
+        f"# Transfer learning report\n\n"
+        f"**Final val accuracy {summary['final_val_acc']:.4f}**; best {summary['best_val_acc']:.4f} "
+        f"at epoch {summary['best_epoch']}.\n\n"
+        f"Data: `{manifest.root}`, {len(manifest.classes)} classes, {summary['train_size']} train / "
+        f"{summary['val_size']} val images. World size {summary['world_size']} ({workers}).\n\n"
+        "## Per epoch (all ranks)\n\n"
+        + markdown_table(REPORT_COLUMNS, rows)
+        + "\n## Files\n\n"
+        + "".join(f"- {name}: `{url}`\n" for name, url in files.items())
+    )
+
+
+@task(name="aggregate", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
+def aggregate(
+    results: list[dict[str, Any]], manifest: Manifest, split: Split, output: DataLocation
+) -> dict[str, Any]:
+    """Write metrics, manifest, split and report under the run's output; return the summary."""
+    options = output.storage_options()
+    files = {name: child_url(output.url, name) for name in
+             ("model.pt", "model.json", "metrics.json", "manifest.json", "split.json", "report.md")}
+    if not exists(files["model.pt"], options):
+        raise FileNotFoundError(f"Rank 0 reported success but wrote no model at {files['model.pt']}.")
+    summary = summarize(results, split) | {"files": files}
+    write_json(files["metrics.json"], summary, options)
+    write_json(files["manifest.json"], manifest.model_dump(), options)
+    write_json(files["split.json"], split.model_dump() | {
+        "train_keys": [manifest.paths[i] for i in split.train],
+        "val_keys": [manifest.paths[i] for i in split.val],
+    }, options)
+    report = report_markdown(summary, manifest, files)
+    write_bytes(files["report.md"], report.encode(), options)
+    create_markdown_artifact(key="training-report", markdown=report, description="Final report")
+    return summary

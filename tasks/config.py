@@ -1,0 +1,139 @@
+"""Typed parameters of the transfer-learning flow.
+
+They are pydantic models so that the Prefect UI renders the Run form with bounds and help
+text, and so that a bad value is rejected before any cluster starts. Ranks receive these
+models (plain values), never Prefect objects.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+BACKBONES = ("resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
+Backbone = Literal["resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0"]
+
+
+class _Strict(BaseModel):
+    # A misspelt field in a deployment's parameters should fail loudly, not be ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Strict):
+    """Where the images are and how they are checked and split."""
+
+    url: str | None = Field(
+        None,
+        description="Image folder laid out as <url>/<class>/<image>.jpg: s3://bucket/prefix, "
+        "file:///path or a local path. Overrides the block's url when both are given.",
+    )
+    block: str | None = Field(
+        None,
+        description="Name of a saved `data-location` block holding the S3 endpoint, region "
+        "and credentials (and a default url).",
+    )
+    val_fraction: float = Field(0.2, gt=0, lt=1, description="Share of each class held out.")
+    seed: int = Field(0, ge=0, description="Seed of the stratified train/val split.")
+    validate_sample: int | None = Field(
+        None,
+        ge=1,
+        description="Decode-check this many images per class; empty checks every image.",
+    )
+    index_cache_minutes: int = Field(
+        60,
+        ge=0,
+        le=7 * 24 * 60,
+        description="Reuse the listing of an unchanged url for this long; 0 lists every run.",
+    )
+
+    @model_validator(mode="after")
+    def _url_or_block(self) -> DataConfig:
+        if not self.url and not self.block:
+            raise ValueError(
+                "data needs `url` (s3://bucket/prefix or a local path) or `block` "
+                "(a saved data-location block); neither was given."
+            )
+        return self
+
+
+class ModelConfig(_Strict):
+    """Which torchvision backbone to fine-tune and where its starting weights come from."""
+
+    backbone: Backbone = Field("resnet18", description="torchvision model name.")
+    weights: str | None = Field(
+        None,
+        description="Empty: random init. A torchvision weights name (DEFAULT, IMAGENET1K_V1): "
+        "downloaded by torch, needs internet on the workers. A state_dict URI (s3://... or a "
+        "local .pt path) for clusters without internet.",
+    )
+    freeze_backbone: bool = Field(False, description="Train only the new classifier head.")
+
+
+class TrainingConfig(_Strict):
+    """The optimisation recipe; every rank gets the same values."""
+
+    epochs: int = Field(5, ge=1, le=1000)
+    batch_size: int = Field(32, ge=1, le=4096, description="Images per rank per step.")
+    image_size: int = Field(224, ge=16, le=1024, description="Side of the square crop.")
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.01, gt=0, le=10, description="Learning rate for one rank.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD only.")
+    weight_decay: float = Field(1e-4, ge=0, le=1)
+    scale_lr_by_world_size: bool = Field(
+        True, description="Multiply lr by the world size (the linear scaling rule)."
+    )
+    scheduler: Literal["cosine", "plateau", "none"] = "cosine"
+    amp: bool = Field(True, description="Mixed precision; used only where ranks have CUDA.")
+    num_workers: int = Field(
+        2, ge=0, le=64, description="DataLoader worker processes per rank (0: load inline)."
+    )
+    fetch_threads: int = Field(
+        16, ge=1, le=256, description="Images fetched concurrently per batch."
+    )
+
+
+class ClusterConfig(_Strict):
+    """Which Dask cluster runs the ranks: a saved block, an address, or a new local one."""
+
+    block: str | None = Field(None, description="Name of a saved `dask-cluster` block.")
+    address: str | None = Field(
+        None, description="Scheduler address of an existing cluster, e.g. tcp://10.0.0.5:8786."
+    )
+    n_workers: int = Field(
+        2, ge=1, le=256, description="Workers of a new local cluster (ignored with address)."
+    )
+    world_size: int | None = Field(
+        None, ge=1, description="Ranks to run; empty uses every worker of the cluster."
+    )
+    init_timeout_s: int = Field(
+        300, ge=10, le=3600, description="Limit for all ranks to join the process group."
+    )
+    gang_timeout_s: int | None = Field(
+        None, ge=60, description="Limit for the whole training; empty waits as long as it runs."
+    )
+    max_restarts: int = Field(
+        1, ge=0, le=10, description="Re-form the gang this often after a rank or worker fails."
+    )
+
+    @model_validator(mode="after")
+    def _block_or_address(self) -> ClusterConfig:
+        if self.block and self.address:
+            raise ValueError(
+                f"cluster got both block={self.block!r} and address={self.address!r}; "
+                "give one of them (or neither, for a new local cluster)."
+            )
+        return self
+
+
+class OutputConfig(_Strict):
+    """Where models, metrics and reports are written: one folder per flow run below url."""
+
+    url: str = Field(
+        "./outputs", description="s3://bucket/prefix or a local path; runs go in <url>/<run>/."
+    )
+    block: str | None = Field(
+        None,
+        description="data-location block for the output's credentials; empty reuses the "
+        "data block when url is on S3.",
+    )

@@ -1,0 +1,109 @@
+"""List an image folder once and turn it into a manifest, like torchvision's ImageFolder.
+
+Classes are the first folder below the root, sorted, numbered from 0 (ImageFolder's
+class_to_idx). Only image extensions count, in any case; files directly under the root
+belong to no class and are skipped, and both kinds of skip are reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.context import TaskRunContext
+
+from blocks.data_location import DataLocation
+from tasks.manifest import IMAGE_EXTENSIONS, Manifest
+from tasks.retries import retry_transient
+from tasks.reporting import markdown_table
+from tasks.storage import filesystem
+
+MIN_CLASSES = 2
+
+
+def build_manifest(root: str, listing: dict[str, int]) -> Manifest:
+    """Turn `{path relative to root: size}` into a manifest; raise when nothing is usable."""
+    entries: list[tuple[str, str, int]] = []
+    non_image = outside = 0
+    for key, size in sorted(listing.items()):
+        if not key.lower().endswith(IMAGE_EXTENSIONS):
+            non_image += 1
+        elif "/" not in key:
+            outside += 1
+        else:
+            entries.append((key.split("/", 1)[0], key, size))
+    classes = sorted({cls for cls, _, _ in entries})
+    if not entries:
+        raise ValueError(
+            f"No images found under {root!r}: expected <root>/<class>/<image> with an "
+            f"extension in {', '.join(IMAGE_EXTENSIONS)}; found {len(listing)} objects "
+            f"({non_image} not images, {outside} directly under the root). "
+            "Check the url and that the prefix holds one folder per class."
+        )
+    if len(classes) < MIN_CLASSES:
+        raise ValueError(
+            f"Found images of only one class ({classes[0]!r}) under {root!r}: a classifier "
+            f"needs at least {MIN_CLASSES} class folders, <root>/<class>/<image>."
+        )
+    class_to_idx = {name: i for i, name in enumerate(classes)}
+    return Manifest(
+        root=root,
+        classes=classes,
+        paths=[key for _, key, _ in entries],
+        sizes=[size for _, _, size in entries],
+        labels=[class_to_idx[cls] for cls, _, _ in entries],
+        skipped_non_image=non_image,
+        skipped_outside_class=outside,
+    )
+
+
+def list_folder(location: DataLocation) -> dict[str, int]:
+    """One recursive listing of the location: `{path relative to root: size in bytes}`."""
+    fs, root = filesystem(location.url, location.storage_options())
+    found = fs.find(root, detail=True)
+    prefix = root + "/"
+    return {
+        path[len(prefix):]: int(info.get("size") or 0)
+        for path, info in found.items()
+        if path.startswith(prefix) and info.get("type") != "directory"
+    }
+
+
+def _listing_cache_key(context: TaskRunContext, parameters: dict) -> str:
+    # Keyed on where the data is, not on the credentials used to read it.
+    location: DataLocation = parameters["location"]
+    where = f"{location.url}|{location.endpoint_url}|{location.region_name}"
+    return "image-index-" + hashlib.sha256(where.encode()).hexdigest()[:24]
+
+
+@task(
+    name="index",
+    retries=3,
+    retry_delay_seconds=[2, 10, 30],
+    retry_condition_fn=retry_transient,
+    cache_key_fn=_listing_cache_key,
+    cache_expiration=timedelta(minutes=60),
+    # JSON, not pickle: a cached manifest is read back from storage.
+    result_serializer="json",
+)
+def index_images(location: DataLocation) -> Manifest:
+    """List the image folder once and leave an index summary artifact."""
+    manifest = build_manifest(location.url, list_folder(location))
+    counts = manifest.class_counts()
+    create_markdown_artifact(
+        key="image-index",
+        description=f"Index of {location.url}",
+        markdown=(
+            f"# Index of `{location.url}`\n\n"
+            f"{len(manifest)} images in {len(manifest.classes)} classes, "
+            f"{sum(manifest.sizes) / 1e6:.1f} MB. Skipped: {manifest.skipped_non_image} "
+            f"non-image files, {manifest.skipped_outside_class} files outside class folders.\n\n"
+            + markdown_table(
+                ["class", "index", "images"],
+                [[name, i, counts[name]] for i, name in enumerate(manifest.classes)],
+            )
+        ),
+    )
+    return manifest

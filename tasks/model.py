@@ -1,0 +1,115 @@
+"""torchvision backbones with a new classifier head, and the saved model format.
+
+A saved model is two files side by side: `model.pt` (the state_dict, loaded with
+weights_only=True) and `model.json` (backbone, classes and preprocessing), so that
+`load_model` can rebuild it without trusting pickled code from storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+
+from tasks.config import BACKBONES, ModelConfig
+from tasks.storage import load_torch
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def classifier_path(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module holding the final Linear layer and that layer's attribute name.
+
+    resnets end in `fc`; mobilenet_v3 and efficientnet in `classifier[-1]`.
+    """
+    if isinstance(getattr(model, "fc", None), nn.Linear):
+        return model, "fc"
+    classifier = getattr(model, "classifier", None)
+    if isinstance(classifier, nn.Sequential) and isinstance(classifier[-1], nn.Linear):
+        return classifier, str(len(classifier) - 1)
+    raise ValueError(f"Cannot find the classifier head of {type(model).__name__}.")
+
+
+def replace_head(model: nn.Module, num_classes: int) -> nn.Linear:
+    parent, name = classifier_path(model)
+    old: nn.Linear = getattr(parent, name)
+    head = nn.Linear(old.in_features, num_classes)
+    setattr(parent, name, head)
+    return head
+
+
+def head_prefix(model: nn.Module) -> str:
+    parent, name = classifier_path(model)
+    return "fc." if parent is model else f"classifier.{name}."
+
+
+def _torchvision_weights(backbone: str, weights: str | None) -> Any:
+    if weights is None:
+        return None
+    try:
+        return torchvision.models.get_model_weights(backbone)[weights.split(".")[-1]]
+    except KeyError:
+        allowed = [w.name for w in torchvision.models.get_model_weights(backbone)] + ["DEFAULT"]
+        raise ValueError(
+            f"Unknown weights {weights!r} for {backbone}: use one of {allowed}, a state_dict "
+            "URI (s3://... or a local .pt path), or leave it empty for random init."
+        ) from None
+
+
+def is_state_dict_uri(weights: str | None) -> bool:
+    return bool(weights) and ("://" in weights or weights.endswith((".pt", ".pth")))
+
+
+def build_model(
+    config: ModelConfig, num_classes: int, storage_options: dict[str, Any] | None = None
+) -> nn.Module:
+    """The backbone with starting weights loaded and a head for `num_classes`."""
+    if config.backbone not in BACKBONES:
+        raise ValueError(f"Unknown backbone {config.backbone!r}; supported: {', '.join(BACKBONES)}.")
+    uri = config.weights if is_state_dict_uri(config.weights) else None
+    weights = None if uri else _torchvision_weights(config.backbone, config.weights)
+    model = torchvision.models.get_model(config.backbone, weights=weights)
+    replace_head(model, num_classes)
+    if uri:
+        load_backbone_state(model, load_torch(uri, storage_options or {}), uri)
+    if config.freeze_backbone:
+        prefix = head_prefix(model)
+        for name, param in model.named_parameters():
+            param.requires_grad = name.startswith(prefix)
+    return model
+
+
+def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], uri: str) -> None:
+    """Load a backbone's state_dict, ignoring its head (trained for other classes)."""
+    prefix = head_prefix(model)
+    body = {k: v for k, v in state.items() if not k.startswith(prefix)}
+    missing, unexpected = model.load_state_dict(body, strict=False)
+    missing = [k for k in missing if not k.startswith(prefix)]
+    if missing or unexpected:
+        raise ValueError(
+            f"The state_dict at {uri} does not fit this backbone: {len(missing)} missing keys "
+            f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]}). "
+            "Save it from the same torchvision model (torch.save(model.state_dict(), ...))."
+        )
+
+
+def model_card(config: ModelConfig, classes: list[str], image_size: int) -> dict[str, Any]:
+    """What `load_model` needs besides the weights; written as model.json."""
+    return {
+        "backbone": config.backbone,
+        "classes": classes,
+        "image_size": image_size,
+        "mean": IMAGENET_MEAN,
+        "std": IMAGENET_STD,
+    }
+
+
+def load_model(card: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:
+    """Rebuild a trained classifier from its model card and state_dict, in eval mode."""
+    model = torchvision.models.get_model(card["backbone"], weights=None)
+    replace_head(model, len(card["classes"]))
+    model.load_state_dict(state)
+    return model.eval()

@@ -1,0 +1,93 @@
+"""torch.distributed set-up and tear-down for one rank, kept apart from the training loop.
+
+`process_group` takes every value explicitly and reads no environment variables, so two
+gangs on one cluster cannot pick up each other's MASTER_PORT. At world size 1 it does
+nothing, and the collectives below are no-ops without a process group, so the same
+training loop runs unchanged in a unit test, on one worker and on many.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def default_backend(cuda_on_every_rank: bool) -> str:
+    """nccl when every rank has a GPU, else gloo (nccl cannot serve CPU tensors)."""
+    return "nccl" if cuda_on_every_rank else "gloo"
+
+
+@contextmanager
+def process_group(
+    *,
+    backend: str,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout: timedelta,
+) -> Iterator[None]:
+    """Join the gang's process group for the duration of the block.
+
+    The group is destroyed on the way out whatever happens inside; a failure to destroy it
+    is logged, never raised over the error that ended the block.
+    """
+    if world_size == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError(
+            f"This process already belongs to a process group (rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}), so it cannot join another as rank {rank}: two gangs "
+            "share a Dask worker. Give each concurrent gang its own workers."
+        )
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    try:
+        yield
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # never mask the error that is already on its way out
+            logger.exception("destroy_process_group failed on rank %d", rank)
+
+
+def all_reduce_sum(values: list[float], device: torch.device | str = "cpu") -> list[float]:
+    """Sum `values` over every rank; returns them unchanged without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DistributedDataParallel when there is a process group, else the model itself."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return model
+    device_ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def sync_buffers(model: torch.nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm running stats) to every rank.
+
+    Each rank updates its running stats in its own last training step, so without this the
+    ranks would validate slightly different models, none of them the one rank 0 saves.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)

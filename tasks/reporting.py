@@ -1,0 +1,28 @@
+"""Small formatting helpers shared by the artifacts of every step."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.exceptions import MissingContextError
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """Prefect's logger for the current run, or a plain one outside a run (unit tests)."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("prefect_ddp")
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    """A GitHub-flavoured markdown table; floats get 4 decimals."""
+
+    def cell(value: Any) -> str:
+        return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

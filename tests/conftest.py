@@ -1,0 +1,82 @@
+"""Session-wide real services: one Prefect server, one moto S3 server, one Dask cluster.
+
+Started once per session (the Prefect server alone takes 11-13 s) and shared by every test
+that needs them; unit tests that need none of them start none of them.
+"""
+
+from __future__ import annotations
+
+import io
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import s3fs
+from PIL import Image
+
+from blocks.data_location import DataLocation
+from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, create_bucket, moto_s3_server
+from deployments.sample_data import shapes_dataset
+
+BUCKET = "test-images"
+PER_CLASS = 10
+IMAGE_SIDE = 32
+
+
+def truncated_jpeg() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), (10, 200, 10)).save(buffer, format="JPEG")
+    return buffer.getvalue()[:200]
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[str]:
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    with moto_s3_server(Path(tempfile.mkdtemp(prefix="moto-"))) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def s3_fs(s3_endpoint: str) -> s3fs.S3FileSystem:
+    return s3fs.S3FileSystem(
+        endpoint_url=s3_endpoint, key=MOTO_CREDENTIALS["aws_access_key_id"],
+        secret=MOTO_CREDENTIALS["aws_secret_access_key"], client_kwargs={"region_name": MOTO_REGION},
+        skip_instance_cache=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def image_location(s3_endpoint: str, s3_fs: s3fs.S3FileSystem) -> DataLocation:
+    """A tiny image folder on S3 with the traps real buckets have.
+
+    One truncated JPEG (must be excluded), one README (not an image) and one image
+    directly under the prefix (in no class folder).
+    """
+    create_bucket(s3_endpoint, BUCKET)
+    files = shapes_dataset(PER_CLASS, size=IMAGE_SIDE, seed=1)
+    files["square/broken.jpg"] = truncated_jpeg()
+    files["README.txt"] = b"not an image"
+    files["stray.jpg"] = files["circle/0000.jpg"]
+    s3_fs.pipe({f"{BUCKET}/shapes/{key}": data for key, data in files.items()})
+    return DataLocation(
+        url=f"s3://{BUCKET}/shapes", endpoint_url=s3_endpoint, region_name=MOTO_REGION, **MOTO_CREDENTIALS
+    )
+
+
+@pytest.fixture(scope="session")
+def dask_cluster(prefect_api: str):
+    """2 worker processes, set up the way the project's own clusters are."""
+    from blocks.cluster import create_local_cluster
+
+    cluster = create_local_cluster(n_workers=2)
+    yield cluster
+    cluster.close()

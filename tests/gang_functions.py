@@ -1,0 +1,36 @@
+"""Per-rank functions for the gang tests; in a module of their own so workers can import them."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch.distributed as dist
+
+from tasks.gang import RankContext
+from tasks.process_group import all_reduce_sum
+
+
+def report_rank(ctx: RankContext, config: dict) -> dict:
+    """Who am I, and does a collective over the whole gang work?"""
+    return {
+        "ctx": ctx,
+        "pid": os.getpid(),
+        "initialized": dist.is_initialized(),
+        "dist_world": dist.get_world_size() if dist.is_initialized() else 1,
+        "rank_sum": all_reduce_sum([float(ctx.rank)])[0],
+        "config": config,
+    }
+
+
+def fail_on_rank_1(ctx: RankContext, config: dict) -> dict:
+    if ctx.rank == 1 and ctx.attempt < config.get("fail_attempts", 99):
+        raise RuntimeError(f"boom on rank {ctx.rank}, attempt {ctx.attempt}")
+    return report_rank(ctx, config)
+
+
+def kill_worker_on_rank_1(ctx: RankContext, config: dict) -> dict:
+    """The first attempt loses rank 1's whole worker process, as an OOM kill would."""
+    if ctx.rank == 1 and ctx.attempt == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return report_rank(ctx, config)

@@ -1,0 +1,69 @@
+import pytest
+from pydantic import SecretStr, ValidationError
+
+from blocks.cluster import TRAINING_DASK_CONFIG, DaskCluster
+from blocks.data_location import DataLocation
+from tasks.config import ClusterConfig, DataConfig, TrainingConfig
+from tasks.storage import child_url, write_bytes
+
+
+def test_data_needs_a_url_or_a_block():
+    with pytest.raises(ValidationError, match="data needs `url`.*or `block`"):
+        DataConfig()
+
+
+def test_cluster_rejects_block_and_address_together():
+    with pytest.raises(ValidationError, match="both block='gpu-box' and address='tcp://h:8786'"):
+        ClusterConfig(block="gpu-box", address="tcp://h:8786")
+
+
+def test_misspelt_parameters_are_rejected():
+    with pytest.raises(ValidationError, match="epoch"):
+        TrainingConfig(epoch=3)
+
+
+def test_bounds_are_enforced():
+    with pytest.raises(ValidationError, match="val_fraction"):
+        DataConfig(url="s3://b/p", val_fraction=1.0)
+
+
+def test_secret_stays_out_of_repr_and_reaches_storage_options():
+    location = DataLocation(url="s3://b/p", aws_access_key_id="AKIA", aws_secret_access_key="s3cr3t",
+                            endpoint_url="http://127.0.0.1:9", region_name="eu-west-1")
+    assert "s3cr3t" not in repr(location) and "s3cr3t" not in str(location.model_dump())
+    assert location.storage_options() == {
+        "anon": False, "endpoint_url": "http://127.0.0.1:9", "key": "AKIA", "secret": "s3cr3t",
+        "client_kwargs": {"region_name": "eu-west-1"},
+    }
+    assert isinstance(location.with_url("s3://b/other").aws_secret_access_key, SecretStr)
+
+
+def test_anonymous_and_local_locations():
+    assert DataLocation(url="s3://pub/p", anonymous=True, aws_access_key_id="x").storage_options() == {"anon": True}
+    assert DataLocation(url="/data/images").storage_options() == {}
+
+
+def test_cluster_block_with_address_connects_instead_of_creating():
+    runner = DaskCluster(address="tcp://10.0.0.5:8786").task_runner()
+    assert runner.address == "tcp://10.0.0.5:8786"
+    local = DaskCluster(n_workers=3, gpu=False).task_runner()
+    assert local.cluster_kwargs == {"n_workers": 3, "threads_per_worker": 1}
+
+
+def test_training_clusters_are_not_daemonic_and_do_not_trim_malloc():
+    assert TRAINING_DASK_CONFIG["distributed.worker.daemon"] is False
+    assert TRAINING_DASK_CONFIG["distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"] is None
+
+
+@pytest.mark.parametrize("part", ["..", ".", "", "a/b", "..\\x", "/etc"])
+def test_child_url_refuses_to_escape_the_prefix(part):
+    with pytest.raises(ValueError, match="is not allowed below 's3://b/out'"):
+        child_url("s3://b/out", part)
+
+
+def test_local_writes_are_atomic(tmp_path):
+    target = tmp_path / "run" / "metrics.json"
+    write_bytes(str(target), b"{}", {})
+    write_bytes(str(target), b'{"a": 1}', {})
+    assert target.read_bytes() == b'{"a": 1}'
+    assert [p.name for p in target.parent.iterdir()] == ["metrics.json"]

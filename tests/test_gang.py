@@ -1,0 +1,79 @@
+"""The gang on a real LocalCluster with 2 worker processes, gloo, and a real Prefect server."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect_dask import DaskTaskRunner
+
+from tasks.gang import GangError, run_gang
+from tests.gang_functions import fail_on_rank_1, kill_worker_on_rank_1, report_rank
+
+
+@flow(name="gang-test")
+def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None = None, max_restarts: int = 0):
+    fn = {"report": report_rank, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1}[fn_name]
+    with DaskTaskRunner(address=address) as runner:
+        return run_gang(fn, config, task_runner=runner, world_size=world_size, max_restarts=max_restarts,
+                        init_timeout=timedelta(seconds=60))
+
+
+def rank_task_runs(flow_run_id):
+    with get_client(sync_client=True) as api:
+        runs = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return [r for r in runs if r.name.startswith("rank-")]
+
+
+def test_one_rank_per_worker_agreeing_on_the_world(dask_cluster):
+    results = gang_flow(dask_cluster.scheduler_address, "report", {"lr": 0.1})
+    contexts = [r["ctx"] for r in results]
+    assert [c.rank for c in contexts] == [0, 1]
+    assert {c.world_size for c in contexts} == {2} and all(r["dist_world"] == 2 for r in results)
+    assert len({c.worker_address for c in contexts}) == 2
+    assert {c.worker_address for c in contexts} <= set(dask_cluster.scheduler_info["workers"])
+    assert len({r["pid"] for r in results}) == 2
+    assert len({(c.master_addr, c.master_port) for c in contexts}) == 1
+    assert {c.backend for c in contexts} == {"gloo"}
+    assert [c.local_rank for c in contexts] == [0, 1] and {c.local_world_size for c in contexts} == {2}
+    assert all(r["rank_sum"] == 1.0 and r["config"] == {"lr": 0.1} for r in results)
+
+
+def test_world_size_one_runs_without_a_process_group(dask_cluster):
+    (result,) = gang_flow(dask_cluster.scheduler_address, "report", {}, world_size=1)
+    assert result["ctx"].world_size == 1 and result["initialized"] is False
+
+
+def test_world_larger_than_the_cluster_is_a_clear_error(dask_cluster):
+    with pytest.raises(GangError, match=r"world_size=3 needs 3 Dask workers .* has 2"):
+        gang_flow(dask_cluster.scheduler_address, "report", {}, world_size=3)
+
+
+def test_a_failing_rank_fails_the_gang_and_every_rank_ends(dask_cluster):
+    state = gang_flow(dask_cluster.scheduler_address, "fail", {}, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(GangError, match="Rank 1 on tcp://.* ended FAILED: .*boom on rank 1, attempt 0"):
+        state.result()
+    runs = rank_task_runs(state.state_details.flow_run_id)
+    assert sorted(r.name for r in runs) == ["rank-0", "rank-1"]
+    assert all(r.state.is_final() and not r.state.is_completed() for r in runs)
+
+
+def test_gang_is_re_formed_after_a_failure_on_the_same_workers(dask_cluster):
+    results = gang_flow(dask_cluster.scheduler_address, "fail", {"fail_attempts": 1}, max_restarts=1)
+    assert [r["ctx"].attempt for r in results] == [1, 1]
+    assert all(r["rank_sum"] == 1.0 for r in results)
+
+
+def test_a_killed_worker_is_noticed_and_the_gang_re_formed(dask_cluster):
+    before = set(dask_cluster.scheduler_info["workers"])
+    state = gang_flow(dask_cluster.scheduler_address, "kill", {}, max_restarts=1, return_state=True)
+    results = state.result()
+    assert [r["ctx"].attempt for r in results] == [1, 1]
+    assert {r["ctx"].worker_address for r in results} != before  # the nanny's new worker
+    runs = rank_task_runs(state.state_details.flow_run_id)
+    assert len(runs) == 4 and all(r.state.is_final() for r in runs)
+    assert sum(r.state.is_completed() for r in runs) == 2

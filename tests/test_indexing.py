@@ -1,0 +1,47 @@
+import pytest
+
+from tasks.indexing import build_manifest, list_folder
+
+
+def test_classes_in_imagefolder_order_with_case_insensitive_extensions():
+    manifest = build_manifest("s3://b/p", {
+        "zebra/1.JPG": 10, "ant/2.png": 20, "ant/1.Jpeg": 30, "mole/deep/3.webp": 40,
+    })
+    assert manifest.classes == ["ant", "mole", "zebra"]
+    assert manifest.class_to_idx == {"ant": 0, "mole": 1, "zebra": 2}
+    assert manifest.paths == ["ant/1.Jpeg", "ant/2.png", "mole/deep/3.webp", "zebra/1.JPG"]
+    assert manifest.labels == [0, 0, 1, 2]
+    assert manifest.sizes == [30, 20, 40, 10]
+
+
+def test_non_images_and_keys_outside_class_folders_are_skipped_and_counted():
+    manifest = build_manifest("s3://b/p", {
+        "a/1.jpg": 1, "b/1.jpg": 1, "a/notes.txt": 1, "b/.DS_Store": 1, "top.jpg": 1, "labels.csv": 1,
+    })
+    assert manifest.paths == ["a/1.jpg", "b/1.jpg"]
+    assert manifest.skipped_non_image == 3
+    assert manifest.skipped_outside_class == 1
+
+
+def test_empty_prefix_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"No images found under 's3://b/empty'.*found 0 objects"):
+        build_manifest("s3://b/empty", {})
+
+
+def test_only_non_images_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"found 2 objects \(1 not images, 1 directly under the root\)"):
+        build_manifest("s3://b/p", {"a/x.txt": 1, "top.png": 1})
+
+
+def test_a_single_class_is_rejected():
+    with pytest.raises(ValueError, match="only one class .'cats'"):
+        build_manifest("s3://b/p", {"cats/1.jpg": 1, "cats/2.jpg": 1})
+
+
+def test_listing_real_s3_finds_classes_and_skips_traps(image_location):
+    manifest = build_manifest(image_location.url, list_folder(image_location))
+    assert manifest.classes == ["circle", "square", "triangle"]
+    assert manifest.class_counts() == {"circle": 10, "square": 11, "triangle": 10}
+    assert manifest.skipped_non_image == 1  # README.txt
+    assert manifest.skipped_outside_class == 1  # stray.jpg
+    assert all(size > 0 for size in manifest.sizes)
