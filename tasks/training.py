@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.context import get_run_context
+from prefect.exceptions import MissingContextError
 from pydantic import BaseModel
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
@@ -113,8 +115,11 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
         train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=job.split.seed
     )
     val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
+    # A last batch of one image breaks BatchNorm in training mode; every rank's shard has
+    # the same length, so all ranks drop it together and keep the same number of steps.
+    drop_single = len(sampler) % cfg.batch_size == 1
     return (
-        DataLoader(train_set, sampler=sampler, drop_last=False, **loader_options),
+        DataLoader(train_set, sampler=sampler, drop_last=drop_single, **loader_options),
         DataLoader(val_set, sampler=val_shard, **loader_options),
     )
 
@@ -139,6 +144,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
     raise ValueError(f"Invalid scheduler {cfg.scheduler!r}. Only cosine, plateau and none are supported.")
 
 
+def in_prefect_run() -> bool:
+    try:
+        get_run_context()
+        return True
+    except MissingContextError:
+        return False
+
+
 class ProgressReporter:
     """Rank 0's live view in the Prefect UI: a progress bar and a table of epochs so far.
 
@@ -146,7 +159,8 @@ class ProgressReporter:
     """
 
     def __init__(self, ctx: RankContext, epochs: int, log: Any) -> None:
-        self.enabled, self.epochs, self.log = ctx.is_main, epochs, log
+        # Outside a Prefect run (a unit test, a plain script) there is no run to attach to.
+        self.enabled, self.epochs, self.log = ctx.is_main and in_prefect_run(), epochs, log
         self.artifact_id = self._safely(lambda: create_progress_artifact(
             0.0, key="training-progress", description=f"Epochs done of {epochs}"
         ))

@@ -1,0 +1,54 @@
+"""Fast unit tests of how a gang is laid out and how a rank's process group behaves alone."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tasks.gang import plan_ranks
+from tasks.process_group import all_reduce_sum, default_backend, process_group, sync_buffers, wrap_ddp
+
+ADDRESSES = ["tcp://10.0.0.1:4001", "tcp://10.0.0.1:4002", "tcp://10.0.0.2:4001"]
+
+
+def test_local_ranks_count_within_each_host():
+    probes = {a: {"cuda": False, "cpus": 8} for a in ADDRESSES}
+    ranks = plan_ranks(ADDRESSES, probes, port=29511, attempt=0, output_url=None, init_timeout_s=30)
+    assert [(r.rank, r.local_rank, r.local_world_size) for r in ranks] == [(0, 0, 2), (1, 1, 2), (2, 0, 1)]
+    assert {(r.master_addr, r.master_port) for r in ranks} == {("10.0.0.1", 29511)}
+
+
+@pytest.mark.parametrize("cuda, backend, device", [
+    ({"a": True, "b": True}, "nccl", "cuda:0"),
+    ({"a": True, "b": False}, "gloo", "cpu"),
+])
+def test_nccl_only_when_every_rank_has_cuda(cuda, backend, device):
+    addresses = ["tcp://h:1", "tcp://h:2"]
+    probes = {addr: {"cuda": cuda[key], "cpus": 4} for addr, key in zip(addresses, "ab")}
+    ranks = plan_ranks(addresses, probes, 1, 0, None, 30)
+    assert {r.backend for r in ranks} == {backend} and {r.device for r in ranks} == {device}
+    assert default_backend(True) == "nccl" and default_backend(False) == "gloo"
+
+
+def test_world_size_one_needs_no_process_group_and_wrappers_do_nothing():
+    model = torch.nn.Linear(2, 2)
+    with process_group(backend="gloo", rank=0, world_size=1, master_addr="127.0.0.1", master_port=1,
+                       timeout=timedelta(seconds=5)):
+        assert not dist.is_initialized()
+        assert wrap_ddp(model, torch.device("cpu")) is model
+        assert all_reduce_sum([1.0, 2.0]) == [1.0, 2.0]
+        sync_buffers(model)
+
+
+def test_a_second_group_in_one_process_is_refused():
+    from tasks.gang import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="already belongs to a process group .* two gangs share a Dask worker"):
+            with process_group(backend="gloo", rank=1, world_size=2, master_addr="127.0.0.1", master_port=1,
+                               timeout=timedelta(seconds=5)):
+                pass
+    finally:
+        dist.destroy_process_group()

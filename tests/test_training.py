@@ -1,0 +1,59 @@
+"""The recipe at world size 1 (no process group): the real loop, checkpoints and resume."""
+
+import pytest
+import torch
+
+from blocks.data_location import DataLocation
+from deployments.sample_data import shapes_dataset
+from tasks.config import ModelConfig, TrainingConfig
+from tasks.gang import RankContext
+from tasks.indexing import build_manifest
+from tasks.splitting import stratified_split
+from tasks.training import TrainJob, build_optimizer, build_scheduler, train_classifier
+
+
+def local_job(tmp_path, epochs: int) -> TrainJob:
+    images = tmp_path / "images"
+    for key, data in shapes_dataset(4, size=32).items():
+        (images / key).parent.mkdir(parents=True, exist_ok=True)
+        (images / key).write_bytes(data)
+    manifest = build_manifest(str(images), {p.relative_to(images).as_posix(): p.stat().st_size for p in images.rglob("*.jpg")})
+    return TrainJob(
+        source=DataLocation(url=str(images)), output=DataLocation(url=str(tmp_path / "run")),
+        manifest=manifest, split=stratified_split(manifest, 0.25, 0),
+        model=ModelConfig(backbone="mobilenet_v3_small"),
+        training=TrainingConfig(epochs=epochs, batch_size=4, image_size=32, num_workers=0, optimizer="adamw", lr=1e-3),
+    )
+
+
+CTX = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo", device="cpu",
+                  worker_address="local", master_addr="127.0.0.1", master_port=0)
+
+
+def test_training_resumes_from_the_last_checkpoint(tmp_path):
+    first = train_classifier(CTX, local_job(tmp_path, epochs=1))
+    assert len(first["history"]) == 1 and (tmp_path / "run" / "checkpoints" / "checkpoint.pt").exists()
+    resumed = train_classifier(CTX, local_job(tmp_path, epochs=2))
+    assert [h["epoch"] for h in resumed["history"]] == [0, 1]
+    assert resumed["history"][0] == first["history"][0]  # epoch 0 was not trained again
+    # Only epoch 1 ran: 9 train images in batches of 4, the lone ninth dropped for BatchNorm.
+    assert resumed["local_train_samples"] == [8]
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "checkpoint.pt", weights_only=True)
+    assert set(checkpoint) == {"model", "optimizer", "lr_scheduler", "scaler", "epoch", "history"}
+    assert checkpoint["epoch"] == 1
+
+
+def test_invalid_optimizer_and_scheduler_say_what_is_allowed():
+    model = torch.nn.Linear(2, 2)
+    bad_opt = TrainingConfig.model_construct(**(TrainingConfig().model_dump() | {"optimizer": "lamb"}))
+    with pytest.raises(ValueError, match="Invalid optimizer 'lamb'. Only sgd and adamw are supported."):
+        build_optimizer(model, bad_opt, 1)
+    bad_sched = TrainingConfig.model_construct(**(TrainingConfig().model_dump() | {"scheduler": "step"}))
+    with pytest.raises(ValueError, match="Invalid scheduler 'step'. Only cosine, plateau and none"):
+        build_scheduler(torch.optim.SGD(model.parameters(), lr=0.1), bad_sched)
+
+
+def test_learning_rate_scales_with_world_size_when_asked():
+    model = torch.nn.Linear(2, 2)
+    assert build_optimizer(model, TrainingConfig(lr=0.01), 4).param_groups[0]["lr"] == pytest.approx(0.04)
+    assert build_optimizer(model, TrainingConfig(lr=0.01, scale_lr_by_world_size=False), 4).param_groups[0]["lr"] == 0.01
