@@ -27,7 +27,7 @@ from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, T
 from tasks.gang import run_gang
 from tasks.indexing import index_images
 from tasks.splitting import split_dataset
-from tasks.storage import child_url
+from tasks.storage import child_url, safe_segment
 from tasks.training import TrainJob, train_classifier
 from tasks.validation import validate_dataset, validate_source
 
@@ -62,7 +62,7 @@ def output_location(output: OutputConfig, source: DataLocation, run_name: str) -
     if "://" not in base.url:
         # Ranks run in other processes; make a relative folder mean the flow's folder.
         base = base.with_url(os.path.abspath(base.url))
-    return base.with_url(child_url(base.url, run_name))
+    return base.with_url(child_url(base.url, safe_segment(run_name)))
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import posixpath
+import re
 import uuid
 from typing import Any
 
@@ -40,6 +41,12 @@ def child_url(base: str, *parts: str) -> str:
                 "without '/', '\\\\', '.' or '..'."
             )
     return posixpath.join(base.rstrip("/"), *parts)
+
+
+def safe_segment(name: str) -> str:
+    """`name` as one harmless path segment: a flow run renamed 'a/../b' becomes 'a-..-b'."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")
+    return cleaned or "run"
 
 
 def write_bytes(url: str, data: bytes, storage_options: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ history) after every epoch; a re-formed gang resumes from it.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
 from typing import Any
 
@@ -109,6 +110,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
         "pin_memory": ctx.device.startswith("cuda"),
     }
     if cfg.num_workers:
+        require_non_daemonic(cfg.num_workers)
         # Dask workers start processes with spawn: 18 s per loader start here, fork 0.5 s.
         loader_options |= {"multiprocessing_context": "fork", "persistent_workers": True}
     sampler = DistributedSampler(
@@ -122,6 +124,17 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
         DataLoader(train_set, sampler=sampler, drop_last=drop_single, **loader_options),
         DataLoader(val_set, sampler=val_shard, **loader_options),
     )
+
+
+def require_non_daemonic(num_workers: int) -> None:
+    """Fail with the fix, not multiprocessing's 'daemonic processes are not allowed to have children'."""
+    if multiprocessing.current_process().daemon:
+        raise RuntimeError(
+            f"training.num_workers={num_workers} needs DataLoader worker processes, but this Dask "
+            "worker is a daemonic process and cannot start any. Start the cluster's workers with "
+            "DASK_DISTRIBUTED__WORKER__DAEMON=False (clusters this project creates do), or set "
+            "training.num_workers=0."
+        )
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig, world_size: int) -> torch.optim.Optimizer:

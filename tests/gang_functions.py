@@ -34,3 +34,11 @@ def kill_worker_on_rank_1(ctx: RankContext, config: dict) -> dict:
     if ctx.rank == 1 and ctx.attempt == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     return report_rank(ctx, config)
+
+
+def sleep_past_the_deadline(ctx: RankContext, config: dict) -> dict:
+    """A rank that will not stop by itself (as one blocked in a collective would not)."""
+    import time
+
+    time.sleep(config["seconds"])
+    return report_rank(ctx, config)

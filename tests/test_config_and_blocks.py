@@ -67,3 +67,11 @@ def test_local_writes_are_atomic(tmp_path):
     write_bytes(str(target), b'{"a": 1}', {})
     assert target.read_bytes() == b'{"a": 1}'
     assert [p.name for p in target.parent.iterdir()] == ["metrics.json"]
+
+
+@pytest.mark.parametrize("name, expected", [("crafty-owl", "crafty-owl"), ("a/../b", "a-..-b"), ("..", "run"), ("nightly run #3", "nightly-run-3")])
+def test_run_names_become_one_safe_segment(name, expected):
+    from tasks.storage import safe_segment
+
+    assert safe_segment(name) == expected
+    child_url("s3://b/out", safe_segment(name))  # never raises

@@ -11,15 +11,18 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect_dask import DaskTaskRunner
 
 from tasks.gang import GangError, run_gang
-from tests.gang_functions import fail_on_rank_1, kill_worker_on_rank_1, report_rank
+from tests.gang_functions import fail_on_rank_1, kill_worker_on_rank_1, report_rank, sleep_past_the_deadline
 
 
 @flow(name="gang-test")
-def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None = None, max_restarts: int = 0):
-    fn = {"report": report_rank, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1}[fn_name]
+def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None = None, max_restarts: int = 0,
+              timeout_s: float | None = None):
+    fn = {"report": report_rank, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
+          "sleep": sleep_past_the_deadline}[fn_name]
     with DaskTaskRunner(address=address) as runner:
         return run_gang(fn, config, task_runner=runner, world_size=world_size, max_restarts=max_restarts,
-                        init_timeout=timedelta(seconds=60))
+                        init_timeout=timedelta(seconds=60),
+                        timeout=timedelta(seconds=timeout_s) if timeout_s else None)
 
 
 def rank_task_runs(flow_run_id):
@@ -77,3 +80,14 @@ def test_a_killed_worker_is_noticed_and_the_gang_re_formed(dask_cluster):
     runs = rank_task_runs(state.state_details.flow_run_id)
     assert len(runs) == 4 and all(r.state.is_final() for r in runs)
     assert sum(r.state.is_completed() for r in runs) == 2
+
+
+def test_ranks_past_the_deadline_are_stopped_and_their_workers_freed(dask_cluster):
+    state = gang_flow(dask_cluster.scheduler_address, "sleep", {"seconds": 600}, timeout_s=2, return_state=True)
+    with pytest.raises(GangError, match=r"did not finish within its timeout; ranks \[0, 1\] were still running"):
+        state.result()
+    runs = rank_task_runs(state.state_details.flow_run_id)
+    assert [r.state.type.value for r in runs] == ["CRASHED", "CRASHED"]
+    # The stuck ranks' workers were restarted, so the next gang runs at once.
+    results = gang_flow(dask_cluster.scheduler_address, "report", {})
+    assert [r["rank_sum"] for r in results] == [1.0, 1.0]

@@ -45,3 +45,19 @@ def test_listing_real_s3_finds_classes_and_skips_traps(image_location):
     assert manifest.skipped_non_image == 1  # README.txt
     assert manifest.skipped_outside_class == 1  # stray.jpg
     assert all(size > 0 for size in manifest.sizes)
+
+
+def test_an_unchanged_prefix_is_listed_once_within_the_cache_window(image_location, prefect_api):
+    from prefect import flow
+
+    from tasks.indexing import index_images
+
+    @flow
+    def index_twice():
+        first = index_images.with_options(refresh_cache=True)(image_location, return_state=True)
+        second = index_images(image_location, return_state=True)
+        return first, second
+
+    first, second = index_twice()
+    assert first.name == "Completed" and second.name == "Cached"
+    assert second.result() == first.result()

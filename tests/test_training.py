@@ -57,3 +57,17 @@ def test_learning_rate_scales_with_world_size_when_asked():
     model = torch.nn.Linear(2, 2)
     assert build_optimizer(model, TrainingConfig(lr=0.01), 4).param_groups[0]["lr"] == pytest.approx(0.04)
     assert build_optimizer(model, TrainingConfig(lr=0.01, scale_lr_by_world_size=False), 4).param_groups[0]["lr"] == 0.01
+
+
+def test_daemonic_workers_get_the_fix_not_a_multiprocessing_error():
+    import multiprocessing
+
+    from tasks.training import require_non_daemonic
+
+    process = multiprocessing.current_process()
+    process.daemon = True
+    try:
+        with pytest.raises(RuntimeError, match="num_workers=2 needs DataLoader worker processes.*DAEMON=False"):
+            require_non_daemonic(2)
+    finally:
+        process.daemon = False
