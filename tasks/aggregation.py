@@ -14,12 +14,11 @@ from prefect.artifacts import create_markdown_artifact
 from blocks.data_location import DataLocation
 from tasks.manifest import Manifest
 from tasks.retries import retry_transient
-from tasks.reporting import markdown_table
+from tasks.reporting import EPOCH_COLUMNS, markdown_table
 from tasks.splitting import Split
 from tasks.storage import child_url, exists, write_bytes, write_json
 
 GLOBAL_METRICS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "train_samples", "val_samples")
-REPORT_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "seconds"]
 
 
 def global_history(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -55,7 +54,7 @@ def summarize(results: list[dict[str, Any]], split: Split) -> dict[str, Any]:
 
 
 def report_markdown(summary: dict[str, Any], manifest: Manifest, files: dict[str, str]) -> str:
-    rows = [[h[k] for k in REPORT_COLUMNS] for h in summary["history"]]
+    rows = [[h[k] for k in EPOCH_COLUMNS] for h in summary["history"]]
     workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
     return (
         f"# Transfer learning report\n\n"
@@ -64,7 +63,7 @@ def report_markdown(summary: dict[str, Any], manifest: Manifest, files: dict[str
         f"Data: `{manifest.root}`, {len(manifest.classes)} classes, {summary['train_size']} train / "
         f"{summary['val_size']} val images. World size {summary['world_size']} ({workers}).\n\n"
         "## Per epoch (all ranks)\n\n"
-        + markdown_table(REPORT_COLUMNS, rows)
+        + markdown_table(EPOCH_COLUMNS, rows)
         + "\n## Files\n\n"
         + "".join(f"- {name}: `{url}`\n" for name, url in files.items())
     )

@@ -17,6 +17,10 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
         return logging.getLogger("prefect_ddp")
 
 
+# The per-epoch columns people read, in the live table and in the final report.
+EPOCH_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "seconds"]
+
+
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     """A GitHub-flavoured markdown table; floats get 4 decimals."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,11 +32,12 @@ from tasks.gang import RankContext
 from tasks.manifest import Manifest
 from tasks.model import build_model, model_card
 from tasks.process_group import all_reduce_sum, sync_buffers, wrap_ddp
-from tasks.reporting import markdown_table, run_logger
+from tasks.reporting import EPOCH_COLUMNS, markdown_table, run_logger
 from tasks.splitting import Split
 from tasks.storage import child_url, exists, load_torch, save_torch, write_json
 
 CHECKPOINT = "checkpoint.pt"
+PROGRESS_INTERVAL_S = 5.0
 
 
 class TrainJob(BaseModel):
@@ -52,12 +54,16 @@ class TrainJob(BaseModel):
 def train_one_epoch(
     model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler, device: torch.device, use_amp: bool,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> tuple[float, float, float]:
-    """One pass over this rank's shard; returns local (loss sum, correct, count)."""
+    """One pass over this rank's shard; returns local (loss sum, correct, count).
+
+    `on_step(done, total)` is called after every optimizer step, for progress reports.
+    """
     model.train()
     criterion = nn.CrossEntropyLoss()
     loss_sum = correct = count = 0.0
-    for images, labels in loader:
+    for step, (images, labels) in enumerate(loader, start=1):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         with torch.autocast(device.type, enabled=use_amp):
             logits = model(images)
@@ -69,6 +75,8 @@ def train_one_epoch(
         loss_sum += loss.item() * len(labels)
         correct += (logits.argmax(1) == labels).sum().item()
         count += len(labels)
+        if on_step:
+            on_step(step, len(loader))
     return loss_sum, correct, count
 
 
@@ -174,6 +182,7 @@ class ProgressReporter:
     def __init__(self, ctx: RankContext, epochs: int, log: Any) -> None:
         # Outside a Prefect run (a unit test, a plain script) there is no run to attach to.
         self.enabled, self.epochs, self.log = ctx.is_main and in_prefect_run(), epochs, log
+        self.last_update = time.monotonic()
         self.artifact_id = self._safely(lambda: create_progress_artifact(
             0.0, key="training-progress", description=f"Epochs done of {epochs}"
         ))
@@ -187,15 +196,23 @@ class ProgressReporter:
             self.log.warning("Could not update training progress in Prefect: %s", exc)
             return None
 
-    def update(self, history: list[dict[str, Any]]) -> None:
+    def _set_progress(self, percent: float) -> None:
         if self.artifact_id is not None:
-            percent = 100.0 * len(history) / self.epochs
             self._safely(lambda: update_progress_artifact(self.artifact_id, percent))
-        keys = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "seconds"]
+            self.last_update = time.monotonic()
+
+    def step(self, epoch: int, done: int, total: int) -> None:
+        """Within an epoch: move the bar, at most every PROGRESS_INTERVAL_S seconds."""
+        if time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S:
+            self._set_progress(100.0 * (epoch + done / max(total, 1)) / self.epochs)
+
+    def epoch_done(self, history: list[dict[str, Any]]) -> None:
+        self._set_progress(100.0 * len(history) / self.epochs)
+        rows = [[h[k] for k in EPOCH_COLUMNS] for h in history]
         self._safely(lambda: create_markdown_artifact(
             key="training-epochs",
             description="Per-epoch metrics, all ranks reduced",
-            markdown="# Training so far\n\n" + markdown_table(keys, [[h[k] for k in keys] for h in history]),
+            markdown="# Training so far\n\n" + markdown_table(EPOCH_COLUMNS, rows),
         ))
 
 
@@ -222,7 +239,10 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     for epoch in range(start_epoch, job.training.epochs):
         started = time.monotonic()
         train_loader.sampler.set_epoch(epoch)
-        train_loss, train_correct, train_count = train_one_epoch(ddp_model, train_loader, optimizer, scaler, device, use_amp)
+        train_loss, train_correct, train_count = train_one_epoch(
+            ddp_model, train_loader, optimizer, scaler, device, use_amp,
+            on_step=lambda done, total, epoch=epoch: progress.step(epoch, done, total),
+        )
         sync_buffers(model)
         val_sums = evaluate(model, val_loader, device)
         totals = all_reduce_sum([train_loss, train_correct, train_count, *val_sums], device)
@@ -233,7 +253,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         log.log(level, "epoch %d/%d %s", epoch + 1, job.training.epochs, record)
         if ctx.is_main:
             save_checkpoint(checkpoint_url, output, model, optimizer, scheduler, scaler, epoch, history)
-            progress.update(history)
+            progress.epoch_done(history)
     if ctx.is_main:
         save_torch(child_url(job.output.url, "model.pt"), model.state_dict(), output)
         write_json(child_url(job.output.url, "model.json"),

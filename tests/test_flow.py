@@ -89,6 +89,8 @@ def test_each_step_left_its_artifact_and_report_files(finished_run):
         )
         task_runs = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     assert STEP_ARTIFACTS <= {a.key for a in artifacts}
+    progress = next(a for a in artifacts if a.key == "training-progress")
+    assert float(progress.data) == 100.0  # updated live by rank 0, complete at the end
     report = next(a for a in artifacts if a.key == "training-report")
     assert "| epoch | train_loss | train_acc | val_loss | val_acc |" in report.data
     ranks = [r for r in task_runs if r.name.startswith("rank-")]
