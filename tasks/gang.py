@@ -240,8 +240,11 @@ def _run_attempt(
     addresses: list[str], attempt: int, output_url: str | None,
     init_timeout: timedelta, timeout: timedelta | None,
 ) -> list[Any]:
-    probes = client.run(probe_worker, workers=addresses)
-    port = client.run(free_port, workers=[addresses[0]])[addresses[0]]
+    try:
+        probes = client.run(probe_worker, workers=addresses)
+        port = client.run(free_port, workers=[addresses[0]])[addresses[0]]
+    except Exception as exc:  # a worker left between choosing and asking: form again
+        raise GangError(f"Could not prepare workers {addresses} for a gang: {exc!r}") from exc
     contexts = plan_ranks(addresses, probes, port, attempt, output_url, init_timeout.total_seconds())
     run_logger().info(
         "Gang attempt %d: %d ranks on %s, backend %s, master %s:%d",

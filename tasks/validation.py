@@ -47,10 +47,14 @@ def validate_source(location: DataLocation) -> None:
             f"Access to {location.url!r} was denied ({exc}). Check the data-location block's "
             "credentials, or set anonymous=true for a public bucket."
         ) from exc
-    except (FileNotFoundError, OSError) as exc:
+    except FileNotFoundError as exc:
         raise FileNotFoundError(
-            f"Cannot read {location.url!r}: {exc}. Check the url, endpoint_url "
-            f"({location.endpoint_url or 'AWS default'}) and region."
+            f"{location.url!r} does not exist ({exc}). Check the bucket and prefix."
+        ) from exc
+    except Exception as exc:  # network trouble (botocore's are not OSErrors): worth retrying
+        raise ConnectionError(
+            f"Cannot reach {location.url!r} ({exc!r}). Check endpoint_url "
+            f"({location.endpoint_url or 'AWS default'}), region and the network."
         ) from exc
     if not found:
         raise FileNotFoundError(

@@ -75,3 +75,12 @@ def test_run_names_become_one_safe_segment(name, expected):
 
     assert safe_segment(name) == expected
     child_url("s3://b/out", safe_segment(name))  # never raises
+
+
+def test_an_unreachable_endpoint_is_named_in_the_error():
+    from tasks.validation import validate_source
+
+    location = DataLocation(url="s3://b/p", endpoint_url="http://127.0.0.1:1", aws_access_key_id="a",
+                            aws_secret_access_key="b", region_name="us-east-1")
+    with pytest.raises(ConnectionError, match=r"Cannot reach 's3://b/p' .*Check endpoint_url \(http://127.0.0.1:1\)"):
+        validate_source.fn(location)

@@ -71,3 +71,13 @@ def test_daemonic_workers_get_the_fix_not_a_multiprocessing_error():
             require_non_daemonic(2)
     finally:
         process.daemon = False
+
+
+def test_only_transient_errors_are_retried():
+    from prefect.states import Failed
+
+    from tasks.retries import retry_transient
+
+    assert retry_transient(None, None, Failed(data=ConnectionError("reset"))) is True
+    for permanent in (FileNotFoundError("gone"), PermissionError("denied"), ValueError("empty")):
+        assert retry_transient(None, None, Failed(data=permanent)) is False
