@@ -22,10 +22,10 @@ EPOCH_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr"
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
-    """A GitHub-flavoured markdown table; floats get 4 decimals."""
+    """A GitHub-flavoured markdown table; floats get 4 significant digits."""
 
     def cell(value: Any) -> str:
-        return f"{value:.4f}" if isinstance(value, float) else str(value)
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]

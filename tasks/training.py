@@ -250,7 +250,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         local_train_samples.append(int(train_count))
         step_scheduler(scheduler, record["val_loss"])
         history.append(record)
-        log.log(level, "epoch %d/%d %s", epoch + 1, job.training.epochs, record)
+        log.log(level, "epoch %d/%d %s", record["epoch"], job.training.epochs, record)
         if ctx.is_main:
             save_checkpoint(checkpoint_url, output, model, optimizer, scheduler, scaler, epoch, history)
             progress.epoch_done(history)
@@ -271,7 +271,7 @@ def epoch_record(epoch: int, totals: list[float], optimizer, seconds: float) -> 
     """One epoch's metrics over the whole gang (from all-reduced sums)."""
     train_loss, train_correct, train_count, val_loss, val_correct, val_count = totals
     return {
-        "epoch": epoch,
+        "epoch": epoch + 1,  # counted from 1, as the logs and reports show it
         "train_loss": train_loss / max(train_count, 1),
         "train_acc": train_correct / max(train_count, 1),
         "val_loss": val_loss / max(val_count, 1),

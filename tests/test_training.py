@@ -34,13 +34,13 @@ def test_training_resumes_from_the_last_checkpoint(tmp_path):
     first = train_classifier(CTX, local_job(tmp_path, epochs=1))
     assert len(first["history"]) == 1 and (tmp_path / "run" / "checkpoints" / "checkpoint.pt").exists()
     resumed = train_classifier(CTX, local_job(tmp_path, epochs=2))
-    assert [h["epoch"] for h in resumed["history"]] == [0, 1]
-    assert resumed["history"][0] == first["history"][0]  # epoch 0 was not trained again
-    # Only epoch 1 ran: 9 train images in batches of 4, the lone ninth dropped for BatchNorm.
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2]
+    assert resumed["history"][0] == first["history"][0]  # epoch 1 was not trained again
+    # Only epoch 2 ran: 9 train images in batches of 4, the lone ninth dropped for BatchNorm.
     assert resumed["local_train_samples"] == [8]
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "checkpoint.pt", weights_only=True)
     assert set(checkpoint) == {"model", "optimizer", "lr_scheduler", "scaler", "epoch", "history"}
-    assert checkpoint["epoch"] == 1
+    assert checkpoint["epoch"] == 1  # the last finished epoch's index, as torchvision keeps it
 
 
 def test_invalid_optimizer_and_scheduler_say_what_is_allowed():
