@@ -22,10 +22,22 @@ from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from blocks.data_location import DataLocation
-from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, create_bucket, moto_s3_server, prefect_server
+from deployments.local_services import (
+    MOTO_CREDENTIALS,
+    MOTO_REGION,
+    create_bucket,
+    moto_s3_server,
+    prefect_server,
+)
 from deployments.sample_data import shapes_dataset
 from flows.transfer_learning import transfer_learning
-from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+from tasks.config import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    TrainingConfig,
+)
 
 BUCKET = "demo"
 BLOCK = "demo-images"

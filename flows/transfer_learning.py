@@ -23,7 +23,13 @@ from prefect_dask import DaskTaskRunner
 from blocks.cluster import DaskCluster
 from blocks.data_location import DataLocation
 from tasks.aggregation import aggregate
-from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+from tasks.config import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    TrainingConfig,
+)
 from tasks.gang import run_gang
 from tasks.indexing import index_images
 from tasks.splitting import split_dataset

@@ -13,8 +13,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from blocks.data_location import DataLocation
 from tasks.manifest import Manifest
-from tasks.retries import retry_transient
 from tasks.reporting import EPOCH_COLUMNS, markdown_table
+from tasks.retries import retry_transient
 from tasks.splitting import Split
 from tasks.storage import child_url, exists, write_bytes, write_json
 

@@ -48,6 +48,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
+from prefect.exceptions import ObjectNotFound
 from prefect.states import Crashed
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
@@ -270,7 +271,10 @@ def _run_attempt(
     try:
         _supervise(client, futures, contexts, deadline)
     except GangError:
-        _stop(client, futures, contexts)
+        try:
+            _stop(client, futures, contexts)
+        except Exception:  # the failure being reported matters more than the clean-up's
+            run_logger().exception("Stopping the gang's ranks failed")
         raise
     return [future.result() for future in futures]
 
@@ -338,16 +342,32 @@ def _stop(client: distributed.Client, futures: list[PrefectDaskFuture], contexts
             run_logger().exception("Could not restart workers %s", stuck_alive)
 
 
+def _read_task_run(api: Any, task_run_id: Any, attempts: int = 10) -> Any:
+    """The task run, or None; the server records task runs from events, a moment late."""
+    for _ in range(attempts):
+        try:
+            return api.read_task_run(task_run_id)
+        except ObjectNotFound:
+            time.sleep(0.5)
+    return None
+
+
 def _crash_unfinished_task_runs(futures: list[PrefectDaskFuture]) -> None:
+    """Give every rank's task run a final state; never raise over the gang's own error."""
     with get_client(sync_client=True) as api:
         for future in futures:
-            task_run = api.read_task_run(future.task_run_id)
-            if task_run.state is None or not task_run.state.is_final():
-                api.set_task_run_state(
-                    future.task_run_id,
-                    Crashed(message="Stopped by the gang supervisor after another rank or its worker failed."),
-                    force=True,
-                )
+            task_run = _read_task_run(api, future.task_run_id)
+            if task_run is None:  # cancelled before it started: no task run was created
+                continue
+            try:
+                if task_run.state is None or not task_run.state.is_final():
+                    api.set_task_run_state(
+                        future.task_run_id,
+                        Crashed(message="Stopped by the gang supervisor after another rank or its worker failed."),
+                        force=True,
+                    )
+            except Exception:
+                run_logger().exception("Could not mark task run %s as crashed", future.task_run_id)
 
 
 def _wait_for_workers(client: distributed.Client, n: int) -> None:

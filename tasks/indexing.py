@@ -16,8 +16,8 @@ from prefect.context import TaskRunContext
 
 from blocks.data_location import DataLocation
 from tasks.manifest import IMAGE_EXTENSIONS, Manifest
-from tasks.retries import retry_transient
 from tasks.reporting import markdown_table
+from tasks.retries import retry_transient
 from tasks.storage import filesystem
 
 MIN_CLASSES = 2

@@ -18,7 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
 from prefect.context import get_run_context
 from prefect.exceptions import MissingContextError
 from pydantic import BaseModel

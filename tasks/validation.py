@@ -20,8 +20,8 @@ from pydantic import BaseModel
 
 from blocks.data_location import DataLocation
 from tasks.manifest import Manifest
-from tasks.retries import retry_transient
 from tasks.reporting import markdown_table
+from tasks.retries import retry_transient
 from tasks.storage import filesystem
 
 CHUNK_SIZE = 256

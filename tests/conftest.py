@@ -16,7 +16,12 @@ import s3fs
 from PIL import Image
 
 from blocks.data_location import DataLocation
-from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, create_bucket, moto_s3_server
+from deployments.local_services import (
+    MOTO_CREDENTIALS,
+    MOTO_REGION,
+    create_bucket,
+    moto_s3_server,
+)
 from deployments.sample_data import shapes_dataset
 
 BUCKET = "test-images"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch.distributed as dist
 
@@ -32,13 +33,14 @@ def fail_on_rank_1(ctx: RankContext, config: dict) -> dict:
 def kill_worker_on_rank_1(ctx: RankContext, config: dict) -> dict:
     """The first attempt loses rank 1's whole worker process, as an OOM kill would."""
     if ctx.rank == 1 and ctx.attempt == 0:
+        # Mid-training, as in life: long enough for the RUNNING state to reach the server
+        # (a process killed within milliseconds of starting never reports its task run).
+        time.sleep(3)
         os.kill(os.getpid(), signal.SIGKILL)
     return report_rank(ctx, config)
 
 
 def sleep_past_the_deadline(ctx: RankContext, config: dict) -> dict:
     """A rank that will not stop by itself (as one blocked in a collective would not)."""
-    import time
-
     time.sleep(config["seconds"])
     return report_rank(ctx, config)

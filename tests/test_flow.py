@@ -10,16 +10,23 @@ import pytest
 import torch
 from PIL import Image
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from blocks.data_location import DataLocation
 from flows.transfer_learning import transfer_learning
-from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+from tasks.config import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    TrainingConfig,
+)
 from tasks.dataset import eval_transform
 from tasks.manifest import Manifest
-from tasks.splitting import Split
 from tasks.model import load_model
+from tasks.splitting import Split
 from tasks.storage import load_torch
+from tests.api_helpers import rank_task_runs
 
 STEP_ARTIFACTS = {"image-index", "dataset-validation", "train-val-split", "training-progress",
                   "training-epochs", "training-report"}
@@ -87,14 +94,13 @@ def test_each_step_left_its_artifact_and_report_files(finished_run):
         artifacts = api.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
         )
-        task_runs = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     assert STEP_ARTIFACTS <= {a.key for a in artifacts}
     progress = next(a for a in artifacts if a.key == "training-progress")
     assert float(progress.data) == 100.0  # updated live by rank 0, complete at the end
     report = next(a for a in artifacts if a.key == "training-report")
     assert "| epoch | train_loss | train_acc | val_loss | val_acc |" in report.data
-    ranks = [r for r in task_runs if r.name.startswith("rank-")]
-    assert sorted(r.name for r in ranks) == ["rank-0", "rank-1"] and all(r.state.is_completed() for r in ranks)
+    ranks = rank_task_runs(flow_run_id, 2)
+    assert [r.name for r in ranks] == ["rank-0", "rank-1"] and all(r.state.is_completed() for r in ranks)
     assert {p.name for p in run_dir.iterdir()} >= {"model.pt", "model.json", "metrics.json", "manifest.json",
                                                    "split.json", "report.md", "checkpoints"}
 

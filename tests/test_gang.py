@@ -6,12 +6,16 @@ from datetime import timedelta
 
 import pytest
 from prefect import flow
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect_dask import DaskTaskRunner
 
 from tasks.gang import GangError, run_gang
-from tests.gang_functions import fail_on_rank_1, kill_worker_on_rank_1, report_rank, sleep_past_the_deadline
+from tests.api_helpers import rank_task_runs
+from tests.gang_functions import (
+    fail_on_rank_1,
+    kill_worker_on_rank_1,
+    report_rank,
+    sleep_past_the_deadline,
+)
 
 
 @flow(name="gang-test")
@@ -23,12 +27,6 @@ def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None =
         return run_gang(fn, config, task_runner=runner, world_size=world_size, max_restarts=max_restarts,
                         init_timeout=timedelta(seconds=60),
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None)
-
-
-def rank_task_runs(flow_run_id):
-    with get_client(sync_client=True) as api:
-        runs = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return [r for r in runs if r.name.startswith("rank-")]
 
 
 def test_one_rank_per_worker_agreeing_on_the_world(dask_cluster):
@@ -60,8 +58,8 @@ def test_a_failing_rank_fails_the_gang_and_every_rank_ends(dask_cluster):
     assert state.is_failed()
     with pytest.raises(GangError, match="Rank 1 on tcp://.* ended FAILED: .*boom on rank 1, attempt 0"):
         state.result()
-    runs = rank_task_runs(state.state_details.flow_run_id)
-    assert sorted(r.name for r in runs) == ["rank-0", "rank-1"]
+    runs = rank_task_runs(state.state_details.flow_run_id, 2)
+    assert [r.name for r in runs] == ["rank-0", "rank-1"]
     assert all(r.state.is_final() and not r.state.is_completed() for r in runs)
 
 
@@ -77,7 +75,7 @@ def test_a_killed_worker_is_noticed_and_the_gang_re_formed(dask_cluster):
     results = state.result()
     assert [r["ctx"].attempt for r in results] == [1, 1]
     assert {r["ctx"].worker_address for r in results} != before  # the nanny's new worker
-    runs = rank_task_runs(state.state_details.flow_run_id)
+    runs = rank_task_runs(state.state_details.flow_run_id, 4)
     assert len(runs) == 4 and all(r.state.is_final() for r in runs)
     assert sum(r.state.is_completed() for r in runs) == 2
 
@@ -86,7 +84,7 @@ def test_ranks_past_the_deadline_are_stopped_and_their_workers_freed(dask_cluste
     state = gang_flow(dask_cluster.scheduler_address, "sleep", {"seconds": 600}, timeout_s=2, return_state=True)
     with pytest.raises(GangError, match=r"did not finish within its timeout; ranks \[0, 1\] were still running"):
         state.result()
-    runs = rank_task_runs(state.state_details.flow_run_id)
+    runs = rank_task_runs(state.state_details.flow_run_id, 2)
     assert [r.state.type.value for r in runs] == ["CRASHED", "CRASHED"]
     # The stuck ranks' workers were restarted, so the next gang runs at once.
     results = gang_flow(dask_cluster.scheduler_address, "report", {})

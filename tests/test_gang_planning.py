@@ -7,7 +7,13 @@ import torch
 import torch.distributed as dist
 
 from tasks.gang import plan_ranks
-from tasks.process_group import all_reduce_sum, default_backend, process_group, sync_buffers, wrap_ddp
+from tasks.process_group import (
+    all_reduce_sum,
+    default_backend,
+    process_group,
+    sync_buffers,
+    wrap_ddp,
+)
 
 ADDRESSES = ["tcp://10.0.0.1:4001", "tcp://10.0.0.1:4002", "tcp://10.0.0.2:4001"]
 

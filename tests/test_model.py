@@ -2,7 +2,13 @@ import pytest
 import torch
 
 from tasks.config import BACKBONES, ModelConfig
-from tasks.model import build_model, classifier_path, head_prefix, load_model, model_card
+from tasks.model import (
+    build_model,
+    classifier_path,
+    head_prefix,
+    load_model,
+    model_card,
+)
 from tasks.storage import load_torch, save_torch
 
 
