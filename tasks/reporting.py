@@ -6,15 +6,22 @@ import logging
 from typing import Any
 
 from prefect import get_run_logger
+from prefect.context import get_run_context
 from prefect.exceptions import MissingContextError
+
+
+def in_prefect_run() -> bool:
+    """Whether this code runs inside a Prefect flow or task run (not a unit test or script)."""
+    try:
+        get_run_context()
+        return True
+    except MissingContextError:
+        return False
 
 
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
     """Prefect's logger for the current run, or a plain one outside a run (unit tests)."""
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger("prefect_ddp")
+    return get_run_logger() if in_prefect_run() else logging.getLogger("prefect_ddp")
 
 
 # The per-epoch columns people read, in the live table and in the final report.

@@ -23,8 +23,6 @@ from prefect.artifacts import (
     create_progress_artifact,
     update_progress_artifact,
 )
-from prefect.context import get_run_context
-from prefect.exceptions import MissingContextError
 from pydantic import BaseModel
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
@@ -36,7 +34,7 @@ from tasks.gang import RankContext
 from tasks.manifest import Manifest
 from tasks.model import build_model, model_card
 from tasks.process_group import all_reduce_sum, sync_buffers, wrap_ddp
-from tasks.reporting import EPOCH_COLUMNS, markdown_table, run_logger
+from tasks.reporting import EPOCH_COLUMNS, in_prefect_run, markdown_table, run_logger
 from tasks.splitting import Split
 from tasks.storage import child_url, exists, load_torch, save_torch, write_json
 
@@ -167,14 +165,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
     if cfg.scheduler == "none":
         return None
     raise ValueError(f"Invalid scheduler {cfg.scheduler!r}. Only cosine, plateau and none are supported.")
-
-
-def in_prefect_run() -> bool:
-    try:
-        get_run_context()
-        return True
-    except MissingContextError:
-        return False
 
 
 class ProgressReporter:

@@ -5,6 +5,7 @@ from torch.utils.data import DataLoader
 
 from tasks.dataset import S3ImageFolder, eval_transform
 from tasks.indexing import build_manifest, list_folder
+from tests.image_folders import local_image_folder
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +54,7 @@ def test_missing_object_fails_with_its_key(image_location):
 
 
 def test_local_folders_work_too(tmp_path):
-    from deployments.sample_data import shapes_dataset
-
-    for key, data in shapes_dataset(2, size=32).items():
-        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / key).write_bytes(data)
-    manifest = build_manifest(str(tmp_path), {p.relative_to(tmp_path).as_posix(): p.stat().st_size for p in tmp_path.rglob("*.jpg")})
+    manifest = local_image_folder(tmp_path, per_class=2)
     dataset = S3ImageFolder(str(tmp_path), manifest.paths, manifest.labels, {}, eval_transform(32))
     assert len(dataset) == 6 and dataset[5][1] == 2
 

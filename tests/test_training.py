@@ -4,20 +4,16 @@ import pytest
 import torch
 
 from blocks.data_location import DataLocation
-from deployments.sample_data import shapes_dataset
 from tasks.config import ModelConfig, TrainingConfig
 from tasks.gang import RankContext
-from tasks.indexing import build_manifest
 from tasks.splitting import stratified_split
 from tasks.training import TrainJob, build_optimizer, build_scheduler, train_classifier
+from tests.image_folders import local_image_folder
 
 
 def local_job(tmp_path, epochs: int) -> TrainJob:
     images = tmp_path / "images"
-    for key, data in shapes_dataset(4, size=32).items():
-        (images / key).parent.mkdir(parents=True, exist_ok=True)
-        (images / key).write_bytes(data)
-    manifest = build_manifest(str(images), {p.relative_to(images).as_posix(): p.stat().st_size for p in images.rglob("*.jpg")})
+    manifest = local_image_folder(images, per_class=4)
     return TrainJob(
         source=DataLocation(url=str(images)), output=DataLocation(url=str(tmp_path / "run")),
         manifest=manifest, split=stratified_split(manifest, 0.25, 0),
