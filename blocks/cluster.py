@@ -7,8 +7,10 @@ Clusters this module creates are set up for training, which Dask's defaults are 
   a worker, so it is set for the whole process, not inside a `with`.
 - The nanny's `MALLOC_TRIM_THRESHOLD_=65536` is dropped: it made a 2-rank resnet18 loop
   1.5x slower here (system CPU 5 s -> 24 s; DESIGN 4).
-- Workers get this process's PREFECT_API_URL, so rank task runs report to the same server
-  as the flow instead of each starting a temporary one.
+- Workers get the Prefect API URL this process uses, so rank task runs, logs and artifacts
+  land in the flow's run. Without PREFECT_API_URL that is the temporary server Prefect
+  started for this process: workers not told its URL would each start their own (three
+  servers for two workers, "database is locked", rank artifacts lost; DESIGN 9).
 
 Owners of an external cluster (`address=`) must do the same on their workers: start them
 with `--no-nanny` or `DASK_DISTRIBUTED__WORKER__DAEMON=False`, unset
@@ -22,6 +24,7 @@ from typing import Any
 import dask
 from distributed import LocalCluster
 from prefect.blocks.core import Block
+from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 from prefect_dask import DaskTaskRunner
 from pydantic import Field
@@ -34,12 +37,11 @@ TRAINING_DASK_CONFIG = {
 
 
 def worker_environment() -> dict[str, str]:
-    """Environment that rank processes need from the flow's process."""
-    env = {}
-    api_url = PREFECT_API_URL.value()
-    if api_url:
-        env["PREFECT_API_URL"] = api_url
-    return env
+    """Environment that rank processes need from the flow's process: its Prefect API URL."""
+    # Without a configured URL the client's is the temporary server's, which Prefect
+    # starts once per process and reuses.
+    api_url = PREFECT_API_URL.value() or str(get_client(sync_client=True).api_url)
+    return {"PREFECT_API_URL": api_url.rstrip("/")}
 
 
 def cuda_device_count() -> int:

@@ -53,6 +53,33 @@ def upload_demo_images(endpoint: str, per_class: int) -> str:
     return f"s3://{BUCKET}/images"
 
 
+def serve_demo_images(stack: ExitStack, logs: Path, per_class: int) -> str:
+    """Start moto's S3 server with the demo images and save the block that points at them.
+
+    The server stops when `stack` closes; returns the block's name.
+    """
+    endpoint = stack.enter_context(moto_s3_server(logs))
+    url = upload_demo_images(endpoint, per_class)
+    DataLocation(
+        url=url, endpoint_url=endpoint, region_name=MOTO_REGION, **MOTO_CREDENTIALS
+    ).save(BLOCK, overwrite=True)
+    return BLOCK
+
+
+def demo_parameters(epochs: int, output: str) -> dict:
+    """The flow's parameters for the demo images: a run of about a minute on 2 CPU cores."""
+    return {
+        "data": DataConfig(block=BLOCK, index_cache_minutes=0),
+        "model": ModelConfig(backbone="resnet18"),
+        "training": TrainingConfig(
+            epochs=epochs, batch_size=16, image_size=64, optimizer="adamw", lr=1e-3,
+            weight_decay=1e-4, num_workers=0,
+        ),
+        "cluster": ClusterConfig(n_workers=2),
+        "output": OutputConfig(url=output),
+    }
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--per-class", type=int, default=120, help="images per class")
@@ -67,21 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     with ExitStack() as stack:
         api_url = os.environ.get("PREFECT_API_URL") or stack.enter_context(prefect_server(logs))
         stack.enter_context(temporary_settings({PREFECT_API_URL: api_url}))
-        endpoint = stack.enter_context(moto_s3_server(logs))
-        url = upload_demo_images(endpoint, args.per_class)
-        DataLocation(
-            url=url, endpoint_url=endpoint, region_name=MOTO_REGION, **MOTO_CREDENTIALS
-        ).save(BLOCK, overwrite=True)
-        summary = transfer_learning(
-            data=DataConfig(block=BLOCK, index_cache_minutes=0),
-            model=ModelConfig(backbone="resnet18"),
-            training=TrainingConfig(
-                epochs=args.epochs, batch_size=16, image_size=64, optimizer="adamw", lr=1e-3,
-                weight_decay=1e-4, num_workers=0,
-            ),
-            cluster=ClusterConfig(n_workers=2),
-            output=OutputConfig(url=args.output),
-        )
+        serve_demo_images(stack, logs, args.per_class)
+        summary = transfer_learning(**demo_parameters(args.epochs, args.output))
         # Ship the last log lines before the server they go to stops.
         APILogWorker.drain_all(timeout=5)
     print(f"\nValidation accuracy: {summary['final_val_acc']:.3f} "

@@ -19,6 +19,8 @@ from tasks.gang import free_port
 
 MOTO_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 MOTO_REGION = "us-east-1"
+# The server's telemetry logs an error on every heartbeat where there is no internet.
+SERVER_ENVIRONMENT = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
 def wait_until_up(url: str, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
@@ -60,15 +62,16 @@ def moto_s3_server(log_dir: Path) -> Iterator[str]:
 
 
 @contextmanager
-def prefect_server(log_dir: Path, database: Path | None = None) -> Iterator[str]:
+def prefect_server(log_dir: Path, database: Path | None = None, port: int | None = None) -> Iterator[str]:
     """`prefect server start` on 127.0.0.1 (SQLite); yields its API URL.
 
     `database` defaults to the one in PREFECT_HOME, so a later `prefect server start`
-    shows the same runs in the UI.
+    shows the same runs in the UI. `port` defaults to a free one.
     """
-    port = free_port()
+    port = port or free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ)
+    # The UI calls 127.0.0.1:4200/api unless told its own server's address (DESIGN 9).
+    env = dict(os.environ, **SERVER_ENVIRONMENT, PREFECT_UI_API_URL=api_url)
     env.pop("PREFECT_API_URL", None)
     if database:
         env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{database}"

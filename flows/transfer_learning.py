@@ -3,9 +3,13 @@
     validate-source -> index -> decode-check (mapped over the workers) -> split
         -> ddp-rank x world size (the gang) -> aggregate
 
-Run it from Python, from a deployment (`prefect deployment run transfer-learning/<name>`)
+    -> promote (runs of a deployment keep their best model) -> report
+
+Run it from Python, from a deployment (`prefect deployment run transfer-learning/NAME`)
 or from the UI's Run form; the parameters are typed models, so the form shows their
-bounds and help.
+bounds and help, and the server refuses a bad value before any cluster starts. The flat
+shortcuts (`data_url`, `epochs`, `lr`, ...) change one nested field from the CLI
+(`--param epochs=2`) where `--param training=...` would replace the whole object.
 """
 
 from __future__ import annotations
@@ -17,21 +21,30 @@ from datetime import timedelta
 from typing import Any
 
 from prefect import flow
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 from prefect_dask import DaskTaskRunner
 
 from blocks.cluster import DaskCluster
 from blocks.data_location import DataLocation
 from tasks.aggregation import aggregate
 from tasks.config import (
+    BackboneChoice,
+    BatchSize,
     ClusterConfig,
+    DataBlock,
     DataConfig,
+    DataUrl,
+    Epochs,
+    LearningRate,
     ModelConfig,
     OutputConfig,
     TrainingConfig,
+    with_overrides,
 )
 from tasks.gang import run_gang
 from tasks.indexing import index_images
+from tasks.promotion import WarmStart, find_warm_start, latest_location, promote
+from tasks.report import publish_report
 from tasks.splitting import split_dataset
 from tasks.storage import child_url, safe_segment
 from tasks.training import TrainJob, train_classifier
@@ -57,8 +70,8 @@ def data_location(data: DataConfig) -> DataLocation:
     return location
 
 
-def output_location(output: OutputConfig, source: DataLocation, run_name: str) -> DataLocation:
-    """This run's output folder: <output url>/<run name>, with the right credentials."""
+def output_base(output: OutputConfig, source: DataLocation) -> DataLocation:
+    """The output prefix with the right credentials; runs and kept models go below it."""
     if output.block:
         base = load_block(DataLocation, output.block).with_url(output.url)
     elif output.url.startswith("s3://") and source.url.startswith("s3://"):
@@ -68,7 +81,19 @@ def output_location(output: OutputConfig, source: DataLocation, run_name: str) -
     if "://" not in base.url:
         # Ranks run in other processes; make a relative folder mean the flow's folder.
         base = base.with_url(os.path.abspath(base.url))
-    return base.with_url(child_url(base.url, safe_segment(run_name)))
+    return base
+
+
+def kept_model_name(output: OutputConfig, model: ModelConfig) -> str | None:
+    """Under which name this run's best model is kept: output.model_name, else the deployment's."""
+    name = output.model_name or deployment.get_name()
+    if model.warm_start and not name:
+        raise ValueError(
+            "model.warm_start=true starts from the model kept for a deployment, but this run "
+            "is outside a deployment and sets no output.model_name. Set output.model_name, "
+            "run it from a deployment, or set model.warm_start=false."
+        )
+    return name
 
 
 @contextmanager
@@ -81,28 +106,61 @@ def cluster_runner(cluster: ClusterConfig) -> Iterator[DaskTaskRunner]:
         yield runner
 
 
-@flow(name="transfer-learning")
+DESCRIPTION = (
+    "Fine-tune a torchvision backbone on an S3 image folder (URL/CLASS/IMAGE.jpg) with PyTorch "
+    "DDP, one rank per Dask worker; keep each deployment's best model."
+)
+
+
+@flow(name="transfer-learning", description=DESCRIPTION)
 def transfer_learning(
-    data: DataConfig,
+    data: DataConfig | None = None,
     model: ModelConfig = ModelConfig(),
     training: TrainingConfig = TrainingConfig(),
     cluster: ClusterConfig = ClusterConfig(),
     output: OutputConfig = OutputConfig(),
+    data_url: DataUrl = None,
+    data_block: DataBlock = None,
+    backbone: BackboneChoice = None,
+    epochs: Epochs = None,
+    lr: LearningRate = None,
+    batch_size: BatchSize = None,
 ) -> dict[str, Any]:
-    """Fine-tune a torchvision backbone on an image folder with DDP across Dask workers."""
+    """Fine-tune a torchvision backbone on an image folder with DDP across Dask workers.
+
+    Args:
+        data: Where the images are (url or block), how they are checked and split.
+        model: The backbone, its starting weights, and warm start from the kept model.
+        training: The recipe: epochs, batch size, optimizer, lr, schedule, mixed precision.
+        cluster: The Dask cluster that runs the ranks, and how the gang is supervised.
+        output: Where models and reports are written, and the name the best model is kept under.
+        data_url: Shortcut: sets data.url and keeps the rest of data.
+        data_block: Shortcut: sets data.block and keeps the rest of data.
+        backbone: Shortcut: sets model.backbone and keeps the rest of model.
+        epochs: Shortcut: sets training.epochs and keeps the rest of training.
+        lr: Shortcut: sets training.lr (per rank) and keeps the rest of training.
+        batch_size: Shortcut: sets training.batch_size (per rank) and keeps the rest of training.
+    """
+    data = with_overrides(data or DataConfig.model_construct(), url=data_url, block=data_block)
+    model = with_overrides(model, backbone=backbone)
+    training = with_overrides(training, epochs=epochs, lr=lr, batch_size=batch_size)
+    kept_name = kept_model_name(output, model)
     source = data_location(data)
-    out = output_location(output, source, flow_run.get_name() or "run")
+    base = output_base(output, source)
+    run_name = flow_run.get_name() or "run"
+    out = base.with_url(child_url(base.url, safe_segment(run_name)))
+    latest = latest_location(base, kept_name) if kept_name else None
     validate_source(source)
     manifest = index_images.with_options(
         cache_expiration=timedelta(minutes=data.index_cache_minutes),
         refresh_cache=data.index_cache_minutes == 0,
     )(source)
+    warm = find_warm_start(latest, model.backbone, manifest.classes) if model.warm_start else None
     with cluster_runner(cluster) as runner:
         manifest = validate_dataset(runner, source, manifest, data.validate_sample)
         split = split_dataset(manifest, data.val_fraction, data.seed)
-        job = TrainJob(source=source, output=out, manifest=manifest, split=split, model=model, training=training)
         results = run_gang(
-            train_classifier, job,
+            train_classifier, training_job(source, out, manifest, split, model, training, warm),
             task_runner=runner,
             world_size=cluster.world_size,
             output_url=out.url,
@@ -110,4 +168,17 @@ def transfer_learning(
             timeout=timedelta(seconds=cluster.gang_timeout_s) if cluster.gang_timeout_s else None,
             max_restarts=cluster.max_restarts,
         )
-    return aggregate(results, manifest, split, out)
+    summary = aggregate(results, manifest, split, out)
+    run = {"name": run_name, "flow_run_id": str(flow_run.get_id())}
+    promotion = promote(summary, out, latest, run) if latest else None
+    publish_report(summary, manifest, out, promotion, warm)
+    return summary | {"promotion": promotion.model_dump() if promotion else None}
+
+
+def training_job(source: DataLocation, out: DataLocation, manifest, split, model: ModelConfig,
+                 training: TrainingConfig, warm: WarmStart | None) -> TrainJob:
+    """What every rank gets; a warm start replaces model.weights, so those are not fetched."""
+    if warm:
+        model = model.model_copy(update={"weights": None})
+    return TrainJob(source=source, output=out, manifest=manifest, split=split, model=model,
+                    training=training, warm_start=warm)

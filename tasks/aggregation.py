@@ -1,4 +1,4 @@
-"""Turn the ranks' results into the run's record: metrics, report and files under the output.
+"""Turn the ranks' results into the run's record: metrics, manifest and split under the output.
 
 Every rank reports the same all-reduced metrics; a disagreement means the ranks did not
 train one model together, and is an error rather than something to average away.
@@ -9,14 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 
 from blocks.data_location import DataLocation
 from tasks.manifest import Manifest
-from tasks.reporting import EPOCH_COLUMNS, markdown_table
 from tasks.retries import retry_transient
 from tasks.splitting import Split
-from tasks.storage import child_url, exists, write_bytes, write_json
+from tasks.storage import child_url, exists, write_json
 
 GLOBAL_METRICS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "train_samples", "val_samples")
 
@@ -53,30 +51,14 @@ def summarize(results: list[dict[str, Any]], split: Split) -> dict[str, Any]:
     }
 
 
-def report_markdown(summary: dict[str, Any], manifest: Manifest, files: dict[str, str]) -> str:
-    rows = [[h[k] for k in EPOCH_COLUMNS] for h in summary["history"]]
-    workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
-    return (
-        f"# Transfer learning report\n\n"
-        f"**Final val accuracy {summary['final_val_acc']:.4f}**; best {summary['best_val_acc']:.4f} "
-        f"at epoch {summary['best_epoch']}.\n\n"
-        f"Data: `{manifest.root}`, {len(manifest.classes)} classes, {summary['train_size']} train / "
-        f"{summary['val_size']} val images. World size {summary['world_size']} ({workers}).\n\n"
-        "## Per epoch (all ranks)\n\n"
-        + markdown_table(EPOCH_COLUMNS, rows)
-        + "\n## Files\n\n"
-        + "".join(f"- {name}: `{url}`\n" for name, url in files.items())
-    )
-
-
 @task(name="aggregate", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
 def aggregate(
     results: list[dict[str, Any]], manifest: Manifest, split: Split, output: DataLocation
 ) -> dict[str, Any]:
-    """Write metrics, manifest, split and report under the run's output; return the summary."""
+    """Write metrics, manifest and split under the run's output; return the summary."""
     options = output.storage_options()
     files = {name: child_url(output.url, name) for name in
-             ("model.pt", "model.json", "metrics.json", "manifest.json", "split.json", "report.md")}
+             ("model.pt", "model.json", "metrics.json", "manifest.json", "split.json", "report.md", "curves.png")}
     if not exists(files["model.pt"], options):
         raise FileNotFoundError(f"Rank 0 reported success but wrote no model at {files['model.pt']}.")
     summary = summarize(results, split) | {"files": files}
@@ -86,7 +68,4 @@ def aggregate(
         "train_keys": [manifest.paths[i] for i in split.train],
         "val_keys": [manifest.paths[i] for i in split.val],
     }, options)
-    report = report_markdown(summary, manifest, files)
-    write_bytes(files["report.md"], report.encode(), options)
-    create_markdown_artifact(key="training-report", markdown=report, description="Final report")
     return summary

@@ -3,11 +3,14 @@
 They are pydantic models so that the Prefect UI renders the Run form with bounds and help
 text, and so that a bad value is rejected before any cluster starts. Ranks receive these
 models (plain values), never Prefect objects.
+
+Help text never holds angle brackets: the UI reads `<url>` as an HTML tag and drops it, so
+placeholders are written in capitals (URL/CLASS/IMAGE.jpg).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,7 +28,7 @@ class DataConfig(_Strict):
 
     url: str | None = Field(
         None,
-        description="Image folder laid out as <url>/<class>/<image>.jpg: s3://bucket/prefix, "
+        description="Image folder laid out as URL/CLASS/IMAGE.jpg: s3://bucket/prefix, "
         "file:///path or a local path. Overrides the block's url when both are given.",
     )
     block: str | None = Field(
@@ -52,7 +55,8 @@ class DataConfig(_Strict):
         if not self.url and not self.block:
             raise ValueError(
                 "data needs `url` (s3://bucket/prefix or a local path) or `block` "
-                "(a saved data-location block); neither was given."
+                "(a saved data-location block); neither was given. Set data.url or data.block, "
+                "or the shortcuts data_url or data_block."
             )
         return self
 
@@ -68,22 +72,30 @@ class ModelConfig(_Strict):
         "local .pt path) for clusters without internet.",
     )
     freeze_backbone: bool = Field(False, description="Train only the new classifier head.")
+    warm_start: bool = Field(
+        False,
+        description="Start from the model kept as latest under output.model_name (by default the "
+        "deployment's), when there is one with this backbone; its head too when the classes "
+        "match. Overrides weights.",
+    )
 
 
 class TrainingConfig(_Strict):
     """The optimisation recipe; every rank gets the same values."""
 
-    epochs: int = Field(5, ge=1, le=1000)
+    epochs: int = Field(5, ge=1, le=1000, description="Passes over the training images.")
     batch_size: int = Field(32, ge=1, le=4096, description="Images per rank per step.")
     image_size: int = Field(224, ge=16, le=1024, description="Side of the square crop.")
-    optimizer: Literal["sgd", "adamw"] = "sgd"
+    optimizer: Literal["sgd", "adamw"] = Field("sgd", description="sgd (with momentum) or adamw.")
     lr: float = Field(0.01, gt=0, le=10, description="Learning rate for one rank.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD only.")
-    weight_decay: float = Field(1e-4, ge=0, le=1)
+    weight_decay: float = Field(1e-4, ge=0, le=1, description="L2 penalty on the weights.")
     scale_lr_by_world_size: bool = Field(
         True, description="Multiply lr by the world size (the linear scaling rule)."
     )
-    scheduler: Literal["cosine", "plateau", "none"] = "cosine"
+    scheduler: Literal["cosine", "plateau", "none"] = Field(
+        "cosine", description="cosine over the epochs, plateau on val loss, or none."
+    )
     amp: bool = Field(True, description="Mixed precision; used only where ranks have CUDA.")
     num_workers: int = Field(
         2, ge=0, le=64, description="DataLoader worker processes per rank (0: load inline)."
@@ -130,10 +142,45 @@ class OutputConfig(_Strict):
     """Where models, metrics and reports are written: one folder per flow run below url."""
 
     url: str = Field(
-        "./outputs", description="s3://bucket/prefix or a local path; runs go in <url>/<run>/."
+        "./outputs", description="s3://bucket/prefix or a local path; each run writes to URL/RUN-NAME/."
     )
     block: str | None = Field(
         None,
         description="data-location block for the output's credentials; empty reuses the "
         "data block when url is on S3.",
     )
+    model_name: str | None = Field(
+        None,
+        description="Keep the best model of the runs sharing this name in URL/NAME/latest/: a run "
+        "replaces it only when its final val accuracy is at least as good. Empty: the "
+        "deployment's name; a run outside a deployment keeps none.",
+    )
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def shortcut(model: type[BaseModel], field: str) -> Any:
+    """The type of a flat flow parameter that sets `model.field`: the same bounds, or empty.
+
+    `prefect deployment run --param training=...` replaces the deployment's whole nested
+    object; a shortcut (`--param epochs=2`) changes one field and keeps the rest. (Prefect
+    takes a flow parameter's help text from the flow's docstring, not from here.)
+    """
+    info = model.model_fields[field]
+    optional = Optional[info.annotation]
+    return Annotated[optional, *info.metadata] if info.metadata else optional
+
+
+def with_overrides(config: M, **values: Any) -> M:
+    """`config` with every value that is not None put in, validated again as a whole."""
+    changes = {name: value for name, value in values.items() if value is not None}
+    return type(config).model_validate(config.model_dump() | changes)
+
+
+DataUrl = shortcut(DataConfig, "url")
+DataBlock = shortcut(DataConfig, "block")
+BackboneChoice = shortcut(ModelConfig, "backbone")
+Epochs = shortcut(TrainingConfig, "epochs")
+LearningRate = shortcut(TrainingConfig, "lr")
+BatchSize = shortcut(TrainingConfig, "batch_size")

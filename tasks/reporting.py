@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import logging
 from typing import Any
 
@@ -28,11 +29,21 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
 EPOCH_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "seconds"]
 
 
+def markdown_text(value: Any) -> str:
+    """`value` as text that the UI's markdown shows as it is, on one line.
+
+    The UI renders HTML in artifacts, so a key or error message holding `<...>` (PIL's
+    "cannot identify image file <_io.BytesIO ...>") would lose those words; `|` would end
+    a table cell early.
+    """
+    return html.escape(str(value), quote=False).replace("|", "\\|").replace("\n", " ")
+
+
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     """A GitHub-flavoured markdown table; floats get 4 significant digits."""
 
     def cell(value: Any) -> str:
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
+        return f"{value:.4g}" if isinstance(value, float) else markdown_text(value)
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]

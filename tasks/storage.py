@@ -76,6 +76,10 @@ def write_json(url: str, obj: Any, storage_options: dict[str, Any]) -> None:
     write_bytes(url, json.dumps(obj, indent=2, sort_keys=True).encode(), storage_options)
 
 
+def read_json(url: str, storage_options: dict[str, Any]) -> Any:
+    return json.loads(read_bytes(url, storage_options))
+
+
 def save_torch(url: str, obj: Any, storage_options: dict[str, Any]) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)

@@ -34,6 +34,7 @@ from tasks.gang import RankContext
 from tasks.manifest import Manifest
 from tasks.model import build_model, model_card
 from tasks.process_group import all_reduce_sum, sync_buffers, wrap_ddp
+from tasks.promotion import WarmStart, load_warm_start
 from tasks.reporting import EPOCH_COLUMNS, in_prefect_run, markdown_table, run_logger
 from tasks.splitting import Split
 from tasks.storage import child_url, exists, load_torch, save_torch, write_json
@@ -51,6 +52,7 @@ class TrainJob(BaseModel):
     split: Split
     model: ModelConfig
     training: TrainingConfig
+    warm_start: WarmStart | None = None  # the deployment's kept model, resolved by the flow
 
 
 def train_one_epoch(
@@ -218,7 +220,10 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     device = torch.device(ctx.device)
     use_amp = job.training.amp and device.type == "cuda"
     train_loader, val_loader = make_loaders(ctx, job)
-    model = build_model(job.model, len(job.manifest.classes), job.source.storage_options()).to(device)
+    model = build_model(job.model, len(job.manifest.classes), job.source.storage_options())
+    if job.warm_start:
+        load_warm_start(model, job.warm_start)
+    model = model.to(device)
     ddp_model = wrap_ddp(model, device)
     optimizer = build_optimizer(model, job.training, ctx.world_size)
     scheduler = build_scheduler(optimizer, job.training)

@@ -1,12 +1,15 @@
 """Session-wide real services: one Prefect server, one moto S3 server, one Dask cluster.
 
-Started once per session (the Prefect server alone takes 11-13 s) and shared by every test
-that needs them; unit tests that need none of them start none of them.
+Started once per session (the Prefect server alone takes 11-14 s) and shared by every test
+that needs them; unit tests that need none of them start none of them. The Prefect server
+is a real `prefect server start`, so the CLI, a work pool's worker and the browser tests
+use the same one as the flows run from this process.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +24,7 @@ from deployments.local_services import (
     MOTO_REGION,
     create_bucket,
     moto_s3_server,
+    prefect_server,
 )
 from deployments.sample_data import shapes_dataset
 
@@ -36,12 +40,26 @@ def truncated_jpeg() -> bytes:
 
 
 @pytest.fixture(scope="session")
-def prefect_api() -> Iterator[str]:
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_home(tmp_path_factory) -> Path:
+    """PREFECT_HOME for the Prefect CLI and workers that tests start, away from ~/.prefect."""
+    return tmp_path_factory.mktemp("prefect-home")
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield PREFECT_API_URL.value()
+
+@pytest.fixture(scope="session")
+def prefect_api(prefect_home: Path) -> Iterator[str]:
+    """`prefect server start` on a fresh SQLite file; this process and its children use it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with prefect_server(prefect_home, database=prefect_home / "prefect.db") as api_url:
+        previous = os.environ.get("PREFECT_API_URL")
+        os.environ["PREFECT_API_URL"] = api_url
+        try:
+            with temporary_settings({PREFECT_API_URL: api_url}):
+                yield api_url
+        finally:
+            os.environ.pop("PREFECT_API_URL")
+            if previous is not None:
+                os.environ["PREFECT_API_URL"] = previous
 
 
 @pytest.fixture(scope="session")
@@ -85,3 +103,14 @@ def dask_cluster(prefect_api: str):
     cluster = create_local_cluster(n_workers=2)
     yield cluster
     cluster.close()
+
+
+@pytest.fixture(scope="session")
+def deployments(prefect_api: str, prefect_home: Path, image_location: DataLocation) -> Iterator[dict[str, str]]:
+    """prefect.yaml deployed to the session's server, a process worker polling its pool, and
+    the test images saved as block `test-images`; yields the Prefect CLI's environment."""
+    from tests.deployed import deployed_with_worker
+
+    image_location.save("test-images", overwrite=True)
+    with deployed_with_worker(prefect_home, prefect_home / "worker.log") as env:
+        yield env

@@ -1,0 +1,63 @@
+"""The run's final report: what a person reads first in the UI and in `report.md`.
+
+It says how good the model is (with curves), what it was trained on, where its files are,
+and what became of it: promoted to the deployment's kept model or not, and why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+
+from blocks.data_location import DataLocation
+from tasks.manifest import Manifest
+from tasks.plots import markdown_image, training_curves_png
+from tasks.promotion import Promotion, WarmStart
+from tasks.reporting import EPOCH_COLUMNS, markdown_table
+from tasks.retries import retry_transient
+from tasks.storage import child_url, write_bytes
+
+
+def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None) -> str:
+    started = f"Warm-started from the kept model of run `{warm.run}`" + (
+        " (all weights).\n\n" if warm.with_head else " (backbone only: the classes changed).\n\n"
+    ) if warm else ""
+    if promotion is None:
+        return started + ("Not promoted: the run is outside a deployment and sets no "
+                          "output.model_name, so no model is kept for it.\n")
+    verdict = "**Promoted**" if promotion.promoted else "**Not promoted**"
+    return started + f"{verdict} to `{promotion.latest_url}`: {promotion.reason}.\n"
+
+
+def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, outcome: str) -> str:
+    rows = [[h[k] for k in EPOCH_COLUMNS] for h in summary["history"]]
+    workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
+    return (
+        f"# Transfer learning report\n\n"
+        f"**Final val accuracy {summary['final_val_acc']:.4f}**; best {summary['best_val_acc']:.4f} "
+        f"at epoch {summary['best_epoch']}.\n\n"
+        + outcome
+        + f"\nData: `{manifest.root}`, {len(manifest.classes)} classes, {summary['train_size']} train / "
+        f"{summary['val_size']} val images. World size {summary['world_size']} ({workers}).\n\n"
+        "## Curves\n\n" + curves + "\n\n"
+        "## Per epoch (all ranks)\n\n"
+        + markdown_table(EPOCH_COLUMNS, rows)
+        + "\n## Files\n\n"
+        + "".join(f"- {name}: `{url}`\n" for name, url in summary["files"].items())
+    )
+
+
+@task(name="report", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
+def publish_report(summary: dict[str, Any], manifest: Manifest, output: DataLocation,
+                   promotion: Promotion | None, warm: WarmStart | None) -> str:
+    """Write `curves.png` and `report.md` beside the model and leave the `training-report` artifact."""
+    options = output.storage_options()
+    png = training_curves_png(summary["history"])
+    write_bytes(child_url(output.url, "curves.png"), png, options)
+    report = report_markdown(summary, manifest, markdown_image(png, "loss and accuracy per epoch"),
+                             promotion_markdown(promotion, warm))
+    write_bytes(child_url(output.url, "report.md"), report.encode(), options)
+    create_markdown_artifact(key="training-report", markdown=report, description="Final report")
+    return report

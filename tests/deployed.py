@@ -1,0 +1,53 @@
+"""The deployments of prefect.yaml, served the way the README says: pool, deploy, worker.
+
+Shared by the CLI test and the browser test, which both need a worker running the
+`transfer-learning/on-demand` deployment against the session's Prefect server.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+POOL = "ddp-pool"
+
+
+def cli_environment(prefect_home: Path) -> dict[str, str]:
+    """The Prefect CLI's environment: the session's server, a scratch home, this repo as PWD."""
+    return dict(os.environ, PREFECT_HOME=str(prefect_home), PWD=str(REPO),
+                PREFECT_SERVER_ANALYTICS_ENABLED="false", NO_COLOR="1", COLUMNS="200")
+
+
+def prefect_cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`prefect ARGS` from the repo's root with this interpreter; never raises on failure."""
+    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"{result.args} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+@contextmanager
+def deployed_with_worker(prefect_home: Path, log: Path) -> Iterator[dict[str, str]]:
+    """Create the work pool, deploy prefect.yaml, start a worker; yield the CLI environment."""
+    env = cli_environment(prefect_home)
+    check(prefect_cli(env, "work-pool", "create", POOL, "--type", "process", "--overwrite"))
+    check(prefect_cli(env, "--no-prompt", "deploy", "--all"))
+    with open(log, "wb") as sink:
+        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL],
+                                  cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        yield env
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()

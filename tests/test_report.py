@@ -1,0 +1,48 @@
+"""The final report: curves as an inline PNG, the promotion verdict, text the UI shows whole."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+
+from PIL import Image
+
+from tasks.manifest import Manifest
+from tasks.plots import markdown_image, training_curves_png
+from tasks.promotion import Promotion
+from tasks.report import promotion_markdown, report_markdown
+from tasks.reporting import markdown_table
+
+HISTORY = [{"epoch": e, "train_loss": 1.0 / e, "train_acc": 0.3 * e, "val_loss": 1.2 / e, "val_acc": 0.25 * e,
+            "lr": 0.01, "seconds": 1.5} for e in (1, 2, 3)]
+
+
+def test_curves_are_a_png_that_renders_inline():
+    png = training_curves_png(HISTORY)
+    image = Image.open(io.BytesIO(png))
+    assert image.format == "PNG" and image.width > 2 * image.height
+    markdown = markdown_image(png, "curves")
+    encoded = re.fullmatch(r"!\[curves\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown).group(1)
+    assert base64.b64decode(encoded) == png
+
+
+def test_the_report_shows_curves_and_says_whether_the_model_was_promoted():
+    summary = {"history": HISTORY, "final_val_acc": 0.75, "best_val_acc": 0.75, "best_epoch": 3,
+               "train_size": 30, "val_size": 9, "world_size": 2,
+               "ranks": [{"rank": 0, "worker_address": "tcp://a:1"}, {"rank": 1, "worker_address": "tcp://b:1"}],
+               "files": {"model.pt": "s3://b/out/run/model.pt"}}
+    manifest = Manifest(root="s3://b/images", classes=["a", "b", "c"], paths=["a/1.jpg"], labels=[0], sizes=[1])
+    refused = Promotion(promoted=False, reason="final_val_acc 0.7500 is worse than 0.8000 of owl, which stays",
+                        latest_url="s3://b/out/nightly/latest")
+    report = report_markdown(summary, manifest, markdown_image(training_curves_png(HISTORY), "curves"),
+                             promotion_markdown(refused, None))
+    assert "![curves](data:image/png;base64," in report
+    assert "**Not promoted** to `s3://b/out/nightly/latest`: final_val_acc 0.7500 is worse than 0.8000 of owl" in report
+    assert "| 3 | 0.3333 | 0.9 | 0.4 | 0.75 | 0.01 | 1.5 |" in report
+    assert "outside a deployment" in promotion_markdown(None, None)
+
+
+def test_table_cells_keep_angle_brackets_and_pipes_visible():
+    table = markdown_table(["key", "error"], [["a|b.jpg", "cannot identify image file <_io.BytesIO object>\nat 0x1"]])
+    assert "| a\\|b.jpg | cannot identify image file &lt;_io.BytesIO object&gt; at 0x1 |" in table
