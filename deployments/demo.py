@@ -66,7 +66,7 @@ def serve_demo_images(stack: ExitStack, logs: Path, per_class: int) -> str:
     return BLOCK
 
 
-def demo_parameters(epochs: int, output: str) -> dict:
+def demo_parameters(epochs: int, output: str, model_name: str | None = None) -> dict:
     """The flow's parameters for the demo images: a run of about a minute on 2 CPU cores."""
     return {
         "data": DataConfig(block=BLOCK, index_cache_minutes=0),
@@ -76,26 +76,34 @@ def demo_parameters(epochs: int, output: str) -> dict:
             weight_decay=1e-4, num_workers=0,
         ),
         "cluster": ClusterConfig(n_workers=2),
-        "output": OutputConfig(url=output),
+        "output": OutputConfig(url=output, model_name=model_name),
     }
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_demo_args(doc: str, argv: list[str] | None, epochs: int) -> argparse.Namespace:
+    """The options of the commands that train on the demo images."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--per-class", type=int, default=120, help="images per class")
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=epochs)
     parser.add_argument("--output", default="demo-output", help="local folder or s3:// url")
     return parser.parse_args(argv)
 
 
+def use_prefect_server(stack: ExitStack, logs: Path, port: int | None = None) -> str:
+    """The server PREFECT_API_URL names, else a `prefect server start` that `stack` stops;
+    this process talks to it from here on. Returns its API URL."""
+    api_url = os.environ.get("PREFECT_API_URL") or stack.enter_context(prefect_server(logs, port=port))
+    stack.enter_context(temporary_settings({PREFECT_API_URL: api_url}))
+    return api_url
+
+
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+    args = parse_demo_args(__doc__, argv, epochs=6)
     logs = Path(tempfile.mkdtemp(prefix="prefect-ddp-demo-"))
     with ExitStack() as stack:
-        api_url = os.environ.get("PREFECT_API_URL") or stack.enter_context(prefect_server(logs))
-        stack.enter_context(temporary_settings({PREFECT_API_URL: api_url}))
+        use_prefect_server(stack, logs)
         serve_demo_images(stack, logs, args.per_class)
-        summary = transfer_learning(**demo_parameters(args.epochs, args.output))
+        summary = transfer_learning(**demo_parameters(args.epochs, args.output, model_name="demo"))
         # Ship the last log lines before the server they go to stops.
         APILogWorker.drain_all(timeout=5)
     print(f"\nValidation accuracy: {summary['final_val_acc']:.3f} "
@@ -103,6 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{1 / 3:.3f})")
     print(f"Model:  {summary['files']['model.pt']}")
     print(f"Report: {summary['files']['report.md']}")
+    promotion = summary["promotion"]
+    print(f"Kept model: {'promoted to' if promotion['promoted'] else 'not promoted; still'} "
+          f"{promotion['latest_url']} ({promotion['reason']})")
     print(f"To browse the run: prefect server start, then open http://127.0.0.1:4200/runs "
           f"(server logs: {logs})")
     return summary

@@ -37,18 +37,26 @@ def wait_until_up(url: str, process: subprocess.Popen, timeout_s: float, log: Pa
 
 
 @contextmanager
-def child_process(args: list[str], health_url: str, log: Path, timeout_s: float, env: dict | None = None) -> Iterator[None]:
+def running(args: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> Iterator[subprocess.Popen]:
+    """`args` as a child process writing to `log`, stopped (then killed) when the block ends."""
     with open(log, "wb") as sink:
-        process = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
-        wait_until_up(health_url, process, timeout_s, log)
-        yield
+        yield process
     finally:
         process.terminate()
         try:
-            process.wait(timeout=20)
+            process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@contextmanager
+def child_process(args: list[str], health_url: str, log: Path, timeout_s: float, env: dict | None = None) -> Iterator[None]:
+    """A server as a child process, once its `health_url` answers."""
+    with running(args, log, env) as process:
+        wait_until_up(health_url, process, timeout_s, log)
+        yield
 
 
 @contextmanager
@@ -62,16 +70,18 @@ def moto_s3_server(log_dir: Path) -> Iterator[str]:
 
 
 @contextmanager
-def prefect_server(log_dir: Path, database: Path | None = None, port: int | None = None) -> Iterator[str]:
+def prefect_server(log_dir: Path, database: Path | None = None, port: int | None = None,
+                   settings: dict[str, str] | None = None) -> Iterator[str]:
     """`prefect server start` on 127.0.0.1 (SQLite); yields its API URL.
 
     `database` defaults to the one in PREFECT_HOME, so a later `prefect server start`
-    shows the same runs in the UI. `port` defaults to a free one.
+    shows the same runs in the UI. `port` defaults to a free one. `settings` are extra
+    PREFECT_* environment variables for the server.
     """
     port = port or free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     # The UI calls 127.0.0.1:4200/api unless told its own server's address (DESIGN 9).
-    env = dict(os.environ, **SERVER_ENVIRONMENT, PREFECT_UI_API_URL=api_url)
+    env = dict(os.environ, **SERVER_ENVIRONMENT, PREFECT_UI_API_URL=api_url, **(settings or {}))
     env.pop("PREFECT_API_URL", None)
     if database:
         env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{database}"

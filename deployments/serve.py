@@ -12,18 +12,22 @@ printed link, press Run (or Custom run to change the form). Ctrl-C stops everyth
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
+import subprocess
+import sys
 import tempfile
-from contextlib import ExitStack
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from prefect import serve
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.client.orchestration import get_client
+from prefect.exceptions import ObjectNotFound
 
-from deployments.demo import demo_parameters, serve_demo_images
-from deployments.local_services import prefect_server
+from deployments.demo import demo_parameters, parse_demo_args, serve_demo_images, use_prefect_server
+from deployments.local_services import running
 from flows.transfer_learning import transfer_learning
 from tasks.gang import free_port
 
@@ -36,22 +40,11 @@ def port_is_free(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--per-class", type=int, default=120, help="demo images per class")
-    parser.add_argument("--epochs", type=int, default=4, help="the Run form's default epochs")
-    parser.add_argument("--output", default="demo-output", help="local folder or s3:// url")
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_demo_args(__doc__, argv, epochs=4)
     logs = Path(tempfile.mkdtemp(prefix="prefect-ddp-serve-"))
     with ExitStack() as stack:
-        api_url = os.environ.get("PREFECT_API_URL") or stack.enter_context(
-            prefect_server(logs, port=UI_PORT if port_is_free(UI_PORT) else free_port())
-        )
-        stack.enter_context(temporary_settings({PREFECT_API_URL: api_url}))
+        api_url = use_prefect_server(stack, logs, port=UI_PORT if port_is_free(UI_PORT) else free_port())
         serve_demo_images(stack, logs, args.per_class)
         parameters = {name: config.model_dump(exclude_defaults=True)
                       for name, config in demo_parameters(args.epochs, os.path.abspath(args.output)).items()}
@@ -64,6 +57,28 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Serving transfer-learning/{DEPLOYMENT}. Open {ui}/deployments and press Run; "
               f"Ctrl-C stops. Server and S3 logs: {logs}", flush=True)
         serve(deployment)
+
+
+@contextmanager
+def serving(api_url: str, log: Path, *args: str, timeout_s: float = 180) -> Iterator[str]:
+    """`python -m deployments.serve ARGS` in a child process against `api_url`; yields the
+    served deployment's id once it is registered, and stops the process at the end."""
+    env = dict(os.environ, PREFECT_API_URL=api_url, PYTHONUNBUFFERED="1")
+    with running([sys.executable, "-m", "deployments.serve", *args], log, env) as process:
+        yield wait_for_deployment(f"transfer-learning/{DEPLOYMENT}", process, log, timeout_s)
+
+
+def wait_for_deployment(name: str, process: subprocess.Popen, log: Path, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as api:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"deployments.serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                return str(api.read_deployment_by_name(name).id)
+            except ObjectNotFound:
+                time.sleep(1)
+    raise TimeoutError(f"{name} was not served within {timeout_s:.0f}s; see {log}")
 
 
 if __name__ == "__main__":

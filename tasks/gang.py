@@ -34,6 +34,7 @@ the supervisor's job (`max_restarts`).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -61,6 +62,11 @@ R = TypeVar("R")
 # Surviving gloo ranks fail within ~5 s of a peer's death (DESIGN 4); give them this long
 # to record their own failure before they are cancelled.
 FAILURE_GRACE_S = 15.0
+# When one rank raises, its peers fail milliseconds later on the closed connection; wait
+# this long for them so the report names the rank that failed first-hand.
+PEER_FAILURE_WINDOW_S = 5.0
+# What a rank reports when a peer, not itself, went wrong (gloo and NCCL wordings).
+PEER_LOSS = re.compile(r"closed by peer|reset by peer|Broken pipe|remote process exited|Connection refused", re.I)
 WORKER_RETURN_TIMEOUT_S = 60.0
 
 
@@ -299,9 +305,10 @@ def _supervise(
     pending = dict(zip((f.wrapped_future for f in futures), contexts))
     while pending:
         wait_for(client, list(pending), poll_s, return_when="FIRST_COMPLETED")
-        for dask_future in [f for f in pending if f.done()]:
-            ctx = pending.pop(dask_future)
-            _raise_unless_completed(dask_future, ctx)
+        failures = _collect_failures(pending)
+        if failures:
+            wait_for(client, list(pending), PEER_FAILURE_WINDOW_S)
+            raise GangError(_root_cause_first(failures + _collect_failures(pending)))
         if not pending:
             return
         alive = set(client.scheduler_info()["workers"])
@@ -315,12 +322,25 @@ def _supervise(
             raise GangError(f"The gang did not finish within its timeout; ranks {sorted(c.rank for c in pending.values())} were still running.")
 
 
-def _raise_unless_completed(dask_future: distributed.Future, ctx: RankContext) -> None:
-    if dask_future.status == "error":
-        raise GangError(f"Rank {ctx.rank} on {ctx.worker_address} failed in Dask: {dask_future.exception()!r}")
-    state = dask_future.result()
-    if not state.is_completed():
-        raise GangError(f"Rank {ctx.rank} on {ctx.worker_address} ended {state.type.value}: {state.message}")
+def _collect_failures(pending: dict[distributed.Future, RankContext]) -> list[str]:
+    """Take the finished ranks out of `pending`; returns why each one that did not complete failed."""
+    failures = []
+    for dask_future in [f for f in pending if f.done()]:
+        ctx = pending.pop(dask_future)
+        if dask_future.status == "error":
+            failures.append(f"Rank {ctx.rank} on {ctx.worker_address} failed in Dask: {dask_future.exception()!r}")
+            continue
+        state = dask_future.result()
+        if not state.is_completed():
+            failures.append(f"Rank {ctx.rank} on {ctx.worker_address} ended {state.type.value}: {state.message}")
+    return failures
+
+
+def _root_cause_first(failures: list[str]) -> str:
+    """One message, the ranks that failed first-hand before those that only lost a peer."""
+    ordered = sorted(failures, key=lambda message: bool(PEER_LOSS.search(message)))
+    others = f" (then {len(ordered) - 1} more rank(s) failed: {'; '.join(ordered[1:])})" if len(ordered) > 1 else ""
+    return ordered[0] + others
 
 
 def _stop(client: distributed.Client, futures: list[PrefectDaskFuture], contexts: list[RankContext]) -> None:

@@ -50,7 +50,10 @@ def prefect_api(prefect_home: Path) -> Iterator[str]:
     """`prefect server start` on a fresh SQLite file; this process and its children use it."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with prefect_server(prefect_home, database=prefect_home / "prefect.db") as api_url:
+    # The scheduler looks for deployments to schedule every 60 s by default; the test of the
+    # nightly schedule should not wait that long.
+    fast_scheduler = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "3"}
+    with prefect_server(prefect_home, database=prefect_home / "prefect.db", settings=fast_scheduler) as api_url:
         previous = os.environ.get("PREFECT_API_URL")
         os.environ["PREFECT_API_URL"] = api_url
         try:

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from deployments.local_services import running
+
 REPO = Path(__file__).resolve().parent.parent
 POOL = "ddp-pool"
 
@@ -40,14 +42,5 @@ def deployed_with_worker(prefect_home: Path, log: Path) -> Iterator[dict[str, st
     env = cli_environment(prefect_home)
     check(prefect_cli(env, "work-pool", "create", POOL, "--type", "process", "--overwrite"))
     check(prefect_cli(env, "--no-prompt", "deploy", "--all"))
-    with open(log, "wb") as sink:
-        worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL],
-                                  cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    try:
+    with running([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL], log, env, cwd=REPO):
         yield env
-    finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()

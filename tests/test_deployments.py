@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,14 @@ from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
     DeploymentFilter,
+    DeploymentFilterId,
     DeploymentFilterName,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
 )
 
-from tests.deployed import check, prefect_cli
+from tests.deployed import REPO, check, prefect_cli
 
 TINY_TRAINING = '{"batch_size": 4, "image_size": 32, "num_workers": 0}'
 
@@ -28,7 +33,8 @@ def on_demand_runs() -> list:
 def test_the_on_demand_deployment_runs_from_the_cli_with_nested_parameters(deployments, tmp_path):
     result = check(prefect_cli(
         deployments, "deployment", "run", "transfer-learning/on-demand",
-        "--param", "data_block=test-images",
+        # Listed afresh, so this run leaves its own image-index artifact.
+        "--param", 'data={"block": "test-images", "index_cache_minutes": 0}',
         "--param", "epochs=1",
         "--param", f"training={TINY_TRAINING}",
         "--param", 'cluster={"n_workers": 2, "init_timeout_s": 60}',
@@ -67,11 +73,28 @@ def test_invalid_parameters_are_refused_before_a_run_exists(deployments, param, 
     assert len(on_demand_runs()) == before  # refused by the server: no run, no cluster
 
 
+def scheduled_runs(deployment_id, timeout_s: float) -> list:
+    """The deployment's runs the server's scheduler created, once there are any."""
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as api:
+        while True:
+            runs = api.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED"]))),
+            )
+            if runs or time.monotonic() > deadline:
+                return runs
+            time.sleep(1)
+
+
 @pytest.mark.slow
-def test_the_nightly_deployment_has_its_schedule_and_names_a_data_block(deployments):
+def test_the_nightly_schedule_creates_runs_at_two_in_the_morning(deployments):
     with get_client(sync_client=True) as api:
         nightly = api.read_deployment_by_name("transfer-learning/nightly")
     assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
     assert nightly.parameters["data"]["block"] == "images-nightly"
     assert nightly.parameters["model"]["warm_start"] is True
-    assert Path(nightly.pull_steps[0]["prefect.deployments.steps.set_working_directory"]["directory"]).is_dir()
+    assert Path(nightly.pull_steps[0]["prefect.deployments.steps.set_working_directory"]["directory"]) == REPO
+    # With SQLAlchemy 2.1 prefect 3.8.8's scheduler failed here and no run was ever created.
+    runs = scheduled_runs(nightly.id, timeout_s=60)
+    assert runs and all((r.expected_start_time.hour, r.expected_start_time.minute) == (2, 0) for r in runs)

@@ -1,0 +1,68 @@
+"""The Run form as people see it, in headless Chromium against the session's `prefect server start`."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import expect
+from prefect.client.orchestration import get_client
+
+from deployments.browser import HOW_TO_GET_CHROMIUM, chromium_path, flow_run_by_name, prefect_ui, wait_for_final_state
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ui(deployments, prefect_api):
+    if chromium_path() is None:
+        pytest.skip(f"the browser test needs Chromium; enable it with: {HOW_TO_GET_CHROMIUM}")
+    with prefect_ui(prefect_api.removesuffix("/api")) as ui:
+        yield ui
+
+
+@pytest.fixture(scope="module")
+def on_demand_id(deployments) -> str:
+    with get_client(sync_client=True) as api:
+        return str(api.read_deployment_by_name("transfer-learning/on-demand").id)
+
+
+def test_the_run_form_renders_typed_fields_with_their_help_text(ui, on_demand_id):
+    ui.open_run_form(on_demand_id)
+    training = ui.field("training (Optional)")
+    assert "epochs, batch size, optimizer" in ui.description(training)
+    assert ui.description(ui.field("Epochs (Optional)", training)) == "Passes over the training images."
+    assert ui.field("Lr (Optional)", training).locator("input[type=number]").count() == 1
+    assert ui.description(ui.field("epochs (Optional)")).startswith("Shortcut: sets training.epochs")
+    data = ui.field("data (Optional)")
+    ui.choose(data, "DataConfig")
+    # The help text that once showed as '//.jpg': every word must reach the screen.
+    assert "Image folder laid out as URL/CLASS/IMAGE.jpg: s3://bucket/prefix" in ui.description(ui.field("Url (Optional)", data))
+    optimizer = ui.field("Optimizer (Optional)", training).locator(".p-select-button__control")
+    expect(optimizer).to_have_text("sgd")
+
+
+def test_a_custom_run_from_the_form_completes_with_its_artifacts(ui, on_demand_id, tmp_path_factory):
+    output = tmp_path_factory.mktemp("browser-run")
+    # The tiny recipe arrives prefilled; a person types the data block and the epochs.
+    ui.open_run_form(on_demand_id, prefill={
+        "training": {"batch_size": 4, "image_size": 32, "num_workers": 0, "epochs": 3},
+        "cluster": {"n_workers": 2, "init_timeout_s": 60},
+        "output": {"url": str(output)},
+    })
+    data = ui.field("data (Optional)")
+    ui.choose(data, "DataConfig")
+    block = ui.field("Block (Optional)", data)
+    ui.choose(block, "str")
+    block.locator("textarea").fill("test-images")
+    ui.field("Epochs (Optional)", ui.field("training (Optional)")).locator("input").fill("1")
+    name = ui.submit_run(on_demand_id)
+
+    run = flow_run_by_name(name)
+    assert run.parameters["data"]["block"] == "test-images" and run.parameters["training"]["epochs"] == 1
+    assert wait_for_final_state(run.id, timeout_s=300) == "COMPLETED"
+    ui.open_flow_run(str(run.id))
+    report = ui.open_artifact("training-report")
+    expect(report).to_contain_text("Transfer learning report")
+    expect(report).to_contain_text("Promoted to")
+    curves = report.locator("img.markdown-renderer__image").first
+    expect(curves).to_be_visible()
+    assert curves.evaluate("img => img.naturalWidth") > 300  # the PNG decoded, not a broken icon
