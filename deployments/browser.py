@@ -61,8 +61,10 @@ class PrefectUI:
         return (scope or self.page).locator(".schema-form-property").filter(has=own_label).first
 
     @staticmethod
-    def description(field: Locator) -> str:
-        return field.locator(":scope > .p-label__header .schema-form-property__description").inner_text()
+    def description(field: Locator) -> Locator:
+        """The field's help text; rendered from markdown after the field, so assert on it with
+        `expect(...)`, which waits, rather than reading it once."""
+        return field.locator(":scope > .p-label__header .schema-form-property__description")
 
     def open_run_form(self, deployment_id: str, prefill: dict | None = None) -> None:
         """The deployment's custom Run form, by its Run button, optionally prefilled."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from prefect import flow
 from prefect.runtime import deployment, flow_run
+from prefect.states import Completed, State
 from prefect_dask import DaskTaskRunner
 
 from blocks.cluster import DaskCluster
@@ -42,6 +43,7 @@ from tasks.config import (
     with_overrides,
 )
 from tasks.gang import run_gang
+from tasks.gang.trial import current_trial
 from tasks.indexing import index_images
 from tasks.promotion import WarmStart, find_warm_start, latest_location, promote
 from tasks.report import publish_report
@@ -125,7 +127,7 @@ def transfer_learning(
     epochs: Epochs = None,
     lr: LearningRate = None,
     batch_size: BatchSize = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Fine-tune a torchvision backbone on an image folder with DDP across Dask workers.
 
     Args:
@@ -167,8 +169,14 @@ def transfer_learning(
             init_timeout=timedelta(seconds=cluster.init_timeout_s),
             timeout=timedelta(seconds=cluster.gang_timeout_s) if cluster.gang_timeout_s else None,
             max_restarts=cluster.max_restarts,
+            lease_timeout=timedelta(seconds=cluster.lease_timeout_s),
+            trial=current_trial(),
         )
     summary = aggregate(results, manifest, split, out)
+    if summary["pruned_at"]:  # a sweep stopped it early: a partial model is kept by no one
+        publish_report(summary, manifest, out, None, warm)
+        return Completed(name="Pruned", message=f"pruned at epoch {summary['pruned_at']}",
+                         data=summary | {"promotion": None})
     run = {"name": run_name, "flow_run_id": str(flow_run.get_id())}
     promotion = promote(summary, out, latest, run) if latest else None
     publish_report(summary, manifest, out, promotion, warm)

@@ -48,6 +48,7 @@ def summarize(results: list[dict[str, Any]], split: Split) -> dict[str, Any]:
         "best_val_acc": best["val_acc"],
         "final_val_acc": history[-1]["val_acc"],
         "final_val_loss": history[-1]["val_loss"],
+        "pruned_at": results[0].get("pruned_at"),
     }
 
 

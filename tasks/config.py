@@ -127,6 +127,10 @@ class ClusterConfig(_Strict):
     max_restarts: int = Field(
         1, ge=0, le=10, description="Re-form the gang this often after a rank or worker fails."
     )
+    lease_timeout_s: int = Field(
+        600, ge=0, le=86400,
+        description="How long to wait for enough workers that no other run holds before failing.",
+    )
 
     @model_validator(mode="after")
     def _block_or_address(self) -> ClusterConfig:

@@ -26,6 +26,10 @@ def training_curves_png(history: list[dict[str, Any]]) -> bytes:
         axes.set_xticks(epochs)
         axes.grid(alpha=0.3)
         axes.legend()
+    return png_bytes(figure)
+
+
+def png_bytes(figure: Figure) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     return buffer.getvalue()

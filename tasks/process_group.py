@@ -73,6 +73,15 @@ def all_reduce_sum(values: list[float], device: torch.device | str = "cpu") -> l
     return tensor.tolist()
 
 
+def broadcast_flag(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """Rank 0's `flag` on every rank; the flag itself without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.broadcast(tensor, src=0)
+    return bool(tensor.item())
+
+
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """DistributedDataParallel when there is a process group, else the model itself."""
     if not (dist.is_available() and dist.is_initialized()):

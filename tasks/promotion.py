@@ -56,7 +56,7 @@ def latest_location(output_base: DataLocation, name: str) -> DataLocation:
 def decide(new_metric: float, current: dict[str, Any] | None) -> tuple[bool, str]:
     """The promotion rule: promote when there is no kept model or the new one is as good."""
     if current is None:
-        return True, f"first model kept under this name ({METRIC} {new_metric:.4f})"
+        return True, f"first model kept under this name, {METRIC} {new_metric:.4f}"
     old = current[METRIC]
     run = current.get("run", {}).get("name", "an earlier run")
     if new_metric >= old:

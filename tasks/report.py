@@ -20,10 +20,12 @@ from tasks.retries import retry_transient
 from tasks.storage import child_url, write_bytes
 
 
-def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None) -> str:
+def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None, pruned_at: int | None = None) -> str:
     started = f"Warm-started from the kept model of run `{warm.run}`" + (
         " (all weights).\n\n" if warm.with_head else " (backbone only: the classes changed).\n\n"
     ) if warm else ""
+    if pruned_at:
+        return started + f"**Pruned** by the sweep after epoch {pruned_at}: not promoted.\n"
     if promotion is None:
         return started + ("Not promoted: the run is outside a deployment and sets no "
                           "output.model_name, so no model is kept for it.\n")
@@ -57,7 +59,7 @@ def publish_report(summary: dict[str, Any], manifest: Manifest, output: DataLoca
     png = training_curves_png(summary["history"])
     write_bytes(child_url(output.url, "curves.png"), png, options)
     report = report_markdown(summary, manifest, markdown_image(png, "loss and accuracy per epoch"),
-                             promotion_markdown(promotion, warm))
+                             promotion_markdown(promotion, warm, summary.get("pruned_at")))
     write_bytes(child_url(output.url, "report.md"), report.encode(), options)
     create_markdown_artifact(key="training-report", markdown=report, description="Final report")
     return report

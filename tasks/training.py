@@ -235,6 +235,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         log.log(level, "Rank %d resumed from %s after epoch %d", ctx.rank, checkpoint_url, start_epoch)
     progress = ProgressReporter(ctx, job.training.epochs, log)
     local_train_samples: list[int] = []
+    pruned_at = None
     for epoch in range(start_epoch, job.training.epochs):
         started = time.monotonic()
         train_loader.sampler.set_epoch(epoch)
@@ -253,6 +254,10 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         if ctx.is_main:
             save_checkpoint(checkpoint_url, output, model, optimizer, scheduler, scaler, epoch, history)
             progress.epoch_done(history)
+        if ctx.report(record["epoch"], record):  # a sweep's pruner stops every rank here
+            pruned_at = record["epoch"]
+            log.log(level, "Pruned by the sweep after epoch %d", pruned_at)
+            break
     if ctx.is_main:
         save_torch(child_url(job.output.url, "model.pt"), model.state_dict(), output)
         write_json(child_url(job.output.url, "model.json"),
@@ -263,6 +268,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         "split_digest": job.split.digest(job.manifest),
         "local_train_samples": local_train_samples,
         "history": history,
+        "pruned_at": pruned_at,
     }
 
 

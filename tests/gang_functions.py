@@ -44,3 +44,21 @@ def sleep_past_the_deadline(ctx: RankContext, config: dict) -> dict:
     """A rank that will not stop by itself (as one blocked in a collective would not)."""
     time.sleep(config["seconds"])
     return report_rank(ctx, config)
+
+
+def hold_worker(ctx: RankContext, config: dict) -> dict:
+    """Keep the gang's workers busy for a while; say where and when."""
+    started = time.time()
+    time.sleep(config["seconds"])
+    return {"worker": ctx.worker_address, "started": started, "ended": time.time()}
+
+
+def report_every_epoch(ctx: RankContext, config: dict) -> dict:
+    """A sweep trainable: the loss falls with epochs, faster with a larger lr; stops when told."""
+    losses = []
+    for epoch in range(1, config["epochs"] + 1):
+        loss = all_reduce_sum([1.0 / (1.0 + config["lr"] * epoch)])[0] / ctx.world_size
+        losses.append(loss)
+        if ctx.report(epoch, {"loss": loss}):
+            break
+    return {"losses": losses, "rank": ctx.rank}

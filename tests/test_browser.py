@@ -28,14 +28,15 @@ def on_demand_id(deployments) -> str:
 def test_the_run_form_renders_typed_fields_with_their_help_text(ui, on_demand_id):
     ui.open_run_form(on_demand_id)
     training = ui.field("training (Optional)")
-    assert "epochs, batch size, optimizer" in ui.description(training)
-    assert ui.description(ui.field("Epochs (Optional)", training)) == "Passes over the training images."
-    assert ui.field("Lr (Optional)", training).locator("input[type=number]").count() == 1
-    assert ui.description(ui.field("epochs (Optional)")).startswith("Shortcut: sets training.epochs")
+    expect(ui.description(training)).to_contain_text("epochs, batch size, optimizer")
+    expect(ui.description(ui.field("Epochs (Optional)", training))).to_have_text("Passes over the training images.")
+    expect(ui.field("Lr (Optional)", training).locator("input[type=number]")).to_have_count(1)
+    expect(ui.description(ui.field("epochs (Optional)"))).to_contain_text("Shortcut: sets training.epochs")
     data = ui.field("data (Optional)")
     ui.choose(data, "DataConfig")
     # The help text that once showed as '//.jpg': every word must reach the screen.
-    assert "Image folder laid out as URL/CLASS/IMAGE.jpg: s3://bucket/prefix" in ui.description(ui.field("Url (Optional)", data))
+    expect(ui.description(ui.field("Url (Optional)", data))).to_contain_text(
+        "Image folder laid out as URL/CLASS/IMAGE.jpg: s3://bucket/prefix")
     optimizer = ui.field("Optimizer (Optional)", training).locator(".p-select-button__control")
     expect(optimizer).to_have_text("sgd")
 

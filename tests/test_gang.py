@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import copy_context
 from datetime import timedelta
 
 import pytest
@@ -12,6 +15,7 @@ from tasks.gang import GangError, run_gang
 from tests.api_helpers import rank_task_runs
 from tests.gang_functions import (
     fail_on_rank_1,
+    hold_worker,
     kill_worker_on_rank_1,
     report_rank,
     sleep_past_the_deadline,
@@ -20,13 +24,14 @@ from tests.gang_functions import (
 
 @flow(name="gang-test")
 def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None = None, max_restarts: int = 0,
-              timeout_s: float | None = None):
+              timeout_s: float | None = None, lease_timeout_s: float = 600):
     fn = {"report": report_rank, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
-          "sleep": sleep_past_the_deadline}[fn_name]
+          "sleep": sleep_past_the_deadline, "hold": hold_worker}[fn_name]
     with DaskTaskRunner(address=address) as runner:
         return run_gang(fn, config, task_runner=runner, world_size=world_size, max_restarts=max_restarts,
                         init_timeout=timedelta(seconds=60),
-                        timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+                        timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+                        lease_timeout=timedelta(seconds=lease_timeout_s))
 
 
 def test_one_rank_per_worker_agreeing_on_the_world(dask_cluster):
@@ -89,3 +94,26 @@ def test_ranks_past_the_deadline_are_stopped_and_their_workers_freed(dask_cluste
     # The stuck ranks' workers were restarted, so the next gang runs at once.
     results = gang_flow(dask_cluster.scheduler_address, "report", {})
     assert [r["rank_sum"] for r in results] == [1.0, 1.0]
+
+
+def test_two_gangs_at_once_never_share_a_worker(dask_cluster):
+    with ThreadPoolExecutor(2) as pool:
+        # copy_context: each thread talks to the session's server, as this one does.
+        runs = [pool.submit(copy_context().run, gang_flow, dask_cluster.scheduler_address, "hold", {"seconds": 3},
+                            world_size=1) for _ in range(2)]
+        (a,), (b,) = [run.result() for run in runs]
+    assert a["worker"] != b["worker"]
+    assert a["started"] < b["ended"] and b["started"] < a["ended"]  # side by side, not one after the other
+
+
+def test_a_gang_waits_for_free_workers_then_names_who_holds_them(dask_cluster):
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(copy_context().run, gang_flow, dask_cluster.scheduler_address, "hold", {"seconds": 12})
+        time.sleep(5)  # the first gang has leased both workers
+        started = time.monotonic()
+        with pytest.raises(GangError, match=r"needs 1 free workers, but after waiting 2s fewer of the cluster's 2 are free\. "
+                                            r"Held: tcp://\S+ by flow run \S+ \(.+\); tcp://\S+ by flow run"):
+            gang_flow(dask_cluster.scheduler_address, "report", {}, world_size=1, lease_timeout_s=2)
+        assert time.monotonic() - started >= 2
+        assert len(holder.result()) == 2  # the holder was not disturbed
+    assert [r["rank_sum"] for r in gang_flow(dask_cluster.scheduler_address, "report", {})] == [1.0, 1.0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tasks.gang import plan_ranks
+from tasks.gang.plan import plan_ranks
 from tasks.process_group import (
     all_reduce_sum,
     default_backend,
@@ -61,10 +61,10 @@ def test_a_second_group_in_one_process_is_refused():
 
 
 def test_the_rank_that_failed_first_hand_is_named_before_its_peers():
-    from tasks.gang import _root_cause_first
+    from tasks.gang.supervise import root_cause_first
 
     peer = "Rank 0 on tcp://a:1 ended FAILED: RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:1"
     own = "Rank 1 on tcp://b:1 ended FAILED: RuntimeError: boom on rank 1"
-    message = _root_cause_first([peer, own])
+    message = root_cause_first([peer, own])
     assert message.startswith(own) and message.endswith(f"(then 1 more rank(s) failed: {peer})")
-    assert _root_cause_first([own]) == own
+    assert root_cause_first([own]) == own

@@ -1,0 +1,40 @@
+"""The DDP gang: run one per-rank function on several Dask workers as one torch world.
+
+A gang is one Prefect task run per rank, each pinned to its own leased Dask worker, that
+agree on world size, ranks and a master address before `init_process_group`. A supervisor
+in the flow watches them; when a rank fails, a worker leaves or the deadline passes, it
+stops every rank, records a final state for each, and re-forms the gang on the workers
+that are alive, on a new port (the training function resumes from its checkpoint).
+
+Before, with dask-pytorch-ddp:
+
+    from dask_pytorch_ddp import dispatch, results
+    futures = dispatch.run(client, train, lr=0.1)       # fixed port 23456, no timeout
+    outputs = client.gather(futures)                    # hangs forever if a worker dies
+
+After:
+
+    from prefect import flow
+    from prefect_dask import DaskTaskRunner
+    from prefect_ddp import RankContext, run_gang
+
+    def train(ctx: RankContext, config: dict) -> float:
+        ...  # torch.distributed is initialised; ctx.rank, ctx.world_size, ctx.device
+        return loss
+
+    @flow(task_runner=DaskTaskRunner(cluster_kwargs={"n_workers": 2}))
+    def my_flow():
+        losses = run_gang(train, {"lr": 0.1})           # one result per rank, rank order
+
+One module per concern: `plan` (probes, ports, ranks), `lease` (workers held by one gang
+at a time), `rank` (the pinned task), `supervise` (watch, stop, re-form), `states`
+(final states for every rank's task run), `sending` (functions from scripts and
+notebooks), `trial` (reporting to a sweep), and `run` with `run_gang` at the front.
+"""
+
+from tasks.gang.context import GangError, RankContext
+from tasks.gang.plan import free_port
+from tasks.gang.run import run_gang
+from tasks.gang.trial import TrialLink
+
+__all__ = ["GangError", "RankContext", "TrialLink", "free_port", "run_gang"]

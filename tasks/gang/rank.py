@@ -1,0 +1,59 @@
+"""One rank of a gang: a Prefect task run pinned to its Dask worker.
+
+Rank tasks have no Prefect retries on purpose: a retry would run in the same worker
+process, alone, and could never re-form a process group with the others. Retrying is
+the supervisor's job (`max_restarts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import distributed
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.gang.context import RankContext
+from tasks.process_group import process_group
+
+R = TypeVar("R")
+
+
+def limit_threads(ctx: RankContext, cpus: int) -> None:
+    """Share the host's cores between the ranks on it instead of each taking all of them."""
+    import torch
+
+    torch.set_num_threads(max(1, cpus // ctx.local_world_size))
+    if ctx.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(ctx.device))
+
+
+def leave_worker_thread_pool() -> None:
+    """Let the worker run other tasks beside this rank (decode checks of another run).
+
+    A rank holds its worker for the whole training; without this, any other task Dask
+    placed on that worker would wait for the training to end. Leases (not the thread
+    pool) keep two ranks off one worker.
+    """
+    try:
+        distributed.secede()
+    except ValueError:  # not inside a Dask worker (a unit test calling the task's fn)
+        pass
+
+
+@task(name="ddp-rank", retries=0, cache_policy=NO_CACHE, persist_result=False)
+def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankContext, cpus: int) -> R:
+    """One rank: join the process group, run the training function, always leave the group."""
+    leave_worker_thread_pool()
+    limit_threads(ctx, cpus)
+    with process_group(
+        backend=ctx.backend,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        master_addr=ctx.master_addr,
+        master_port=ctx.master_port,
+        timeout=timedelta(seconds=ctx.init_timeout_s),
+    ):
+        return train_fn(ctx, config)

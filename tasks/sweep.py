@@ -1,0 +1,260 @@
+"""Many trials of one trainable on one cluster: Optuna asks, trials train, Optuna is told.
+
+Optuna is the engine (ask/tell with its samplers and pruners). Each trial's gang reports
+its metric after every epoch through `ctx.report`, which is where the pruner decides and
+where this module reads each trial's curve from afterwards, whatever the trainable. The
+study lives in SQLite under the sweep's output (or an RDB URL), so running a sweep again
+under the same name continues it: finished trials are not trained again, and trials a
+crash left running are tried again with the same parameters.
+
+Trials run concurrently on a pool of `concurrency` threads, each with a copy of the
+flow's Prefect context; their gangs take disjoint workers of the one cluster through
+worker leases. (Not as Prefect task runs: a task run's function and parameters travel
+with every Dask task started inside it, and a trial's are not meant to travel.)
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from datetime import timedelta
+from typing import Any, Literal
+
+from prefect_dask import DaskTaskRunner
+from pydantic import BaseModel, ConfigDict, Field
+
+from blocks.data_location import DataLocation
+from tasks.gang import run_gang
+from tasks.gang.run import current_dask_runner
+from tasks.gang.trial import PRUNED_AT, TrialLink
+from tasks.reporting import run_logger
+from tasks.search_space import Dimension, Value, distributions, grid, grid_size, with_params
+from tasks.storage import child_url, safe_segment
+
+# Trial outcomes, kept on the Optuna trial as user attributes.
+OUTCOME = "outcome"
+INTERRUPTED = "interrupted"
+
+
+class SweepSettings(BaseModel):
+    """How a sweep searches: how many trials, how many at once, what it optimises and how."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("sweep", description="Names the study; running the same name again continues it.")
+    n_trials: int = Field(8, ge=1, le=1000, description="Trials in the study, counting finished ones.")
+    concurrency: int = Field(2, ge=1, le=64, description="Trials training at the same time, each on its own workers.")
+    ranks_per_trial: int = Field(1, ge=1, le=256, description="Workers (DDP ranks) each trial trains on.")
+    metric: str = Field("val_acc", description="The per-epoch metric to optimise, as the trials report it.")
+    direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether more of the metric is better.")
+    sampler: Literal["grid", "random", "tpe"] = Field(
+        "tpe", description="grid: every combination (every dimension kind grid); random; tpe: Optuna's TPE."
+    )
+    pruner: Literal["none", "median", "hyperband"] = Field(
+        "median", description="Stops trials early: median (worse than the median so far), hyperband, or none."
+    )
+    startup_trials: int = Field(
+        2, ge=0, le=100, description="Trials that must finish before the median pruner stops others."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the sampler.")
+    first_trials: list[dict[str, Value]] = Field(
+        default_factory=list, description="Parameter sets to try first, e.g. a configuration known to work."
+    )
+    storage: str | None = Field(
+        None, description="Optuna storage URL (postgresql://...); empty: SQLite in the sweep's output folder."
+    )
+    lease_timeout_s: int = Field(
+        1800, ge=0, description="How long a trial waits for free workers before it fails."
+    )
+
+
+def study_storage(settings: SweepSettings, output_url: str) -> str:
+    """Where the study lives: the given URL, or SQLite in `<output>/<name>/` (a local folder)."""
+    if settings.storage:
+        return settings.storage
+    if "://" in output_url and not output_url.startswith("file://"):
+        raise ValueError(
+            f"The sweep keeps its Optuna study in SQLite under output.url, which must then be a "
+            f"local folder; got {output_url!r}. Set settings.storage to a database URL "
+            "(postgresql://...), or use a local output folder."
+        )
+    folder = child_url(os.path.abspath(output_url.removeprefix("file://")), safe_segment(settings.name))
+    os.makedirs(folder, exist_ok=True)
+    return f"sqlite:///{folder}/study.db"
+
+
+def make_sampler(settings: SweepSettings, space: dict[str, Dimension]) -> Any:
+    import optuna
+
+    class AskTellGridSampler(optuna.samplers.GridSampler):
+        """GridSampler for ask/tell: it calls study.stop() once the grid is done, which
+        raises outside study.optimize; here `trials_left` counts the grid instead."""
+
+        def after_trial(self, study, trial, state, values) -> None:
+            pass
+
+    if settings.sampler == "grid":
+        return AskTellGridSampler(grid(space), seed=settings.seed)
+    if settings.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=settings.seed)
+    return optuna.samplers.TPESampler(seed=settings.seed)
+
+
+def make_pruner(settings: SweepSettings, max_epochs: int | str) -> Any:
+    import optuna
+
+    if settings.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=settings.startup_trials, n_warmup_steps=0)
+    if settings.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=max_epochs)
+    return optuna.pruners.NopPruner()
+
+
+def open_study(settings: SweepSettings, space: dict[str, Dimension], storage: str, max_epochs: int | str) -> Any:
+    """Create the study, or load it when a sweep of this name ran before (resume)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(
+        study_name=settings.name, storage=storage, direction=settings.direction,
+        sampler=make_sampler(settings, space), pruner=make_pruner(settings, max_epochs),
+        load_if_exists=True,
+    )
+
+
+def trials_left(study: Any, settings: SweepSettings, space: dict[str, Dimension]) -> int:
+    """How many trials still to train; trials a crash left running are queued again."""
+    from optuna.trial import TrialState
+
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
+        study.tell(trial.number, state=TrialState.FAIL)
+        study.enqueue_trial(trial.params)
+    if not study.trials:
+        for params in settings.first_trials:
+            study.enqueue_trial(params)
+    done = [t for t in study.trials if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED)]
+    wanted = min(settings.n_trials, grid_size(space)) if settings.sampler == "grid" else settings.n_trials
+    return max(0, wanted - len(done))
+
+
+def run_trials(
+    study: Any, space: dict[str, Dimension], settings: SweepSettings, storage: str,
+    train_trial: Callable[[Any, TrialLink], dict[str, Any]],
+) -> None:
+    """Ask for trials, `concurrency` at a time, until the study has `n_trials` finished ones.
+
+    `train_trial(trial, link)` trains one trial and returns its outcome (state, message,
+    run, model_url); it runs in a thread of its own.
+    """
+    to_run = trials_left(study, settings, space)
+    log = run_logger()
+    log.info("Sweep %r: %d trial(s) to train, %d at a time.", settings.name, to_run, settings.concurrency)
+    pending: dict[Future, tuple[Any, float]] = {}
+    with ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="trial") as pool:
+        while to_run or pending:
+            while to_run and len(pending) < settings.concurrency:
+                trial = study.ask(distributions(space))
+                link = TrialLink(storage=storage, study_name=study.study_name, trial_id=trial._trial_id,
+                                 metric=settings.metric, pruner=study.pruner)
+                # Each thread gets the flow's context, so its runs are this flow run's children.
+                future = pool.submit(contextvars.copy_context().run, train_trial, trial, link)
+                pending[future] = (trial, time.monotonic())
+                to_run -= 1
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                trial, started = pending.pop(future)
+                tell(study, trial, outcome_of(future) | {"seconds": round(time.monotonic() - started, 1)})
+
+
+def outcome_of(future: Future) -> dict[str, Any]:
+    try:
+        return future.result()
+    except Exception as exc:  # one failed trial is a result of the sweep, not its end
+        return {"state": "failed", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def tell(study: Any, trial: Any, outcome: dict[str, Any]) -> None:
+    """Record a finished trial: its outcome, and its value (best reported) or its state."""
+    from optuna.trial import TrialState
+
+    trial.set_user_attr(OUTCOME, outcome)
+    (recorded,) = [t for t in study.get_trials(deepcopy=False) if t.number == trial.number]
+    values = list(recorded.intermediate_values.values())
+    log = run_logger()
+    if PRUNED_AT in recorded.user_attrs:
+        study.tell(trial, state=TrialState.PRUNED)
+    elif outcome["state"] == "completed" and values:
+        study.tell(trial, max(values) if study.direction.name == "MAXIMIZE" else min(values))
+    else:
+        reason = outcome.get("message") or "it reported no metric: call ctx.report(epoch, metrics) every epoch"
+        log.warning("Trial %d failed: %s", trial.number, reason)
+        study.tell(trial, state=TrialState.FAIL)
+    log.info("Trial %d: %s.", trial.number, study.get_trials(deepcopy=False)[trial.number].state.name.lower())
+
+
+def trial_run_name(number: int, params: dict[str, Any]) -> str:
+    """A run name that shows the trial's parameters: 'trial-3 lr=0.001 batch_size=16'."""
+    shown = " ".join(f"{path.split('.')[-1]}={value:.3g}" if isinstance(value, float) else f"{path.split('.')[-1]}={value}"
+                     for path, value in params.items())
+    return f"trial-{number} {shown}"
+
+
+def gang_trial(train_fn: Callable, config: dict[str, Any], link: TrialLink, settings: SweepSettings,
+               runner: DaskTaskRunner) -> dict[str, Any]:
+    """One trial of a user's trainable: a gang on leased workers, reporting to the study."""
+    results = run_gang(train_fn, config, task_runner=runner, world_size=settings.ranks_per_trial,
+                       trial=link, lease_timeout=timedelta(seconds=settings.lease_timeout_s))
+    first = results[0] if isinstance(results[0], dict) else {}
+    return {"state": "completed", "model_url": first.get("model_url")}
+
+
+def sweep(
+    train_fn: Callable,
+    config: dict[str, Any],
+    space: dict[str, Dimension | dict[str, Any]],
+    settings: SweepSettings | None = None,
+    *,
+    task_runner: DaskTaskRunner | None = None,
+    output: DataLocation | str = "./outputs",
+) -> dict[str, Any]:
+    """Sweep any per-rank training function over `space`, on the current flow's Dask cluster.
+
+    Each trial runs `train_fn(ctx, config)` as a gang of `settings.ranks_per_trial` ranks
+    with the trial's parameters set in `config` (dotted keys reach into nested dicts). The
+    function reports its metric every epoch with `if ctx.report(epoch, {"loss": loss}):
+    break`; the pruner's answer reaches every rank together.
+
+    Args:
+        train_fn: the per-rank function, as for `run_gang`.
+        config: the base configuration every trial starts from.
+        space: per dotted key of `config`, how to draw it (a `Dimension` or its dict).
+        settings: trials, concurrency, metric and direction, sampler, pruner, name.
+        task_runner: the DaskTaskRunner; default: the current flow's.
+        output: where the study (SQLite), `sweep.json` and the plots go.
+
+    Returns:
+        What `sweep.json` holds: every trial (best first), the best one, importances.
+
+    Example:
+        >>> sweep(train, {"lr": 0.1, "epochs": 5},                      # doctest: +SKIP
+        ...       {"lr": {"kind": "log_uniform", "low": 1e-4, "high": 1e-1}},
+        ...       SweepSettings(n_trials=8, metric="loss", direction="minimize"))
+    """
+    from tasks.sweep_report import publish_sweep_report
+
+    settings = settings or SweepSettings()
+    space = {path: Dimension.model_validate(dimension) for path, dimension in space.items()}
+    runner = task_runner or current_dask_runner()
+    output = output if isinstance(output, DataLocation) else DataLocation(url=os.path.abspath(output))
+    storage = study_storage(settings, output.url)
+    study = open_study(settings, space, storage, max_epochs=config.get("epochs", "auto"))
+
+    def train_trial(trial: Any, link: TrialLink) -> dict[str, Any]:
+        return gang_trial(train_fn, with_params(config, trial.params), link, settings, runner)
+
+    run_trials(study, space, settings, storage, train_trial)
+    return publish_sweep_report(study, settings, output)

@@ -1,0 +1,127 @@
+"""What a person compares after a sweep: a table sorted by the metric, and the two plots of
+the Dask tutorial this project grew from (the metric per epoch, and against wall time),
+for every trial; Optuna's parameter importances when there are enough trials; the best
+trial's model. Everything is read back from the study, so a resumed sweep reports the
+trials of every earlier attempt too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from matplotlib.figure import Figure
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+
+from tasks.gang.trial import REPORTED_AT
+from tasks.plots import markdown_image, png_bytes
+from tasks.reporting import markdown_table, run_logger
+from blocks.data_location import DataLocation
+from tasks.storage import child_url, safe_segment, write_bytes, write_json
+from tasks.sweep import INTERRUPTED, OUTCOME, SweepSettings
+
+MIN_TRIALS_FOR_IMPORTANCE = 3
+
+
+def trial_rows(study: Any) -> list[dict[str, Any]]:
+    """One record per trial the sweep ran (not those a crash interrupted), best first."""
+    maximize = study.direction.name == "MAXIMIZE"
+    rows = []
+    for trial in study.get_trials(deepcopy=False):
+        if trial.user_attrs.get(INTERRUPTED) or not trial.state.is_finished():
+            continue
+        curve = sorted(trial.intermediate_values.items())
+        outcome = trial.user_attrs.get(OUTCOME, {})
+        best_epoch = (max if maximize else min)(curve, key=lambda p: p[1])[0] if curve else None
+        start = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
+        rows.append({
+            "trial": trial.number,
+            "params": trial.params,
+            "state": state_text(trial.state.name, outcome, curve),
+            "value": trial.value if trial.value is not None else (dict(curve).get(best_epoch) if curve else None),
+            "best_epoch": best_epoch,
+            "seconds": outcome.get("seconds"),
+            "run": outcome.get("run"),
+            "model_url": outcome.get("model_url"),
+            "workers": outcome.get("workers"),
+            "curve": [{"epoch": e, "value": v, "elapsed_s": trial.user_attrs.get(f"{REPORTED_AT}{e}", start) - start}
+                      for e, v in curve],
+        })
+    missing = float("-inf") if maximize else float("inf")
+    return sorted(rows, key=lambda r: r["value"] if r["value"] is not None else missing, reverse=maximize)
+
+
+def state_text(state: str, outcome: dict[str, Any], curve: list) -> str:
+    if state == "PRUNED":
+        return f"pruned at epoch {curve[-1][0]}" if curve else "pruned"
+    if state == "FAIL":
+        return f"failed: {outcome.get('message') or 'no metric reported'}"
+    return "completed"
+
+
+def curves_png(rows: list[dict[str, Any]], metric: str) -> bytes:
+    """The tutorial's two plots side by side: metric per epoch, metric against wall time."""
+    figure = Figure(figsize=(10, 3.6), dpi=90, layout="constrained")
+    per_epoch, per_second = figure.subplots(1, 2)
+    for row in sorted(rows, key=lambda r: r["trial"]):
+        label = f"trial {row['trial']}"
+        per_epoch.plot([p["epoch"] for p in row["curve"]], [p["value"] for p in row["curve"]], "o-", label=label)
+        per_second.plot([p["elapsed_s"] for p in row["curve"]], [p["value"] for p in row["curve"]], "o-", label=label)
+    for axes, xlabel in ((per_epoch, "epoch"), (per_second, "wall time (s)")):
+        axes.set_xlabel(xlabel)
+        axes.set_ylabel(metric)
+        axes.grid(alpha=0.3)
+    per_epoch.legend(fontsize="small")
+    return png_bytes(figure)
+
+
+def importances(study: Any) -> dict[str, float] | None:
+    """Optuna's parameter importances, when enough trials completed to say anything."""
+    import optuna
+    from optuna.trial import TrialState
+
+    completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if len(completed) < MIN_TRIALS_FOR_IMPORTANCE or len(study.best_trial.params) < 2:
+        return None
+    try:
+        return optuna.importance.get_param_importances(study)
+    except Exception as exc:  # too little variation for the evaluator: say so, keep the report
+        run_logger().info("No parameter importances: %s", exc)
+        return None
+
+
+def sweep_markdown(settings: SweepSettings, rows: list[dict[str, Any]], plot: str,
+                   weights: dict[str, float] | None) -> str:
+    best = next((r for r in rows if r["state"] == "completed"), None)
+    table = markdown_table(
+        ["trial", "parameters", "best epoch", settings.metric, "seconds", "state", "run"],
+        [[r["trial"], ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["params"].items()),
+          r["best_epoch"], r["value"], r["seconds"], r["state"], r["run"]] for r in rows],
+    )
+    lines = [f"# Sweep {settings.name}: {len(rows)} trials, {settings.direction} {settings.metric}\n"]
+    if best:
+        lines.append(f"**Best: trial {best['trial']}**, {settings.metric} {best['value']:.4g} at epoch "
+                     f"{best['best_epoch']}; model `{best['model_url']}`.\n")
+    lines += ["## Trials\n", table, "## Curves\n", plot, ""]
+    if weights:
+        lines += ["## Parameter importances\n",
+                  markdown_table(["parameter", "importance"], [[k, v] for k, v in weights.items()])]
+    return "\n".join(lines)
+
+
+@task(name="sweep-report")
+def publish_sweep_report(study: Any, settings: SweepSettings, output: DataLocation) -> dict[str, Any]:
+    """The comparison artifact and `<output>/<name>/sweep.json`; returns what sweep.json holds."""
+    rows = trial_rows(study)
+    weights = importances(study)
+    folder, options = child_url(output.url, safe_segment(settings.name)), output.storage_options()
+    png = curves_png(rows, settings.metric)
+    write_bytes(child_url(folder, "curves.png"), png, options)
+    markdown = sweep_markdown(settings, rows, markdown_image(png, f"{settings.metric} per epoch and against wall time"), weights)
+    best = next((r for r in rows if r["state"] == "completed"), None)
+    record = {"name": settings.name, "metric": settings.metric, "direction": settings.direction,
+              "best": best, "trials": rows, "importances": weights}
+    write_json(child_url(folder, "sweep.json"), record, options)
+    write_bytes(child_url(folder, "report.md"), markdown.encode(), options)
+    create_markdown_artifact(key="sweep-comparison", markdown=markdown, description=f"Sweep {settings.name}")
+    return record

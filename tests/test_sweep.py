@@ -1,0 +1,94 @@
+"""Sweeps on the session's LocalCluster of 2 workers: trials side by side, pruning, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+)
+
+from flows.sweep import hyperparameter_sweep
+from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+from tasks.sweep import SweepSettings
+from tests.image_folders import local_image_folder
+
+pytestmark = pytest.mark.slow
+GOOD, BAD = 0.001, 8.0  # lr 8 with SGD diverges: its val loss is the worst at epoch 1
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("sweep-images")
+    local_image_folder(root, per_class=6)
+    return str(root)
+
+
+def run_sweep(images: str, dask_cluster, output: Path, settings: SweepSettings, kind: str = "choice"):
+    return hyperparameter_sweep(
+        space={"training.lr": {"kind": kind, "values": [GOOD, BAD]}},
+        settings=settings,
+        data=DataConfig(url=images, index_cache_minutes=0),
+        model=ModelConfig(backbone="mobilenet_v3_small"),
+        training=TrainingConfig(epochs=3, batch_size=4, image_size=32, num_workers=0, optimizer="sgd",
+                                scheduler="none"),
+        cluster=ClusterConfig(address=dask_cluster.scheduler_address, init_timeout_s=60),
+        output=OutputConfig(url=str(output)),
+        return_state=True,
+    )
+
+
+def child_runs(flow_run_id) -> dict:
+    with get_client(sync_client=True) as api:
+        runs = api.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+    return {run.name.split()[0]: run for run in runs}
+
+
+def test_trials_train_side_by_side_the_pruned_one_says_so_and_the_sweep_compares_them(images, dask_cluster, tmp_path):
+    # Two good trials first, so the median pruner has finished trials to judge the bad ones by.
+    settings = SweepSettings(
+        name="side-by-side", n_trials=4, concurrency=2, metric="val_loss", direction="minimize",
+        sampler="random", pruner="median", startup_trials=1,
+        first_trials=[{"training.lr": lr} for lr in (GOOD, GOOD, BAD, BAD)],
+    )
+    state = run_sweep(images, dask_cluster, tmp_path, settings)
+    record = state.result()
+    trials = {row["trial"]: row for row in record["trials"]}
+    assert sorted(trials) == [0, 1, 2, 3]
+    assert trials[2]["state"] == "pruned at epoch 1" and trials[3]["state"] == "pruned at epoch 1"
+    assert record["best"]["params"] == {"training.lr": GOOD} and Path(record["best"]["model_url"]).exists()
+
+    runs = child_runs(state.state_details.flow_run_id)
+    first, second = runs["trial-0"], runs["trial-1"]
+    assert first.start_time < second.end_time and second.start_time < first.end_time  # side by side
+    assert trials[0]["workers"] != trials[1]["workers"]  # on their own workers
+    assert runs["trial-2"].state.name == "Pruned" and runs["trial-2"].state.message == "pruned at epoch 1"
+
+    folder = tmp_path / "side-by-side"
+    assert json.loads((folder / "sweep.json").read_text())["best"]["trial"] == record["best"]["trial"]
+    assert (folder / "curves.png").stat().st_size > 10_000 and (folder / "study.db").exists()
+    with get_client(sync_client=True) as api:
+        artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    comparison = next(a for a in artifacts if a.key == "sweep-comparison").data
+    assert "| trial | parameters | best epoch | val_loss | seconds | state | run |" in comparison
+    assert "pruned at epoch 1" in comparison and "![val_loss per epoch and against wall time](data:image/png;base64," in comparison
+
+
+def test_a_sweep_run_again_under_its_name_trains_only_the_trials_left(images, dask_cluster, tmp_path):
+    settings = SweepSettings(name="resumed", n_trials=2, concurrency=2, sampler="grid", pruner="none",
+                             metric="val_acc")
+    first = run_sweep(images, dask_cluster, tmp_path, settings, kind="grid")
+    assert len(first.result()["trials"]) == 2 and len(child_runs(first.state_details.flow_run_id)) == 2
+    # The grid has two points: asking for 3 trials of it trains nothing more.
+    again = run_sweep(images, dask_cluster, tmp_path, settings.model_copy(update={"n_trials": 3}), kind="grid")
+    assert len(again.result()["trials"]) == 2 and child_runs(again.state_details.flow_run_id) == {}
+    more = run_sweep(images, dask_cluster, tmp_path,
+                     settings.model_copy(update={"n_trials": 3, "sampler": "random"}))
+    assert len(more.result()["trials"]) == 3 and list(child_runs(more.state_details.flow_run_id)) == ["trial-2"]
