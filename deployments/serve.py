@@ -6,8 +6,10 @@ No work pool and no worker: `prefect.serve` polls for runs of its deployments an
 each in a child process. This starts `prefect server start` on 127.0.0.1:4200 (another
 free port if that one is taken) unless PREFECT_API_URL points at a running server, serves
 the demo images from moto's S3 server as the `demo-images` block, and serves
-`transfer-learning/laptop`, whose defaults train on them in about a minute. Open the
-printed link, press Run (or Custom run to change the form). Ctrl-C stops everything.
+`transfer-learning/laptop`, whose defaults train on them in about a minute, and
+`hyperparameter-sweep/laptop-sweep`, four trials over lr and batch size on the same
+images. Open the printed link, press Run (or Custom run to change the form). Ctrl-C
+stops everything.
 """
 
 from __future__ import annotations
@@ -28,11 +30,16 @@ from prefect.exceptions import ObjectNotFound
 
 from deployments.demo import demo_parameters, parse_demo_args, serve_demo_images, use_prefect_server
 from deployments.local_services import running
+from flows.sweep import hyperparameter_sweep
 from flows.transfer_learning import transfer_learning
 from tasks.gang import free_port
 
 UI_PORT = 4200
 DEPLOYMENT = "laptop"
+LAPTOP_SPACE = {
+    "training.lr": {"kind": "log_uniform", "low": 0.0003, "high": 0.003},
+    "training.batch_size": {"kind": "choice", "values": [16, 32]},
+}
 
 
 def port_is_free(port: int) -> bool:
@@ -53,10 +60,15 @@ def main(argv: list[str] | None = None) -> None:
             description="Trains on the demo images (block demo-images) in about a minute. "
             "Press Run, or Custom run to change the form.",
         )
+        sweep = hyperparameter_sweep.to_deployment(
+            name=f"{DEPLOYMENT}-sweep", parameters=parameters | {"space": LAPTOP_SPACE, "settings": {
+                "name": "laptop-sweep", "n_trials": 4, "concurrency": 2}},
+            description="Four trials over lr and batch size on the demo images, two at a time.",
+        )
         ui = api_url.removesuffix("/api")
-        print(f"Serving transfer-learning/{DEPLOYMENT}. Open {ui}/deployments and press Run; "
-              f"Ctrl-C stops. Server and S3 logs: {logs}", flush=True)
-        serve(deployment)
+        print(f"Serving transfer-learning/{DEPLOYMENT} and hyperparameter-sweep/{DEPLOYMENT}-sweep. "
+              f"Open {ui}/deployments and press Run; Ctrl-C stops. Server and S3 logs: {logs}", flush=True)
+        serve(deployment, sweep)
 
 
 @contextmanager

@@ -127,10 +127,11 @@ def open_study(settings: SweepSettings, space: dict[str, Dimension], storage: st
 
 def trials_left(study: Any, settings: SweepSettings, space: dict[str, Dimension]) -> int:
     """How many trials still to train; trials a crash left running are queued again."""
+    import optuna
     from optuna.trial import TrialState
 
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        study.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
+        optuna.trial.Trial(study, trial._trial_id).set_user_attr(INTERRUPTED, True)
         study.tell(trial.number, state=TrialState.FAIL)
         study.enqueue_trial(trial.params)
     if not study.trials:

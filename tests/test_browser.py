@@ -67,3 +67,12 @@ def test_a_custom_run_from_the_form_completes_with_its_artifacts(ui, on_demand_i
     curves = report.locator("img.markdown-renderer__image").first
     expect(curves).to_be_visible()
     assert curves.evaluate("img => img.naturalWidth") > 300  # the PNG decoded, not a broken icon
+
+
+def test_the_sweep_run_form_takes_the_search_space(ui, deployments):
+    with get_client(sync_client=True) as api:
+        sweep_id = str(api.read_deployment_by_name("hyperparameter-sweep/ui-sweep").id)
+    ui.open_run_form(sweep_id)
+    expect(ui.description(ui.field("space"))).to_contain_text("Per dotted path (training.lr, training.batch_size")
+    settings = ui.field("settings (Optional)")
+    expect(ui.description(ui.field("Pruner (Optional)", settings))).to_contain_text("median")

@@ -98,3 +98,13 @@ def test_the_nightly_schedule_creates_runs_at_two_in_the_morning(deployments):
     # With SQLAlchemy 2.1 prefect 3.8.8's scheduler failed here and no run was ever created.
     runs = scheduled_runs(nightly.id, timeout_s=60)
     assert runs and all((r.expected_start_time.hour, r.expected_start_time.minute) == (2, 0) for r in runs)
+
+
+@pytest.mark.slow
+def test_the_ui_sweep_deployment_takes_a_search_space(deployments):
+    with get_client(sync_client=True) as api:
+        sweep = api.read_deployment_by_name("hyperparameter-sweep/ui-sweep")
+    space = sweep.parameter_openapi_schema["properties"]["space"]
+    assert space["additionalProperties"] == {"$ref": "#/definitions/Dimension"}
+    assert set(sweep.parameter_openapi_schema["definitions"]["Dimension"]["properties"]) == {"kind", "values", "low", "high"}
+    assert sweep.parameters["space"]["training.lr"]["kind"] == "log_uniform"

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from blocks.cluster import DaskCluster
 from blocks.data_location import DataLocation
+from flows.sweep import hyperparameter_sweep
 from flows.transfer_learning import kept_model_name, transfer_learning
 from tasks.config import DataConfig, ModelConfig, OutputConfig, TrainingConfig, with_overrides
 
@@ -66,6 +67,8 @@ def ui_texts() -> dict[str, str]:
     texts = {
         "flow parameters": json.dumps(parameter_schema(transfer_learning).model_dump()),
         "flow description": transfer_learning.description,
+        "sweep parameters": json.dumps(parameter_schema(hyperparameter_sweep).model_dump()),
+        "sweep description": hyperparameter_sweep.description,
         "data-location block": json.dumps(DataLocation.model_json_schema()) + DataLocation._description,
         "dask-cluster block": json.dumps(DaskCluster.model_json_schema()) + DaskCluster._description,
     }
@@ -79,8 +82,9 @@ def test_no_text_the_ui_shows_holds_an_html_tag(name, text):
     assert not HTML_TAG.findall(text), f"{name} holds {HTML_TAG.findall(text)}, which the UI drops"
 
 
-def test_every_form_field_has_help_text():
-    schema = parameter_schema(transfer_learning).model_dump()
+@pytest.mark.parametrize("flow", [transfer_learning, hyperparameter_sweep], ids=lambda f: f.name)
+def test_every_form_field_has_help_text(flow):
+    schema = parameter_schema(flow).model_dump()
     missing = [name for name, field in schema["properties"].items() if not field.get("description")]
     for model_name, model in schema["definitions"].items():
         missing += [f"{model_name}.{f}" for f, spec in model["properties"].items() if not spec.get("description")]

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect_dask import DaskTaskRunner
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
@@ -16,7 +18,8 @@ from prefect.client.schemas.filters import (
 
 from flows.sweep import hyperparameter_sweep
 from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
-from tasks.sweep import SweepSettings
+from tasks.sweep import SweepSettings, sweep
+from tests.gang_functions import report_every_epoch
 from tests.image_folders import local_image_folder
 
 pytestmark = pytest.mark.slow
@@ -92,3 +95,25 @@ def test_a_sweep_run_again_under_its_name_trains_only_the_trials_left(images, da
     more = run_sweep(images, dask_cluster, tmp_path,
                      settings.model_copy(update={"n_trials": 3, "sampler": "random"}))
     assert len(more.result()["trials"]) == 3 and list(child_runs(more.state_details.flow_run_id)) == ["trial-2"]
+
+
+@flow(name="custom-sweep")
+def custom_sweep(address: str, output: str, settings: SweepSettings) -> dict:
+    with DaskTaskRunner(address=address) as runner:
+        return sweep(report_every_epoch, {"lr": 1.0, "epochs": 4},
+                     {"lr": {"kind": "log_uniform", "low": 0.01, "high": 10.0}},
+                     settings, task_runner=runner, output=output)
+
+
+def test_any_trainable_sweeps_and_a_pruned_two_rank_trial_stops_on_both_ranks(dask_cluster, tmp_path):
+    # Trial 1's lr is tiny, so its loss stays high: the median pruner stops it at epoch 1,
+    # and both of its ranks must learn it or the next all-reduce would wait forever.
+    settings = SweepSettings(name="custom", n_trials=2, concurrency=1, ranks_per_trial=2, metric="loss",
+                             direction="minimize", sampler="random", pruner="median", startup_trials=1,
+                             first_trials=[{"lr": 5.0}, {"lr": 0.01}])
+    record = custom_sweep(dask_cluster.scheduler_address, str(tmp_path), settings)
+    trials = {row["trial"]: row for row in record["trials"]}
+    assert trials[0]["state"] == "completed" and [p["epoch"] for p in trials[0]["curve"]] == [1, 2, 3, 4]
+    assert trials[1]["state"] == "pruned at epoch 1" and len(trials[1]["curve"]) == 1
+    assert record["best"]["params"] == {"lr": 5.0}
+    assert (tmp_path / "custom" / "sweep.json").exists()

@@ -18,7 +18,7 @@ from tasks.gang.context import GangError, RankContext
 from tasks.gang.lease import leased_workers
 from tasks.gang.plan import free_port, plan_ranks, probe_worker
 from tasks.gang.rank import run_rank
-from tasks.gang.sending import check_sendable
+from tasks.gang.sending import prepare_to_send
 from tasks.gang.supervise import stop, supervise, wait_for_workers
 from tasks.gang.trial import TrialLink
 from tasks.reporting import run_logger
@@ -76,9 +76,9 @@ def run_gang(
     Example:
         >>> results = run_gang(train, {"lr": 0.1}, world_size=2)  # doctest: +SKIP
     """
-    check_sendable(train_fn, config)
     runner = task_runner or current_dask_runner()
     client = runner.client
+    prepare_to_send(client, train_fn, config)
     log = run_logger()
     for attempt in range(max_restarts + 1):
         with leased_workers(client, world_size, lease_holder(), lease_timeout.total_seconds()) as addresses:

@@ -1,0 +1,36 @@
+"""prefect-ddp's public API in one import: the DDP gang, sweeps, the flows and the blocks.
+
+    from prefect_ddp import RankContext, run_gang, sweep
+
+Everything here is what users build on; the modules under `tasks`, `flows` and `blocks`
+may change shape between releases, these names will not.
+"""
+
+from blocks.cluster import DaskCluster
+from blocks.data_location import DataLocation
+from flows.sweep import hyperparameter_sweep
+from flows.transfer_learning import transfer_learning
+from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+from tasks.dataset import S3ImageFolder
+from tasks.gang import GangError, RankContext, run_gang
+from tasks.search_space import Dimension
+from tasks.sweep import SweepSettings, sweep
+
+__all__ = [
+    "ClusterConfig",
+    "DaskCluster",
+    "DataConfig",
+    "DataLocation",
+    "Dimension",
+    "GangError",
+    "ModelConfig",
+    "OutputConfig",
+    "RankContext",
+    "S3ImageFolder",
+    "SweepSettings",
+    "TrainingConfig",
+    "hyperparameter_sweep",
+    "run_gang",
+    "sweep",
+    "transfer_learning",
+]

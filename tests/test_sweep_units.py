@@ -1,0 +1,77 @@
+"""The sweep's parts without a cluster: the space, resuming, the comparison."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from pydantic import ValidationError
+
+from flows.sweep import check_space
+from tasks.search_space import Dimension, grid, with_params
+from tasks.sweep import INTERRUPTED, SweepSettings, make_sampler, trial_run_name, trials_left
+from tasks.sweep_report import importances, sweep_markdown, trial_rows
+
+SPACE = {"training.lr": Dimension(kind="log_uniform", low=1e-4, high=1e-1),
+         "training.batch_size": Dimension(kind="grid", values=[16, 32])}
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"kind": "choice"}, "kind='choice' needs values, a non-empty list; got None"),
+    ({"kind": "uniform", "low": 1.0, "high": 0.5}, "kind='uniform' needs low < high; got low=1.0, high=0.5"),
+    ({"kind": "log_uniform", "low": 0.0, "high": 1.0}, "kind='log_uniform' needs low > 0; got low=0.0"),
+    ({"kind": "normal", "low": 0.0, "high": 1.0}, "kind"),
+])
+def test_a_bad_dimension_says_what_it_needs(spec, message):
+    with pytest.raises(ValidationError, match=message):
+        Dimension.model_validate(spec)
+
+
+def test_the_grid_sampler_needs_a_grid_and_says_which_dimensions_are_not():
+    with pytest.raises(ValueError, match=r"\['training.lr'\] are not"):
+        make_sampler(SweepSettings(sampler="grid"), SPACE)
+    assert grid({"training.batch_size": SPACE["training.batch_size"]}) == {"training.batch_size": [16, 32]}
+
+
+def test_a_path_that_names_no_parameter_is_refused():
+    with pytest.raises(ValueError, match="names 'training.lrr', which is no parameter of transfer-learning"):
+        check_space({"training.lrr": SPACE["training.lr"]})
+    check_space(SPACE)
+
+
+def test_trial_parameters_reach_into_the_nested_config():
+    base = {"training": {"lr": 0.1, "epochs": 3}, "model": {"backbone": "resnet18"}}
+    changed = with_params(base, {"training.lr": 0.01, "model.backbone": "resnet50"})
+    assert changed == {"training": {"lr": 0.01, "epochs": 3}, "model": {"backbone": "resnet50"}}
+    assert base["training"]["lr"] == 0.1  # the base is not changed
+    assert trial_run_name(3, {"training.lr": 0.0012345, "training.batch_size": 32}) == "trial-3 lr=0.00123 batch_size=32"
+
+
+def test_a_resumed_study_retries_what_a_crash_left_running_and_counts_the_rest():
+    study = optuna.create_study(direction="maximize")
+    settings = SweepSettings(n_trials=4)
+    done = study.ask({"training.lr": SPACE["training.lr"].distribution()})
+    study.tell(done, 0.5)
+    crashed = study.ask({"training.lr": SPACE["training.lr"].distribution()})  # left RUNNING
+    assert trials_left(study, settings, SPACE) == 3
+    assert study.trials[crashed.number].state == TrialState.FAIL and study.trials[crashed.number].user_attrs[INTERRUPTED]
+    retried = study.ask({"training.lr": SPACE["training.lr"].distribution()})
+    assert retried.params == crashed.params  # queued again with the same parameters
+
+
+def test_the_comparison_sorts_by_the_metric_and_weighs_parameters():
+    study = optuna.create_study(direction="minimize", sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(4):
+        trial = study.ask({"lr": SPACE["training.lr"].distribution(), "bs": optuna.distributions.IntDistribution(8, 64)})
+        for epoch in (1, 2):
+            trial.report(trial.params["lr"] * 10 / epoch, epoch)
+        trial.set_user_attr("outcome", {"state": "completed", "run": f"trial-{trial.number}", "seconds": 1.0,
+                                        "model_url": f"/out/t{trial.number}/model.pt"})
+        study.tell(trial, trial.params["lr"] * 5)
+    rows = trial_rows(study)
+    assert [r["value"] for r in rows] == sorted(r["value"] for r in rows)
+    assert rows[0]["best_epoch"] == 2 and rows[0]["state"] == "completed"
+    weights = importances(study)
+    assert weights is not None and set(weights) == {"lr", "bs"}
+    markdown = sweep_markdown(SweepSettings(metric="loss", direction="minimize"), rows, "PLOT", weights)
+    assert f"**Best: trial {rows[0]['trial']}**" in markdown and "## Parameter importances" in markdown
