@@ -23,6 +23,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Any, Literal
 
+import optuna
+from optuna.trial import TrialState
 from prefect_dask import DaskTaskRunner
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -86,16 +88,15 @@ def study_storage(settings: SweepSettings, output_url: str) -> str:
     return f"sqlite:///{folder}/study.db"
 
 
-def make_sampler(settings: SweepSettings, space: dict[str, Dimension]) -> Any:
-    import optuna
+class AskTellGridSampler(optuna.samplers.GridSampler):
+    """GridSampler for ask/tell: it calls study.stop() once the grid is done, which raises
+    outside study.optimize; here `trials_left` counts the grid instead."""
 
-    class AskTellGridSampler(optuna.samplers.GridSampler):
-        """GridSampler for ask/tell: it calls study.stop() once the grid is done, which
-        raises outside study.optimize; here `trials_left` counts the grid instead."""
+    def after_trial(self, study, trial, state, values) -> None:
+        pass
 
-        def after_trial(self, study, trial, state, values) -> None:
-            pass
 
+def make_sampler(settings: SweepSettings, space: dict[str, Dimension]) -> optuna.samplers.BaseSampler:
     if settings.sampler == "grid":
         return AskTellGridSampler(grid(space), seed=settings.seed)
     if settings.sampler == "random":
@@ -103,9 +104,7 @@ def make_sampler(settings: SweepSettings, space: dict[str, Dimension]) -> Any:
     return optuna.samplers.TPESampler(seed=settings.seed)
 
 
-def make_pruner(settings: SweepSettings, max_epochs: int | str) -> Any:
-    import optuna
-
+def make_pruner(settings: SweepSettings, max_epochs: int | str) -> optuna.pruners.BasePruner:
     if settings.pruner == "median":
         return optuna.pruners.MedianPruner(n_startup_trials=settings.startup_trials, n_warmup_steps=0)
     if settings.pruner == "hyperband":
@@ -113,10 +112,8 @@ def make_pruner(settings: SweepSettings, max_epochs: int | str) -> Any:
     return optuna.pruners.NopPruner()
 
 
-def open_study(settings: SweepSettings, space: dict[str, Dimension], storage: str, max_epochs: int | str) -> Any:
+def open_study(settings: SweepSettings, space: dict[str, Dimension], storage: str, max_epochs: int | str) -> optuna.Study:
     """Create the study, or load it when a sweep of this name ran before (resume)."""
-    import optuna
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna.create_study(
         study_name=settings.name, storage=storage, direction=settings.direction,
@@ -127,9 +124,6 @@ def open_study(settings: SweepSettings, space: dict[str, Dimension], storage: st
 
 def trials_left(study: Any, settings: SweepSettings, space: dict[str, Dimension]) -> int:
     """How many trials still to train; trials a crash left running are queued again."""
-    import optuna
-    from optuna.trial import TrialState
-
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         optuna.trial.Trial(study, trial._trial_id).set_user_attr(INTERRUPTED, True)
         study.tell(trial.number, state=TrialState.FAIL)
@@ -180,8 +174,6 @@ def outcome_of(future: Future) -> dict[str, Any]:
 
 def tell(study: Any, trial: Any, outcome: dict[str, Any]) -> None:
     """Record a finished trial: its outcome, and its value (best reported) or its state."""
-    from optuna.trial import TrialState
-
     trial.set_user_attr(OUTCOME, outcome)
     (recorded,) = [t for t in study.get_trials(deepcopy=False) if t.number == trial.number]
     values = list(recorded.intermediate_values.values())

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import optuna
 from matplotlib.figure import Figure
+from optuna.trial import TrialState
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
@@ -23,7 +25,7 @@ from tasks.sweep import INTERRUPTED, OUTCOME, SweepSettings
 MIN_TRIALS_FOR_IMPORTANCE = 3
 
 
-def trial_rows(study: Any) -> list[dict[str, Any]]:
+def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
     """One record per trial the sweep ran (not those a crash interrupted), best first."""
     maximize = study.direction.name == "MAXIMIZE"
     rows = []
@@ -75,11 +77,8 @@ def curves_png(rows: list[dict[str, Any]], metric: str) -> bytes:
     return png_bytes(figure)
 
 
-def importances(study: Any) -> dict[str, float] | None:
+def importances(study: optuna.Study) -> dict[str, float] | None:
     """Optuna's parameter importances, when enough trials completed to say anything."""
-    import optuna
-    from optuna.trial import TrialState
-
     completed = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if len(completed) < MIN_TRIALS_FOR_IMPORTANCE or len(study.best_trial.params) < 2:
         return None
@@ -110,7 +109,7 @@ def sweep_markdown(settings: SweepSettings, rows: list[dict[str, Any]], plot: st
 
 
 @task(name="sweep-report")
-def publish_sweep_report(study: Any, settings: SweepSettings, output: DataLocation) -> dict[str, Any]:
+def publish_sweep_report(study: optuna.Study, settings: SweepSettings, output: DataLocation) -> dict[str, Any]:
     """The comparison artifact and `<output>/<name>/sweep.json`; returns what sweep.json holds."""
     rows = trial_rows(study)
     weights = importances(study)
