@@ -13,6 +13,7 @@ from flows.transfer_learning import transfer_learning
 from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
 from tasks.dataset import S3ImageFolder
 from tasks.gang import GangError, RankContext, run_gang
+from tasks.process_group import all_reduce_sum
 from tasks.search_space import Dimension
 from tasks.sweep import SweepSettings, sweep
 
@@ -29,6 +30,7 @@ __all__ = [
     "S3ImageFolder",
     "SweepSettings",
     "TrainingConfig",
+    "all_reduce_sum",
     "hyperparameter_sweep",
     "run_gang",
     "sweep",

@@ -197,10 +197,12 @@ def trial_run_name(number: int, params: dict[str, Any]) -> str:
 
 
 def gang_trial(train_fn: Callable, config: dict[str, Any], link: TrialLink, settings: SweepSettings,
-               runner: DaskTaskRunner) -> dict[str, Any]:
-    """One trial of a user's trainable: a gang on leased workers, reporting to the study."""
+               runner: DaskTaskRunner, output_url: str) -> dict[str, Any]:
+    """One trial of a user's trainable: a gang on leased workers, reporting to the study;
+    its ranks find their own folder in `ctx.output_url`."""
     results = run_gang(train_fn, config, task_runner=runner, world_size=settings.ranks_per_trial,
-                       trial=link, lease_timeout=timedelta(seconds=settings.lease_timeout_s))
+                       output_url=output_url, trial=link,
+                       lease_timeout=timedelta(seconds=settings.lease_timeout_s))
     first = results[0] if isinstance(results[0], dict) else {}
     return {"state": "completed", "model_url": first.get("model_url")}
 
@@ -217,7 +219,9 @@ def sweep(
     """Sweep any per-rank training function over `space`, on the current flow's Dask cluster.
 
     Each trial runs `train_fn(ctx, config)` as a gang of `settings.ranks_per_trial` ranks
-    with the trial's parameters set in `config` (dotted keys reach into nested dicts). The
+    with the trial's parameters set in `config` (dotted keys reach into nested dicts) and
+    its own folder in `ctx.output_url` (`OUTPUT/NAME/trial-N`); when rank 0 returns a dict
+    with `model_url`, the report names it as the trial's model. The
     function reports its metric every epoch with `if ctx.report(epoch, {"loss": loss}):
     break`; the pruner's answer reaches every rank together.
 
@@ -247,7 +251,8 @@ def sweep(
     study = open_study(settings, space, storage, max_epochs=config.get("epochs", "auto"))
 
     def train_trial(trial: Any, link: TrialLink) -> dict[str, Any]:
-        return gang_trial(train_fn, with_params(config, trial.params), link, settings, runner)
+        folder = child_url(output.url, safe_segment(settings.name), f"trial-{trial.number}")
+        return gang_trial(train_fn, with_params(config, trial.params), link, settings, runner, folder)
 
     run_trials(study, space, settings, storage, train_trial)
     return publish_sweep_report(study, settings, output)

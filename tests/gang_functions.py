@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -61,4 +62,9 @@ def report_every_epoch(ctx: RankContext, config: dict) -> dict:
         losses.append(loss)
         if ctx.report(epoch, {"loss": loss}):
             break
-    return {"losses": losses, "rank": ctx.rank}
+    model_url = f"{ctx.output_url}/losses.json"  # each trial has a folder of its own
+    if ctx.is_main:
+        os.makedirs(ctx.output_url, exist_ok=True)
+        with open(model_url, "w") as file:
+            json.dump(losses, file)
+    return {"losses": losses, "rank": ctx.rank, "model_url": model_url}

@@ -117,3 +117,4 @@ def test_any_trainable_sweeps_and_a_pruned_two_rank_trial_stops_on_both_ranks(da
     assert trials[1]["state"] == "pruned at epoch 1" and len(trials[1]["curve"]) == 1
     assert record["best"]["params"] == {"lr": 5.0}
     assert (tmp_path / "custom" / "sweep.json").exists()
+    assert record["best"]["model_url"] == str(tmp_path / "custom" / "trial-0" / "losses.json")
