@@ -50,7 +50,6 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import prefect_ddp
 from blocks.cluster import DaskCluster
 
-
 NAMES_FILE = Path(__file__).with_name("names.txt")
 PAD, END = " ", "*"  # PAD fills a short prefix on the left; END follows the last letter
 ALPHABET = PAD + "abcdefghijklmnopqrstuvwxyz" + END

@@ -60,7 +60,6 @@ from tasks.dataset import train_transform
 from tasks.indexing import build_manifest
 
 
-
 def list_image_folder(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     """One listing of ROOT/CLASS/IMAGE: the class names, and each image's key and label.
 

@@ -99,17 +99,30 @@ def test_ranks_past_the_deadline_are_stopped_and_their_workers_freed(dask_cluste
 def test_two_gangs_at_once_never_share_a_worker(dask_cluster):
     with ThreadPoolExecutor(2) as pool:
         # copy_context: each thread talks to the session's server, as this one does.
-        runs = [pool.submit(copy_context().run, gang_flow, dask_cluster.scheduler_address, "hold", {"seconds": 3},
+        runs = [pool.submit(copy_context().run, gang_flow, dask_cluster.scheduler_address, "hold", {"seconds": 8},
                             world_size=1) for _ in range(2)]
         (a,), (b,) = [run.result() for run in runs]
     assert a["worker"] != b["worker"]
     assert a["started"] < b["ended"] and b["started"] < a["ended"]  # side by side, not one after the other
 
 
+def wait_until_leased(cluster, timeout_s: float = 60) -> None:
+    """Until another gang holds every worker of `cluster`."""
+    from distributed import Client, Lock
+
+    from tasks.gang.lease import PREFIX
+
+    with Client(cluster.scheduler_address) as client, client.as_current():
+        deadline = time.monotonic() + timeout_s
+        while not all(Lock(f"{PREFIX}:{a}").locked() for a in cluster.scheduler_info["workers"]):
+            assert time.monotonic() < deadline, "the first gang never leased both workers"
+            time.sleep(0.2)
+
+
 def test_a_gang_waits_for_free_workers_then_names_who_holds_them(dask_cluster):
     with ThreadPoolExecutor(1) as pool:
         holder = pool.submit(copy_context().run, gang_flow, dask_cluster.scheduler_address, "hold", {"seconds": 12})
-        time.sleep(5)  # the first gang has leased both workers
+        wait_until_leased(dask_cluster)
         started = time.monotonic()
         with pytest.raises(GangError, match=r"needs 1 free workers, but after waiting 2s fewer of the cluster's 2 are free\. "
                                             r"Held: tcp://\S+ by flow run \S+ \(.+\); tcp://\S+ by flow run"):
