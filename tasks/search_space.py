@@ -87,3 +87,13 @@ def with_params(config: dict[str, Any], params: dict[str, Any]) -> dict[str, Any
     for path, value in params.items():
         config = set_path(config, path, value)
     return config
+
+
+def describe(params: dict[str, Any], *, digits: int, separator: str, short: bool = False) -> str:
+    """`lr=0.00123 batch_size=32`: each value as a person reads it, floats to `digits`
+    significant digits; `short` names a dotted path by its last part."""
+    def name(path: str) -> str:
+        return path.split(".")[-1] if short else path
+
+    return separator.join(f"{name(path)}={value:.{digits}g}" if isinstance(value, float) else f"{name(path)}={value}"
+                          for path, value in params.items())

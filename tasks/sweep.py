@@ -33,7 +33,7 @@ from tasks.gang import run_gang
 from tasks.gang.run import current_dask_runner
 from tasks.gang.trial import PRUNED_AT, TrialLink
 from tasks.reporting import run_logger
-from tasks.search_space import Dimension, Value, distributions, grid, grid_size, with_params
+from tasks.search_space import Dimension, Value, describe, distributions, grid, grid_size, with_params
 from tasks.storage import child_url, safe_segment
 
 # Trial outcomes, kept on the Optuna trial as user attributes.
@@ -191,9 +191,7 @@ def tell(study: Any, trial: Any, outcome: dict[str, Any]) -> None:
 
 def trial_run_name(number: int, params: dict[str, Any]) -> str:
     """A run name that shows the trial's parameters: 'trial-3 lr=0.001 batch_size=16'."""
-    shown = " ".join(f"{path.split('.')[-1]}={value:.3g}" if isinstance(value, float) else f"{path.split('.')[-1]}={value}"
-                     for path, value in params.items())
-    return f"trial-{number} {shown}"
+    return f"trial-{number} {describe(params, digits=3, separator=' ', short=True)}"
 
 
 def gang_trial(train_fn: Callable, config: dict[str, Any], link: TrialLink, settings: SweepSettings,

@@ -15,10 +15,11 @@ from optuna.trial import TrialState
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
+from blocks.data_location import DataLocation
 from tasks.gang.trial import REPORTED_AT
 from tasks.plots import markdown_image, png_bytes
 from tasks.reporting import markdown_table, run_logger
-from blocks.data_location import DataLocation
+from tasks.search_space import describe
 from tasks.storage import child_url, safe_segment, write_bytes, write_json
 from tasks.sweep import INTERRUPTED, OUTCOME, SweepSettings
 
@@ -89,12 +90,16 @@ def importances(study: optuna.Study) -> dict[str, float] | None:
         return None
 
 
-def sweep_markdown(settings: SweepSettings, rows: list[dict[str, Any]], plot: str,
-                   weights: dict[str, float] | None) -> str:
-    best = next((r for r in rows if r["state"] == "completed"), None)
+def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The best completed trial (rows come best first); pruned and failed ones never win."""
+    return next((r for r in rows if r["state"] == "completed"), None)
+
+
+def sweep_markdown(settings: SweepSettings, rows: list[dict[str, Any]], best: dict[str, Any] | None,
+                   plot: str, weights: dict[str, float] | None) -> str:
     table = markdown_table(
         ["trial", "parameters", "best epoch", settings.metric, "seconds", "state", "run"],
-        [[r["trial"], ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["params"].items()),
+        [[r["trial"], describe(r["params"], digits=4, separator=", "),
           r["best_epoch"], r["value"], r["seconds"], r["state"], r["run"]] for r in rows],
     )
     lines = [f"# Sweep {settings.name}: {len(rows)} trials, {settings.direction} {settings.metric}\n"]
@@ -116,8 +121,9 @@ def publish_sweep_report(study: optuna.Study, settings: SweepSettings, output: D
     folder, options = child_url(output.url, safe_segment(settings.name)), output.storage_options()
     png = curves_png(rows, settings.metric)
     write_bytes(child_url(folder, "curves.png"), png, options)
-    markdown = sweep_markdown(settings, rows, markdown_image(png, f"{settings.metric} per epoch and against wall time"), weights)
-    best = next((r for r in rows if r["state"] == "completed"), None)
+    best = best_row(rows)
+    markdown = sweep_markdown(settings, rows, best, markdown_image(png, f"{settings.metric} per epoch and against wall time"),
+                              weights)
     record = {"name": settings.name, "metric": settings.metric, "direction": settings.direction,
               "best": best, "trials": rows, "importances": weights}
     write_json(child_url(folder, "sweep.json"), record, options)

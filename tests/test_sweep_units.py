@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from flows.sweep import check_space
 from tasks.search_space import Dimension, grid, with_params
 from tasks.sweep import INTERRUPTED, SweepSettings, make_sampler, trial_run_name, trials_left
-from tasks.sweep_report import importances, sweep_markdown, trial_rows
+from tasks.sweep_report import best_row, importances, sweep_markdown, trial_rows
 
 SPACE = {"training.lr": Dimension(kind="log_uniform", low=1e-4, high=1e-1),
          "training.batch_size": Dimension(kind="grid", values=[16, 32])}
@@ -73,5 +73,5 @@ def test_the_comparison_sorts_by_the_metric_and_weighs_parameters():
     assert rows[0]["best_epoch"] == 2 and rows[0]["state"] == "completed"
     weights = importances(study)
     assert weights is not None and set(weights) == {"lr", "bs"}
-    markdown = sweep_markdown(SweepSettings(metric="loss", direction="minimize"), rows, "PLOT", weights)
+    markdown = sweep_markdown(SweepSettings(metric="loss", direction="minimize"), rows, best_row(rows), "PLOT", weights)
     assert f"**Best: trial {rows[0]['trial']}**" in markdown and "## Parameter importances" in markdown
