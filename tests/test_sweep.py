@@ -19,6 +19,7 @@ from prefect.client.schemas.filters import (
 from flows.sweep import hyperparameter_sweep
 from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
 from tasks.sweep import SweepSettings, sweep
+from tests.api_helpers import rank_task_runs
 from tests.gang_functions import report_every_epoch
 from tests.image_folders import local_image_folder
 
@@ -29,7 +30,9 @@ GOOD, BAD = 0.001, 8.0  # lr 8 with SGD diverges: its val loss is the worst at e
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("sweep-images")
-    local_image_folder(root, per_class=6)
+    # Enough images that a trial trains for several seconds, longer than the few seconds by
+    # which the second trial of a pair reaches its gang after the first.
+    local_image_folder(root, per_class=16)
     return str(root)
 
 
@@ -39,7 +42,7 @@ def run_sweep(images: str, dask_cluster, output: Path, settings: SweepSettings, 
         settings=settings,
         data=DataConfig(url=images, index_cache_minutes=0),
         model=ModelConfig(backbone="mobilenet_v3_small"),
-        training=TrainingConfig(epochs=3, batch_size=4, image_size=32, num_workers=0, optimizer="sgd",
+        training=TrainingConfig(epochs=4, batch_size=4, image_size=32, num_workers=0, optimizer="sgd",
                                 scheduler="none"),
         cluster=ClusterConfig(address=dask_cluster.scheduler_address, init_timeout_s=60),
         output=OutputConfig(url=str(output)),
@@ -68,8 +71,8 @@ def test_trials_train_side_by_side_the_pruned_one_says_so_and_the_sweep_compares
     assert record["best"]["params"] == {"training.lr": GOOD} and Path(record["best"]["model_url"]).exists()
 
     runs = child_runs(state.state_details.flow_run_id)
-    first, second = runs["trial-0"], runs["trial-1"]
-    assert first.start_time < second.end_time and second.start_time < first.end_time  # side by side
+    (first,), (second,) = rank_task_runs(runs["trial-0"].id, 1), rank_task_runs(runs["trial-1"].id, 1)
+    assert first.start_time < second.end_time and second.start_time < first.end_time  # trained side by side
     assert trials[0]["workers"] != trials[1]["workers"]  # on their own workers
     assert runs["trial-2"].state.name == "Pruned" and runs["trial-2"].state.message == "pruned at epoch 1"
 
