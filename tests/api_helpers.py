@@ -21,3 +21,22 @@ def rank_task_runs(flow_run_id, expected: int):
         if (len(ranks) >= expected and all(r.state.is_final() for r in ranks)) or time.monotonic() > deadline:
             return ranks
         time.sleep(0.5)
+
+
+def assert_no_task_run_left_running(flow_run_id, settle_s: float = 15) -> list:
+    """Every task run of the flow run (ranks, decode checks, ...) ends in a final state.
+
+    Waits up to `settle_s` for the server to record the last states (they arrive as events).
+    Returns the task runs, for further checks.
+    """
+    deadline = time.monotonic() + settle_s
+    while True:
+        with get_client(sync_client=True) as api:
+            runs = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        unfinished = [f"{r.name}: {r.state.type.value if r.state else None}" for r in runs
+                      if r.state is None or not r.state.is_final()]
+        if not unfinished:
+            return runs
+        if time.monotonic() > deadline:
+            raise AssertionError(f"task runs left unfinished after the flow ended: {unfinished}")
+        time.sleep(0.5)
