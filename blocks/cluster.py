@@ -19,10 +19,13 @@ with `--no-nanny` or `DASK_DISTRIBUTED__WORKER__DAEMON=False`, unset
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import dask
 from distributed import LocalCluster
+from distributed.comm import parse_address
+from distributed.comm.addressing import parse_host_port
 from prefect.blocks.core import Block
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
@@ -76,6 +79,31 @@ def create_cuda_cluster(**kwargs: Any):
     return LocalCUDACluster(**kwargs)
 
 
+SCHEDULER_CONNECT_TIMEOUT_S = 10.0
+
+
+def check_scheduler_reachable(address: str, timeout_s: float = SCHEDULER_CONNECT_TIMEOUT_S) -> None:
+    """Fail in seconds, naming the address, where Dask's client would retry for its whole connect timeout."""
+    try:
+        scheme, location = parse_address(address)
+        host, port = parse_host_port(location)
+    except ValueError as exc:
+        raise ValueError(
+            f"Dask scheduler address {address!r} is not valid ({exc}); expected tcp://HOST:PORT, "
+            "e.g. tcp://10.0.0.5:8786."
+        ) from exc
+    if scheme not in ("tcp", "tls"):
+        return  # inproc:// and other transports have no socket to try
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"Cannot reach the Dask scheduler at {address} ({exc}). Check cluster.address (or the "
+            "dask-cluster block's address), that the scheduler is running, and that this machine "
+            "can reach that host and port; leave both empty to start a local cluster."
+        ) from exc
+
+
 class DaskCluster(Block):
     """The Dask cluster a training run uses.
 
@@ -98,6 +126,7 @@ class DaskCluster(Block):
     def task_runner(self) -> DaskTaskRunner:
         """A DaskTaskRunner for this cluster; entering it starts (or connects to) the cluster."""
         if self.address:
+            check_scheduler_reachable(self.address)
             return DaskTaskRunner(address=self.address)
         use_gpu = self.gpu if self.gpu is not None else cuda_device_count() > 0
         if use_gpu:

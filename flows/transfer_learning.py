@@ -45,10 +45,12 @@ from tasks.config import (
 from tasks.gang import run_gang
 from tasks.gang.trial import current_trial
 from tasks.indexing import index_images
+from tasks.model import check_starting_weights
 from tasks.promotion import WarmStart, find_warm_start, latest_location, promote
 from tasks.report import publish_report
 from tasks.splitting import split_dataset
-from tasks.storage import child_url, safe_segment
+from tasks.run_folder import claim_run_folder, run_folder_name
+from tasks.storage import child_url
 from tasks.training import TrainJob, train_classifier
 from tasks.validation import validate_dataset, validate_source
 
@@ -149,15 +151,19 @@ def transfer_learning(
     kept_name = kept_model_name(output, model)
     source = data_location(data)
     base = output_base(output, source)
-    run_name = flow_run.get_name() or "run"
-    out = base.with_url(child_url(base.url, safe_segment(run_name)))
+    run = {"name": flow_run.get_name() or "run", "flow_run_id": flow_run.get_id(),
+           "deployment": deployment.get_name()}
+    out = base.with_url(child_url(base.url, run_folder_name(run["name"], run["flow_run_id"])))
     latest = latest_location(base, kept_name) if kept_name else None
     validate_source(source)
+    claim_run_folder(out, run)
     manifest = index_images.with_options(
         cache_expiration=timedelta(minutes=data.index_cache_minutes),
         refresh_cache=data.index_cache_minutes == 0,
     )(source)
     warm = find_warm_start(latest, model.backbone, manifest.classes) if model.warm_start else None
+    if not warm:
+        check_starting_weights(model, len(manifest.classes), source)
     with cluster_runner(cluster) as runner:
         manifest = validate_dataset(runner, source, manifest, data.validate_sample)
         split = split_dataset(manifest, data.val_fraction, data.seed)
@@ -177,7 +183,6 @@ def transfer_learning(
         publish_report(summary, manifest, out, None, warm)
         return Completed(name="Pruned", message=f"pruned at epoch {summary['pruned_at']}",
                          data=summary | {"promotion": None})
-    run = {"name": run_name, "flow_run_id": str(flow_run.get_id())}
     promotion = promote(summary, out, latest, run) if latest else None
     publish_report(summary, manifest, out, promotion, warm)
     return summary | {"promotion": promotion.model_dump() if promotion else None}

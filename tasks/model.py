@@ -11,10 +11,13 @@ from typing import Any
 
 import torch
 import torchvision
+from prefect import task
 from torch import nn
 
+from blocks.data_location import DataLocation
 from tasks.config import BACKBONES, ModelConfig
-from tasks.storage import load_torch
+from tasks.retries import retry_transient
+from tasks.storage import exists, load_torch
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -74,12 +77,35 @@ def build_model(
     model = torchvision.models.get_model(config.backbone, weights=weights)
     replace_head(model, num_classes)
     if uri:
-        load_backbone_state(model, load_torch(uri, storage_options or {}), uri)
+        load_backbone_state(model, load_starting_weights(uri, storage_options or {}), uri)
     if config.freeze_backbone:
         prefix = head_prefix(model)
         for name, param in model.named_parameters():
             param.requires_grad = name.startswith(prefix)
     return model
+
+
+def load_starting_weights(uri: str, storage_options: dict[str, Any]) -> dict[str, torch.Tensor]:
+    if not exists(uri, storage_options):
+        raise FileNotFoundError(
+            f"model.weights points at {uri}, which does not exist. Give the URI of a state_dict "
+            "saved with torch.save(model.state_dict(), ...), a torchvision weights name "
+            "(DEFAULT), or leave it empty for random init."
+        )
+    return load_torch(uri, storage_options)
+
+
+@task(name="check-model", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
+def check_starting_weights(config: ModelConfig, num_classes: int, location: DataLocation) -> None:
+    """Fail before the data check and training when the starting weights are missing or do not fit.
+
+    A state_dict URI is loaded into the backbone here, once; a torchvision weights name is
+    only checked by name (downloading it is the ranks' job).
+    """
+    if is_state_dict_uri(config.weights):
+        build_model(config, num_classes, location.storage_options())
+    else:
+        _torchvision_weights(config.backbone, config.weights)
 
 
 def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], uri: str) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import html
+import contextvars
 import logging
+import threading
 from typing import Any
 
 from prefect import get_run_logger
@@ -48,3 +50,55 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+class BackgroundPublisher:
+    """Runs calls to the Prefect API on a thread of its own, so the caller never waits on them.
+
+    Rank 0 of a gang updates its progress artifacts between steps. Calling the API from
+    the step loop would stall rank 0 as long as the API hangs (the client retries for
+    minutes), and its peers would hit their collective timeout. Calls are keyed: a newer
+    call under a key replaces one not yet sent, so a slow API gets the latest progress,
+    not a backlog. A failing call is logged and dropped. Calls run in the caller's
+    context (a copy of it), so artifacts attach to the caller's run.
+    """
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+        self._context = contextvars.copy_context()
+        self._pending: dict[str, Any] = {}
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="prefect-ddp-publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: str, call: Any) -> None:
+        """Queue `call()` under `key`, replacing a queued call of the same key; returns at once."""
+        with self._wake:
+            self._pending[key] = call
+            self._wake.notify()
+
+    def close(self, timeout_s: float) -> bool:
+        """Send what is queued, waiting at most `timeout_s`; False when the API did not take it."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self.log.warning("The Prefect API did not answer within %.0f s; the last progress "
+                             "update was dropped (training itself is unaffected).", timeout_s)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._closed:
+                    self._wake.wait()
+                if not self._pending:
+                    return
+                _, call = self._pending.popitem()
+            try:
+                self._context.run(call)
+            except Exception as exc:  # the API being away must not cost the training run
+                self.log.warning("Could not update training progress in Prefect: %s", exc)

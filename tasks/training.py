@@ -6,7 +6,8 @@ entry point that `run_gang` calls. The loop does not care about world size: at w
 there is no process group and the wrappers do nothing.
 
 Rank 0 writes a checkpoint (a plain dict: model, optimizer, lr_scheduler, scaler, epoch,
-history) after every epoch; a re-formed gang resumes from it.
+history, with the job's fingerprint: tasks.checkpoints) after every epoch; a re-formed gang
+resumes from it, and only from its own job's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from blocks.data_location import DataLocation
+from tasks.checkpoints import TrainingState, job_fingerprint, record_attempt
 from tasks.config import ModelConfig, TrainingConfig
 from tasks.dataset import S3ImageFolder, eval_transform, train_transform
 from tasks.gang import RankContext
@@ -35,12 +37,14 @@ from tasks.manifest import Manifest
 from tasks.model import build_model, model_card
 from tasks.process_group import all_reduce_sum, sync_buffers, wrap_ddp
 from tasks.promotion import WarmStart, load_warm_start
-from tasks.reporting import EPOCH_COLUMNS, in_prefect_run, markdown_table, run_logger
+from tasks.reporting import EPOCH_COLUMNS, BackgroundPublisher, in_prefect_run, markdown_table, run_logger
 from tasks.splitting import Split
-from tasks.storage import child_url, exists, load_torch, save_torch, write_json
+from tasks.storage import child_url, save_torch, write_json
 
 CHECKPOINT = "checkpoint.pt"
+ATTEMPTS = "attempts.json"
 PROGRESS_INTERVAL_S = 5.0
+PROGRESS_CLOSE_TIMEOUT_S = 30.0
 
 
 class TrainJob(BaseModel):
@@ -172,29 +176,29 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
 class ProgressReporter:
     """Rank 0's live view in the Prefect UI: a progress bar and a table of epochs so far.
 
-    A failure to reach the API is logged, never allowed to stop training.
+    Updates go through a BackgroundPublisher: a slow or hanging API never holds up a step.
     """
 
     def __init__(self, ctx: RankContext, epochs: int, log: Any) -> None:
         # Outside a Prefect run (a unit test, a plain script) there is no run to attach to.
-        self.enabled, self.epochs, self.log = ctx.is_main and in_prefect_run(), epochs, log
-        self.last_update = time.monotonic()
-        self.artifact_id = self._safely(lambda: create_progress_artifact(
-            0.0, key="training-progress", description=f"Epochs done of {epochs}"
-        ))
+        enabled = ctx.is_main and in_prefect_run()
+        self.publisher = BackgroundPublisher(log) if enabled else None
+        self.epochs = epochs
+        self.artifact_id = None  # touched only by the publisher's thread
+        self.last_update = -PROGRESS_INTERVAL_S
+        self._set_progress(0.0)
 
-    def _safely(self, call):
-        if not self.enabled:
-            return None
-        try:
-            return call()
-        except Exception as exc:  # the API being away must not cost the training run
-            self.log.warning("Could not update training progress in Prefect: %s", exc)
-            return None
+    def _publish_progress(self, percent: float) -> None:
+        if self.artifact_id is None:
+            self.artifact_id = create_progress_artifact(
+                percent, key="training-progress", description=f"Epochs done of {self.epochs}"
+            )
+        else:
+            update_progress_artifact(self.artifact_id, percent)
 
     def _set_progress(self, percent: float) -> None:
-        if self.artifact_id is not None:
-            self._safely(lambda: update_progress_artifact(self.artifact_id, percent))
+        if self.publisher:
+            self.publisher.submit("progress", lambda: self._publish_progress(percent))
             self.last_update = time.monotonic()
 
     def step(self, epoch: int, done: int, total: int) -> None:
@@ -204,12 +208,18 @@ class ProgressReporter:
 
     def epoch_done(self, history: list[dict[str, Any]]) -> None:
         self._set_progress(100.0 * len(history) / self.epochs)
-        rows = [[h[k] for k in EPOCH_COLUMNS] for h in history]
-        self._safely(lambda: create_markdown_artifact(
-            key="training-epochs",
-            description="Per-epoch metrics, all ranks reduced",
-            markdown="# Training so far\n\n" + markdown_table(EPOCH_COLUMNS, rows),
-        ))
+        if self.publisher:
+            rows = [[h[k] for k in EPOCH_COLUMNS] for h in history]
+            self.publisher.submit("table", lambda: create_markdown_artifact(
+                key="training-epochs",
+                description="Per-epoch metrics, all ranks reduced",
+                markdown="# Training so far\n\n" + markdown_table(EPOCH_COLUMNS, rows),
+            ))
+
+    def close(self) -> None:
+        """Send the last updates; a hanging API costs at most PROGRESS_CLOSE_TIMEOUT_S."""
+        if self.publisher:
+            self.publisher.close(PROGRESS_CLOSE_TIMEOUT_S)
 
 
 def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
@@ -227,37 +237,44 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     ddp_model = wrap_ddp(model, device)
     optimizer = build_optimizer(model, job.training, ctx.world_size)
     scheduler = build_scheduler(optimizer, job.training)
-    scaler = torch.amp.GradScaler(device.type, enabled=use_amp)
+    state = TrainingState(model, optimizer, scheduler, torch.amp.GradScaler(device.type, enabled=use_amp))
     output = job.output.storage_options()
     checkpoint_url = child_url(job.output.url, "checkpoints", CHECKPOINT)
-    start_epoch, history = resume(checkpoint_url, output, model, optimizer, scheduler, scaler)
+    fingerprint = job_fingerprint(job.manifest.classes, job.split.digest(job.manifest), job.model, job.training)
+    start_epoch, history = state.resume(checkpoint_url, output, fingerprint, ctx.world_size,
+                                        job.training.scale_lr_by_world_size)
     if start_epoch:
         log.log(level, "Rank %d resumed from %s after epoch %d", ctx.rank, checkpoint_url, start_epoch)
+    attempts = record_attempt(child_url(job.output.url, "checkpoints", ATTEMPTS), output, ctx.attempt + 1,
+                              ctx.world_size, start_epoch) if ctx.is_main else []
     progress = ProgressReporter(ctx, job.training.epochs, log)
     local_train_samples: list[int] = []
     pruned_at = None
-    for epoch in range(start_epoch, job.training.epochs):
-        started = time.monotonic()
-        train_loader.sampler.set_epoch(epoch)
-        train_loss, train_correct, train_count = train_one_epoch(
-            ddp_model, train_loader, optimizer, scaler, device, use_amp,
-            on_step=lambda done, total, epoch=epoch: progress.step(epoch, done, total),
-        )
-        sync_buffers(model)
-        val_sums = evaluate(model, val_loader, device)
-        totals = all_reduce_sum([train_loss, train_correct, train_count, *val_sums], device)
-        record = epoch_record(epoch, totals, optimizer, time.monotonic() - started)
-        local_train_samples.append(int(train_count))
-        step_scheduler(scheduler, record["val_loss"])
-        history.append(record)
-        log.log(level, "epoch %d/%d %s", record["epoch"], job.training.epochs, record)
-        if ctx.is_main:
-            save_checkpoint(checkpoint_url, output, model, optimizer, scheduler, scaler, epoch, history)
-            progress.epoch_done(history)
-        if ctx.report(record["epoch"], record):  # a sweep's pruner stops every rank here
-            pruned_at = record["epoch"]
-            log.log(level, "Pruned by the sweep after epoch %d", pruned_at)
-            break
+    try:
+        for epoch in range(start_epoch, job.training.epochs):
+            started = time.monotonic()
+            train_loader.sampler.set_epoch(epoch)
+            train_loss, train_correct, train_count = train_one_epoch(
+                ddp_model, train_loader, optimizer, state.scaler, device, use_amp,
+                on_step=lambda done, total, epoch=epoch: progress.step(epoch, done, total),
+            )
+            sync_buffers(model)
+            val_sums = evaluate(model, val_loader, device)
+            totals = all_reduce_sum([train_loss, train_correct, train_count, *val_sums], device)
+            record = epoch_record(epoch, totals, optimizer, time.monotonic() - started)
+            local_train_samples.append(int(train_count))
+            step_scheduler(scheduler, record["val_loss"])
+            history.append(record)
+            log.log(level, "epoch %d/%d %s", record["epoch"], job.training.epochs, record)
+            if ctx.is_main:
+                state.save(checkpoint_url, output, epoch, history, fingerprint, ctx.world_size)
+                progress.epoch_done(history)
+            if ctx.report(record["epoch"], record):  # a sweep's pruner stops every rank here
+                pruned_at = record["epoch"]
+                log.log(level, "Pruned by the sweep after epoch %d", pruned_at)
+                break
+    finally:
+        progress.close()
     if ctx.is_main:
         save_torch(child_url(job.output.url, "model.pt"), model.state_dict(), output)
         write_json(child_url(job.output.url, "model.json"),
@@ -269,6 +286,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         "local_train_samples": local_train_samples,
         "history": history,
         "pruned_at": pruned_at,
+        "attempts": attempts,
     }
 
 
@@ -293,27 +311,3 @@ def step_scheduler(scheduler, val_loss: float) -> None:
         scheduler.step(val_loss)
     elif scheduler is not None:
         scheduler.step()
-
-
-def save_checkpoint(url, options, model, optimizer, scheduler, scaler, epoch, history) -> None:
-    save_torch(url, {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "lr_scheduler": scheduler.state_dict() if scheduler else None,
-        "scaler": scaler.state_dict(),
-        "epoch": epoch,
-        "history": history,
-    }, options)
-
-
-def resume(url, options, model, optimizer, scheduler, scaler) -> tuple[int, list[dict[str, Any]]]:
-    """Load the last committed checkpoint, if any; returns (next epoch, history so far)."""
-    if not exists(url, options):
-        return 0, []
-    checkpoint = load_torch(url, options)
-    model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    if scheduler is not None and checkpoint["lr_scheduler"] is not None:
-        scheduler.load_state_dict(checkpoint["lr_scheduler"])
-    scaler.load_state_dict(checkpoint["scaler"])
-    return checkpoint["epoch"] + 1, list(checkpoint["history"])

@@ -7,6 +7,7 @@ from blocks.data_location import DataLocation
 from tasks.config import ModelConfig, TrainingConfig
 from tasks.gang import RankContext
 from tasks.splitting import stratified_split
+from tasks.checkpoints import CheckpointMismatch, TrainingState
 from tasks.training import TrainJob, build_optimizer, build_scheduler, train_classifier
 from tests.image_folders import local_image_folder
 
@@ -35,8 +36,50 @@ def test_training_resumes_from_the_last_checkpoint(tmp_path):
     # Only epoch 2 ran: 9 train images in batches of 4, the lone ninth dropped for BatchNorm.
     assert resumed["local_train_samples"] == [8]
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "checkpoint.pt", weights_only=True)
-    assert set(checkpoint) == {"model", "optimizer", "lr_scheduler", "scaler", "epoch", "history"}
+    assert set(checkpoint) == {"model", "optimizer", "lr_scheduler", "scaler", "epoch", "history", "job", "world_size"}
     assert checkpoint["epoch"] == 1  # the last finished epoch's index, as torchvision keeps it
+    assert resumed["attempts"] == [{"attempt": 1, "world_size": 1, "resumed_after_epoch": 0},
+                                   {"attempt": 1, "world_size": 1, "resumed_after_epoch": 1}]
+
+
+def test_a_checkpoint_of_another_job_is_refused_and_left_as_it_was(tmp_path):
+    train_classifier(CTX, local_job(tmp_path, epochs=1))
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint.pt"
+    before = checkpoint.read_bytes()
+    other = local_job(tmp_path, epochs=2)
+    other = other.model_copy(update={"training": other.training.model_copy(update={"lr": 0.5})})
+    with pytest.raises(CheckpointMismatch, match=r"belongs to another job \(recipe: checkpoint .*'lr': 0.001.*this run .*'lr': 0.5"):
+        train_classifier(CTX, other)
+    assert checkpoint.read_bytes() == before
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "plateau", "none"])
+def test_a_gang_resumed_on_fewer_ranks_scales_its_learning_rate_down(tmp_path, scheduler):
+    """Linear scaling: lr x world size. Saved at 4 ranks, resumed at 2: half the saved lr."""
+    cfg = TrainingConfig(lr=0.01, scheduler=scheduler, epochs=4)
+    url, fingerprint = str(tmp_path / "ckpt.pt"), {"job": 1}
+
+    def state(world_size: int) -> TrainingState:
+        model = torch.nn.Linear(2, 2)
+        optimizer = build_optimizer(model, cfg, world_size)
+        return TrainingState(model, optimizer, build_scheduler(optimizer, cfg), torch.amp.GradScaler("cpu", enabled=False))
+
+    saved = state(4)
+    saved.optimizer.step()
+    if scheduler == "cosine":
+        saved.scheduler.step()
+    saved.save(url, {}, 0, [], fingerprint, world_size=4)
+    resumed = state(2)
+    assert resumed.resume(url, {}, fingerprint, world_size=2, scale_lr=True) == (1, [])
+    saved_lr = saved.optimizer.param_groups[0]["lr"]
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(saved_lr / 2)
+    if scheduler == "cosine":  # the schedule goes on from the halved base lr
+        resumed.scheduler.step()
+        saved.scheduler.step()
+        assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(saved.optimizer.param_groups[0]["lr"] / 2)
+    unscaled = state(2)
+    unscaled.resume(url, {}, fingerprint, world_size=2, scale_lr=False)
+    assert unscaled.optimizer.param_groups[0]["lr"] == pytest.approx(saved_lr)
 
 
 def test_invalid_optimizer_and_scheduler_say_what_is_allowed():

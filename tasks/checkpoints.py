@@ -1,0 +1,112 @@
+"""Checkpoints a re-formed gang resumes from, and the guard that they belong to this job.
+
+A checkpoint is a plain dict (model, optimizer, lr_scheduler, scaler, epoch, history), as
+in torchvision's reference recipe, plus two things a resume must check: the job's
+fingerprint (classes, split, model and recipe), so a run never continues another job's
+training, and the world size it was written at, so a gang re-formed on fewer workers
+keeps the learning rate the linear scaling rule gives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tasks.storage import exists, load_torch, read_json, save_torch, write_json
+
+# The recipe fields that change what a resumed training would compute.
+RECIPE_FIELDS = {"batch_size", "image_size", "optimizer", "lr", "momentum", "weight_decay",
+                 "scale_lr_by_world_size", "scheduler", "amp"}
+
+
+def job_fingerprint(classes: list[str], split_digest: str, model: Any, training: Any) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed (epochs may grow; loader settings may change)."""
+    return {
+        "classes": list(classes),
+        "split_digest": split_digest,
+        "model": model.model_dump(include={"backbone", "freeze_backbone"}),
+        "recipe": training.model_dump(include=RECIPE_FIELDS),
+    }
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint in the run's folder was written by another job."""
+
+
+@dataclass
+class TrainingState:
+    """Everything a checkpoint restores, kept together so saving and loading stay in step."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+
+    def save(self, url: str, options: dict[str, Any], epoch: int, history: list[dict[str, Any]],
+             fingerprint: dict[str, Any], world_size: int) -> None:
+        save_torch(url, {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler": self.scaler.state_dict(),
+            "epoch": epoch,
+            "history": history,
+            "job": fingerprint,
+            "world_size": world_size,
+        }, options)
+
+    def resume(self, url: str, options: dict[str, Any], fingerprint: dict[str, Any],
+               world_size: int, scale_lr: bool) -> tuple[int, list[dict[str, Any]]]:
+        """Load the last committed checkpoint, if any; returns (next epoch, history so far)."""
+        if not exists(url, options):
+            return 0, []
+        checkpoint = load_torch(url, options)
+        refuse_other_jobs(url, checkpoint.get("job"), fingerprint)
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        if self.scheduler is not None and checkpoint["lr_scheduler"] is not None:
+            self.scheduler.load_state_dict(checkpoint["lr_scheduler"])
+        self.scaler.load_state_dict(checkpoint["scaler"])
+        if scale_lr and checkpoint["world_size"] != world_size:
+            rescale_lr(self.optimizer, self.scheduler, world_size / checkpoint["world_size"])
+        return checkpoint["epoch"] + 1, list(checkpoint["history"])
+
+
+def refuse_other_jobs(url: str, theirs: dict[str, Any] | None, ours: dict[str, Any]) -> None:
+    if theirs == ours:
+        return
+    differs = sorted(k for k in ours if (theirs or {}).get(k) != ours[k])
+    shown = "; ".join(f"{k}: checkpoint {(theirs or {}).get(k)!r}, this run {ours[k]!r}" for k in differs)
+    raise CheckpointMismatch(
+        f"The checkpoint at {url} belongs to another job ({shown}); resuming it would continue "
+        "someone else's training. Give this run its own output.url, or delete that checkpoint "
+        "if it is no longer wanted."
+    )
+
+
+def rescale_lr(optimizer: torch.optim.Optimizer, scheduler: Any, factor: float) -> None:
+    """Scale the learning rate (and what the scheduler derives it from) by `factor`."""
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+    if hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def record_attempt(url: str, options: dict[str, Any], attempt: int, world_size: int,
+                   resumed_after_epoch: int) -> list[dict[str, Any]]:
+    """Append this gang attempt's start to the run's list; returns the list so far.
+
+    An attempt that fails before its first checkpoint leaves no trace in the checkpoint,
+    so the list is a file of its own, written by rank 0 when each attempt starts.
+    """
+    attempts = read_json(url, options) if exists(url, options) else []
+    attempts.append({"attempt": attempt, "world_size": world_size, "resumed_after_epoch": resumed_after_epoch})
+    write_json(url, attempts, options)
+    return attempts
