@@ -41,6 +41,13 @@ class DataLocation(Block):
     )
     aws_secret_access_key: SecretStr | None = None
     aws_session_token: SecretStr | None = None
+    max_attempts: int | None = Field(
+        None,
+        ge=1,
+        le=20,
+        description="Attempts per S3 request, the first included (botocore's "
+        "retries.total_max_attempts); empty keeps botocore's default. Lower it to fail faster.",
+    )
 
     def with_url(self, url: str | None) -> DataLocation:
         """This location's connection settings pointed at another url (when one is given)."""
@@ -55,6 +62,8 @@ class DataLocation(Block):
             options["endpoint_url"] = self.endpoint_url
         if self.region_name:
             options["client_kwargs"] = {"region_name": self.region_name}
+        if self.max_attempts:
+            options["config_kwargs"] = {"retries": {"total_max_attempts": self.max_attempts}}
         if self.aws_access_key_id and not self.anonymous:
             options["key"] = self.aws_access_key_id
             if self.aws_secret_access_key:

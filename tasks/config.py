@@ -43,6 +43,13 @@ class DataConfig(_Strict):
         ge=1,
         description="Decode-check this many images per class; empty checks every image.",
     )
+    max_unreadable_fraction: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Largest share of checked images that may fail to decode (or be missing) "
+        "and be left out; above it the run stops before training. 0 allows none, 1 any.",
+    )
     index_cache_minutes: int = Field(
         60,
         ge=0,
@@ -102,6 +109,12 @@ class TrainingConfig(_Strict):
     )
     fetch_threads: int = Field(
         16, ge=1, le=256, description="Images fetched concurrently per batch."
+    )
+    fetch_timeout_s: float = Field(
+        60, ge=1, le=3600,
+        description="Limit in seconds for fetching one batch of images, retries included. A "
+        "rank whose storage stalls longer fails with a TimeoutError naming the images, and the "
+        "gang restarts, instead of waiting out the process group's timeout.",
     )
 
 

@@ -3,27 +3,51 @@
 dask-pytorch-ddp's class of this name listed the bucket on every rank and sent a HEAD and
 a GET through a new boto3 resource per image. This one takes the manifest, so nothing is
 listed, and implements `__getitems__`, which the DataLoader calls with a whole batch of
-indices: the batch's images are fetched concurrently (fsspec `cat` of many paths), so
-their latencies overlap, then decoded. Any fsspec URL works (s3://, file://, local path).
+indices: the batch's images are fetched concurrently (`tasks.storage.fetch_objects`, exact
+paths, never glob patterns), so their latencies overlap, then decoded. A batch that cannot
+be fetched within `fetch_timeout_s` fails the rank with the images' names rather than
+stalling the gang. Any fsspec URL works (s3://, file://, local path).
 """
 
 from __future__ import annotations
 
 import io
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
+from tasks.config import TrainingConfig
 from tasks.model import IMAGENET_MEAN, IMAGENET_STD
-from tasks.storage import filesystem
+from tasks.storage import fetch_objects, filesystem, object_read_options
 
 FETCH_ATTEMPTS = 4
+DEFAULT_FETCH_TIMEOUT_S = TrainingConfig.model_fields["fetch_timeout_s"].default
+SHOWN_KEYS = 3
+
+
+def open_rgb(data: bytes) -> Image.Image:
+    """Decode an image fully (verify() alone misses truncated JPEGs) into 8-bit RGB.
+
+    Buckets mix modes: grayscale (L), RGBA, CMYK and palette (P) convert as torchvision's
+    ImageFolder does. 16-bit grayscale (I;16, from PNG or TIFF) is scaled to its high
+    byte first: PIL's convert("RGB") clips it, turning everything above 255 of 65535 white.
+
+    >>> buffer = io.BytesIO()
+    >>> Image.fromarray(np.array([[0, 32768, 65535]], dtype=np.uint16)).save(buffer, "PNG")
+    >>> open_rgb(buffer.getvalue()).getpixel((1, 0))
+    (128, 128, 128)
+    """
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+        if image.mode.startswith("I;16"):
+            return Image.fromarray((np.asarray(image) >> 8).astype(np.uint8)).convert("RGB")
+        return image.convert("RGB")
 
 
 def train_transform(image_size: int) -> Callable:
@@ -53,25 +77,33 @@ class S3ImageFolder(Dataset):
         root: folder URL; keys are relative to it.
         keys, labels: the images to serve and their class indices.
         storage_options: fsspec options (endpoint, credentials) for `root`.
-        transform: applied to each decoded PIL image.
+        transform: applied to each decoded PIL image (8-bit RGB, see `open_rgb`).
         fetch_threads: images fetched at once within a batch.
+        fetch_timeout_s: limit for fetching one batch, retries included; past it the batch
+            fails with a TimeoutError naming its images.
+
+    >>> from tasks.dataset import S3ImageFolder, eval_transform
+    >>> dataset = S3ImageFolder("s3://bucket/flowers", ["daisy/1.jpg"], [0], {}, eval_transform(224))
+    >>> len(dataset)
+    1
     """
 
     def __init__(
         self, root: str, keys: Sequence[str], labels: Sequence[int],
         storage_options: dict[str, Any], transform: Callable, fetch_threads: int = 16,
+        fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
     ) -> None:
         if len(keys) != len(labels):
             raise ValueError(f"Got {len(keys)} keys but {len(labels)} labels; they must pair up.")
         self.root = root.rstrip("/")
         self.keys = list(keys)
         self.labels = list(labels)
-        # max_concurrency=1: s3fs otherwise sends a HEAD before each GET to size the object.
-        self.storage_options = {**storage_options, "skip_instance_cache": True}
-        if root.startswith(("s3://", "s3a://")):
-            self.storage_options["max_concurrency"] = 1
+        self.storage_options = {
+            **object_read_options(root, storage_options, fetch_threads), "skip_instance_cache": True,
+        }
         self.transform = transform
         self.fetch_threads = fetch_threads
+        self.fetch_timeout_s = fetch_timeout_s
         self._fs = None
         self._root_path = ""
         self._pid = None
@@ -89,26 +121,35 @@ class S3ImageFolder(Dataset):
         return self._fs
 
     def _path(self, index: int) -> str:
-        # fsspec answers `cat` with paths stripped of their protocol; ask in the same form.
         return f"{self._root_path}/{self.keys[index]}"
 
     def fetch(self, indices: Sequence[int]) -> list[bytes]:
         """The bytes of the images at `indices`, one GET each, retrying transient errors."""
-        fs = self.fs
+        fs = self.fs  # first: it sets the root path that `_path` uses
         paths = [self._path(i) for i in indices]
-        got: dict[str, Any] = {}
-        missing = paths
-        for attempt in range(FETCH_ATTEMPTS):
-            got.update(fs.cat(missing, on_error="return", batch_size=self.fetch_threads))
-            missing = [p for p in missing if not isinstance(got.get(p), bytes)]
-            if not missing:
-                return [got[p] for p in paths]
-            time.sleep(0.2 * 2**attempt)
-        raise OSError(f"Could not fetch {len(missing)} image(s), e.g. {missing[0]}: {got[missing[0]]!r}")
+        got = fetch_objects(fs, paths, self.fetch_threads, FETCH_ATTEMPTS, self.fetch_timeout_s)
+        failed = {path: result for path, result in got.items() if isinstance(result, Exception)}
+        if failed:
+            raise self._fetch_error(failed)
+        return [got[path] for path in paths]
+
+    def _fetch_error(self, failed: dict[str, Exception]) -> OSError:
+        timed_out = [path for path, error in failed.items() if isinstance(error, TimeoutError)]
+        if timed_out:
+            return TimeoutError(
+                f"Could not fetch {len(timed_out)} image(s) within fetch_timeout_s="
+                f"{self.fetch_timeout_s:g} s, e.g. {', '.join(timed_out[:SHOWN_KEYS])}. The "
+                "storage endpoint stalled or is too slow: check it, or raise "
+                "training.fetch_timeout_s for large images or a slow link."
+            )
+        path, error = next(iter(failed.items()))
+        return OSError(
+            f"Could not fetch {len(failed)} image(s) after {FETCH_ATTEMPTS} attempts, e.g. "
+            f"{path}: {error!r}"
+        )
 
     def decode(self, data: bytes, label: int) -> tuple[torch.Tensor, int]:
-        with Image.open(io.BytesIO(data)) as image:
-            return self.transform(image.convert("RGB")), label
+        return self.transform(open_rgb(data)), label
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
         return [self.decode(data, self.labels[i]) for data, i in zip(self.fetch(indices), indices)]

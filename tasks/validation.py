@@ -1,30 +1,45 @@
 """Check the data before any rank starts: the source answers, and the images decode.
 
 Decoding is the slow part, so it is cut into chunks mapped over the Dask workers rather
-than done by the flow's process. Corrupt or unreadable files are reported and left out of
-the manifest; they never reach training.
+than done by the flow's process. Images that fail to decode or are missing are reported
+and left out of the manifest, so they never reach training; when more than
+`data.max_unreadable_fraction` of them are, the run stops instead. A failed fetch
+(throttling, a dropped connection) is retried, never taken for a corrupt image.
 """
 
 from __future__ import annotations
 
-import io
 import statistics
+import time
 from collections.abc import Sequence
+from uuid import UUID
 
-from PIL import Image
+from fsspec import AbstractFileSystem
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.objects import TaskRun
+from prefect.exceptions import ObjectNotFound
 from prefect.futures import wait
+from prefect.states import Crashed
 from prefect_dask import DaskTaskRunner
+from prefect_dask.task_runners import PrefectDaskFuture
 from pydantic import BaseModel
 
 from blocks.data_location import DataLocation
+from tasks.config import DataConfig
+from tasks.dataset import open_rgb
 from tasks.manifest import Manifest
 from tasks.reporting import markdown_table
 from tasks.retries import retry_transient
-from tasks.storage import filesystem
+from tasks.storage import fetch_objects, filesystem, is_s3, object_read_options
 
 CHUNK_SIZE = 256
+FETCH_CONCURRENCY = 32
+FETCH_ATTEMPTS = 4
+SHOWN_KEYS = 3
+DEFAULT_MAX_UNREADABLE = DataConfig.model_fields["max_unreadable_fraction"].default
+LOST_CHUNK = "Its Dask workers died while running it and Dask stopped rerunning it (KilledWorker)."
 
 
 class DecodeResult(BaseModel):
@@ -36,16 +51,24 @@ class DecodeResult(BaseModel):
     error: str | None = None
 
 
-@task(name="validate-source", retries=3, retry_delay_seconds=[2, 10, 30], retry_condition_fn=retry_transient)
+@task(name="validate-source", retries=1, retry_delay_seconds=[5], retry_condition_fn=retry_transient)
 def validate_source(location: DataLocation) -> None:
-    """Fail early, with a message a person can act on, when the url cannot be read."""
+    """Fail early, with a message a person can act on, when the url cannot be read.
+
+    One Prefect retry, 5 s later, not more: botocore already retries each request (5
+    attempts over 8 s on average, 15 s at most, by default), so an unreachable endpoint
+    fails within about 20 s (35 s at worst), where three retries after 2, 10 and 30 s
+    took over a minute.
+    """
     try:
         fs, root = filesystem(location.url, location.storage_options())
-        found = fs.exists(root) and bool(fs.ls(root, detail=False))
+        if fs.exists(root) and fs.ls(root, detail=False):
+            return
+        empty = _empty_source_error(fs, location)
     except PermissionError as exc:
         raise PermissionError(
-            f"Access to {location.url!r} was denied ({exc}). Check the data-location block's "
-            "credentials, or set anonymous=true for a public bucket."
+            f"Access to {location.url!r} was denied ({exc}). Check the credentials of "
+            f"{_block_name(location)}, or set anonymous=true for a public bucket."
         ) from exc
     except FileNotFoundError as exc:
         raise FileNotFoundError(
@@ -56,37 +79,83 @@ def validate_source(location: DataLocation) -> None:
             f"Cannot reach {location.url!r} ({exc!r}). Check endpoint_url "
             f"({location.endpoint_url or 'AWS default'}), region and the network."
         ) from exc
-    if not found:
-        raise FileNotFoundError(
-            f"{location.url!r} is empty or does not exist: expected an image folder "
-            "<url>/<class>/<image>.jpg."
+    raise empty
+
+
+def _empty_source_error(fs: AbstractFileSystem, location: DataLocation) -> FileNotFoundError:
+    """Why `location` holds nothing: its bucket is not there, or the prefix is empty."""
+    bucket = location.url.split("://", 1)[1].split("/", 1)[0]
+    if is_s3(location.url) and not fs.exists(bucket):  # s3fs answers False, never raises, here
+        return FileNotFoundError(
+            f"Bucket {bucket!r} of {location.url!r} was not found at "
+            f"{location.endpoint_url or 'AWS'}. Check the bucket name in the url, or the "
+            f"endpoint_url of {_block_name(location)}."
         )
+    return FileNotFoundError(
+        f"{location.url!r} is empty or does not exist: expected an image folder "
+        "URL/CLASS/IMAGE.jpg. Check the prefix."
+    )
+
+
+def _block_name(location: DataLocation) -> str:
+    name = getattr(location, "_block_document_name", None)
+    which = f"data-location block {name!r}" if name else "the data-location block"
+    key = f" (aws_access_key_id {location.aws_access_key_id!r})" if location.aws_access_key_id else ""
+    return which + key
 
 
 def decode_check(data: bytes) -> tuple[int, int]:
-    """Fully decode an image (verify() alone misses truncated JPEGs); return (w, h)."""
-    with Image.open(io.BytesIO(data)) as image:
-        image.load()
-        return image.size
+    """Decode an image as training will (`open_rgb`: fully, to 8-bit RGB); return (w, h)."""
+    return open_rgb(data).size
+
+
+def decode_result(position: int, data: bytes | FileNotFoundError) -> DecodeResult:
+    """What training would get from these bytes: an image's size, or why it is left out."""
+    if isinstance(data, FileNotFoundError):
+        return _excluded(position, data)
+    try:
+        width, height = decode_check(data)
+    except Exception as exc:  # any decoder error means: exclude this file
+        return _excluded(position, exc)
+    return DecodeResult(position=position, width=width, height=height)
+
+
+def _excluded(position: int, error: Exception) -> DecodeResult:
+    return DecodeResult(position=position, error=f"{type(error).__name__}: {error}")
 
 
 @task(name="decode-check", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient)
 def decode_chunk(location: DataLocation, keys: list[str], positions: list[int]) -> list[DecodeResult]:
-    """Fetch and decode one chunk of images on a Dask worker."""
-    fs, root = filesystem(location.url, location.storage_options())
+    """Fetch and decode one chunk of images on a Dask worker.
+
+    Only images that fail to decode or are missing are left out. A fetch that still fails
+    after retries (throttling, a reset connection) says nothing about the image, so it
+    raises: Prefect retries the chunk, and if that fails too the run stops, naming it.
+    """
+    options = object_read_options(location.url, location.storage_options(), FETCH_CONCURRENCY)
+    fs, root = filesystem(location.url, options)
     paths = [f"{root}/{key}" for key in keys]
-    fetched = fs.cat(paths, on_error="return")
-    results = []
-    for position, path in zip(positions, paths):
-        data = fetched.get(path)
-        try:
-            if isinstance(data, BaseException) or data is None:
-                raise OSError(f"fetch failed: {data!r}")
-            width, height = decode_check(data)
-            results.append(DecodeResult(position=position, width=width, height=height))
-        except Exception as exc:  # any decoder error means: exclude this file
-            results.append(DecodeResult(position=position, error=f"{type(exc).__name__}: {exc}"))
-    return results
+    fetched = fetch_objects(fs, paths, FETCH_CONCURRENCY, FETCH_ATTEMPTS)
+    _raise_fetch_failures(location, fetched)
+    return [decode_result(position, fetched[path]) for position, path in zip(positions, paths)]
+
+
+def _raise_fetch_failures(location: DataLocation, fetched: dict[str, bytes | Exception]) -> None:
+    failed = {path: result for path, result in fetched.items()
+              if isinstance(result, Exception) and not isinstance(result, FileNotFoundError)}
+    if not failed:
+        return
+    path, error = next(iter(failed.items()))
+    if isinstance(error, PermissionError):
+        raise PermissionError(
+            f"Access to {len(failed)} image(s) under {location.url!r} was denied, e.g. {path} "
+            f"({error}). Check the credentials of {_block_name(location)} and the objects' policy."
+        )
+    raise ConnectionError(
+        f"Could not fetch {len(failed)} of {len(fetched)} image(s) under {location.url!r} after "
+        f"{FETCH_ATTEMPTS} attempts, e.g. {path}: {error!r}. They are not known to be corrupt, "
+        "so they are not left out; check the storage endpoint and rerun."
+    )
 
 
 def sample_positions(manifest: Manifest, per_class: int | None) -> list[int]:
@@ -111,9 +180,14 @@ def validate_dataset(
     location: DataLocation,
     manifest: Manifest,
     per_class: int | None = None,
+    max_unreadable_fraction: float = DEFAULT_MAX_UNREADABLE,
 ) -> Manifest:
-    """Decode-check images across the cluster; return the manifest without the bad ones."""
-    positions = sample_positions(manifest, per_class)
+    """Decode-check images across the cluster; return the manifest without the bad ones.
+
+    Raises ValueError, before any rank starts, when no image can be read or more than
+    `max_unreadable_fraction` of those checked cannot.
+    """
+    chunks = chunked(sample_positions(manifest, per_class), CHUNK_SIZE)
     futures = [
         runner.submit(
             decode_chunk,
@@ -123,25 +197,93 @@ def validate_dataset(
                 "positions": chunk,
             },
         )
-        for chunk in chunked(positions, CHUNK_SIZE)
+        for chunk in chunks
     ]
-    wait(futures)
-    results = [r for future in futures for r in future.result()]
+    results = gather_chunks(futures, chunks, manifest)
     bad = [r for r in results if r.error]
     good = [r for r in results if not r.error]
     clean = manifest.without({r.position for r in bad})
     _report(manifest, clean, good, bad)
-    if not clean.paths:
-        raise ValueError(
-            f"None of the {len(results)} images checked under {manifest.root!r} could be "
-            f"decoded; first error: {bad[0].error}"
-        )
+    check_unreadable(manifest, len(results), bad, max_unreadable_fraction)
     if bad:
         get_run_logger().warning(
             "Excluded %d unreadable image(s) of %d checked, e.g. %s",
             len(bad), len(results), manifest.paths[bad[0].position],
         )
     return clean
+
+
+def gather_chunks(
+    futures: list[PrefectDaskFuture], chunks: list[list[int]], manifest: Manifest
+) -> list[DecodeResult]:
+    """Every chunk's results, once all have ended.
+
+    Dask reruns a chunk whose worker died on another worker, under the same task run. When
+    it gives up (KilledWorker: every worker that tried died), the task run would stay
+    RUNNING, as its worker never reports again: it is marked Crashed and the run stops.
+    """
+    wait(futures)
+    lost = [(future, chunk) for future, chunk in zip(futures, chunks)
+            if future.wrapped_future.status != "finished"]
+    if lost:
+        try:
+            crash_task_runs([future.task_run_id for future, _ in lost], LOST_CHUNK)
+        except Exception:  # the lost chunk is the news; a failed clean-up must not hide it
+            get_run_logger().exception("Could not mark the lost decode-check task runs Crashed")
+        future, chunk = lost[0]
+        error = future.wrapped_future.exception()
+        raise RuntimeError(
+            f"Decode-check of {len(chunk)} image(s) from {manifest.paths[chunk[0]]!r} did not "
+            f"finish on the Dask cluster ({type(error).__name__}: {error}). When its workers "
+            "died while running it, a file that crashes the decoder or exhausts a worker's "
+            "memory (a decompression bomb, a huge TIFF) is the usual cause: check the worker "
+            "logs, then remove the file or give the workers more memory."
+        ) from error
+    return [r for future in futures for r in future.result()]
+
+
+def crash_task_runs(task_run_ids: list[UUID], message: str) -> None:
+    """Give these task runs a final state (Crashed) unless they already have one."""
+    with get_client(sync_client=True) as api:
+        for task_run_id in task_run_ids:
+            task_run = _read_task_run(api, task_run_id)
+            if task_run is not None and (task_run.state is None or not task_run.state.is_final()):
+                api.set_task_run_state(task_run_id, Crashed(message=message), force=True)
+
+
+def _read_task_run(api: SyncPrefectClient, task_run_id: UUID, attempts: int = 10) -> TaskRun | None:
+    """The task run, or None if it never started; the server records it from events, late."""
+    for _ in range(attempts):
+        try:
+            return api.read_task_run(task_run_id)
+        except ObjectNotFound:
+            time.sleep(0.5)
+    return None
+
+
+def check_unreadable(manifest: Manifest, checked: int, bad: list[DecodeResult], limit: float) -> None:
+    """Stop before training when nothing, or too large a share of the images, can be read.
+
+    A few bad files are normal in a real bucket and are left out; many mean a wrong url,
+    a broken export or the wrong credentials, and a model trained on the rest would mislead.
+    """
+    if not bad:
+        return
+    first = ", ".join(manifest.paths[r.position] for r in bad[:SHOWN_KEYS])
+    if len(bad) == checked:
+        raise ValueError(
+            f"None of the {checked} images checked under {manifest.root!r} could be read: all "
+            f"{checked} failed to decode or are missing, e.g. {first} (first error: "
+            f"{bad[0].error}). Check that the url points at an image folder of valid images."
+        )
+    share = len(bad) / checked
+    if share > limit:
+        raise ValueError(
+            f"{len(bad)} of the {checked} images checked under {manifest.root!r} ({share:.1%}) "
+            f"could not be read, more than data.max_unreadable_fraction={limit:g} allows; e.g. "
+            f"{first} (first error: {bad[0].error}). Fix or remove those files, or raise "
+            "data.max_unreadable_fraction to train on the rest."
+        )
 
 
 def _report(manifest: Manifest, clean: Manifest, good: list[DecodeResult], bad: list[DecodeResult]) -> None:

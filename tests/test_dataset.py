@@ -1,10 +1,14 @@
+import io
+
 import fsspec.asyn
 import pytest
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader
 
 from tasks.dataset import S3ImageFolder, eval_transform
 from tasks.indexing import build_manifest, list_folder
+from tasks.validation import decode_chunk
 from tests.image_folders import local_image_folder
 
 
@@ -62,3 +66,52 @@ def test_local_folders_work_too(tmp_path):
 def test_keys_and_labels_must_pair_up():
     with pytest.raises(ValueError, match="Got 2 keys but 1 labels"):
         S3ImageFolder("s3://b/p", ["a/1.jpg", "a/2.jpg"], [0], {}, eval_transform(32))
+
+
+def jpeg(side: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (side, side), (side, 0, 0)).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+# Keys that fsspec's `cat` of a list would expand as glob patterns; x1.jpg is what
+# "x[1].jpg" matches as a pattern, with another size, so a mix-up shows.
+GLOB_KEYS = {"circle/x[1].jpg": 20, "circle/x1.jpg": 40, "square/y*.jpg": 24, "square/z?.jpg": 28}
+
+
+@pytest.fixture(scope="module")
+def glob_location(image_location, s3_fs):
+    s3_fs.pipe({f"test-images/globs/{key}": jpeg(side) for key, side in GLOB_KEYS.items()})
+    return image_location.with_url("s3://test-images/globs")
+
+
+def sizes_through_the_dataset(root: str, storage_options: dict) -> list[tuple[int, int]]:
+    dataset = S3ImageFolder(root, list(GLOB_KEYS), [0, 0, 1, 1], storage_options, transform=lambda image: image.size)
+    return [size for size, _ in dataset.__getitems__(range(len(GLOB_KEYS)))]
+
+
+def test_keys_with_glob_characters_load_as_themselves_from_s3(glob_location):
+    assert sizes_through_the_dataset(glob_location.url, glob_location.storage_options()) == [
+        (side, side) for side in GLOB_KEYS.values()
+    ]
+
+
+def test_keys_with_glob_characters_pass_the_decode_check(glob_location):
+    results = decode_chunk.fn(glob_location, list(GLOB_KEYS), [0, 1, 2, 3])
+    assert [(r.error, r.width) for r in results] == [(None, side) for side in GLOB_KEYS.values()]
+
+
+def test_keys_with_glob_characters_load_as_themselves_from_local_folders(tmp_path):
+    for key, side in GLOB_KEYS.items():
+        (tmp_path / key).parent.mkdir(exist_ok=True)
+        (tmp_path / key).write_bytes(jpeg(side))
+    assert sizes_through_the_dataset(str(tmp_path), {}) == [(side, side) for side in GLOB_KEYS.values()]
+
+
+def test_the_connection_pool_holds_every_fetch_thread_and_keeps_other_client_settings(image_location):
+    location = image_location.model_copy(update={"max_attempts": 2})
+    dataset = S3ImageFolder(location.url, ["circle/0000.jpg"], [0], location.storage_options(),
+                            eval_transform(32), fetch_threads=48)
+    config = dataset.fs.s3.meta.config
+    assert config.max_pool_connections >= 48
+    assert config.retries["total_max_attempts"] == 2

@@ -1,0 +1,197 @@
+"""A fault-injecting S3 front: an HTTP reverse proxy on 127.0.0.1 in front of a real S3 server.
+
+moto answers every request, at once; real S3 throttles (503 SlowDown), drops connections
+and sometimes stalls. Point a client's endpoint_url at the front and tell it which GETs
+to break:
+
+    with faulty_s3(s3_endpoint) as front:
+        location = image_location.model_copy(update={"endpoint_url": front.endpoint})
+        front.fail_gets("test-images/shapes/circle/*", times=3, how="503")
+        front.stall_gets("*", seconds=20)            # every GET, until cleared
+        assert front.wait_stalled(timeout=10)        # a client is now stuck in a GET
+        front.clear()
+        front.gets["test-images/shapes/circle/0001.jpg"]   # GETs the front received
+
+Patterns are shell-style (fnmatch) and match "bucket/key" as the client asked for it,
+unquoted. A rule applies to the next `times` matching GETs (None: all of them, until
+`clear`); each GET uses the earliest rule still matching. Other methods (HEAD, PUT,
+LIST's GET of a bucket alone counts as a GET of "bucket") pass through untouched.
+Requests are forwarded with their own Host header, so signatures stay valid.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import http.client
+import socket
+import struct
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Literal
+from urllib.parse import unquote, urlsplit
+
+FailHow = Literal["503", "reset"]
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+# Hop-by-hop headers, and the body's framing that the front sets itself.
+NOT_FORWARDED = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect"}
+
+
+@dataclass
+class _Rule:
+    pattern: str
+    action: Literal["503", "reset", "stall"]
+    remaining: int | None
+    seconds: float = 0.0
+
+
+class FaultyS3:
+    """The front's controls; made by `faulty_s3`, which also starts and stops it."""
+
+    def __init__(self, upstream_endpoint: str) -> None:
+        upstream = urlsplit(upstream_endpoint)
+        self.upstream = (upstream.hostname or "127.0.0.1", upstream.port or 80)
+        self.endpoint = ""  # set once the server listens
+        self.gets: Counter[str] = Counter()
+        self._rules: list[_Rule] = []
+        self._lock = threading.Lock()
+        self._stalled = threading.Condition(self._lock)
+        self._stalled_now = 0
+        self._stopping = threading.Event()
+
+    def fail_gets(self, pattern: str, times: int, how: FailHow = "503") -> None:
+        """Fail the next `times` GETs matching `pattern`: 503 SlowDown, or a TCP reset."""
+        if how not in ("503", "reset"):
+            raise ValueError(f"how={how!r} is not a fault the front knows: use '503' or 'reset'.")
+        self._add(_Rule(pattern, how, times))
+
+    def stall_gets(self, pattern: str, seconds: float, times: int | None = None) -> None:
+        """Hold the next `times` GETs matching `pattern` (None: all) for `seconds`, then answer."""
+        self._add(_Rule(pattern, "stall", times, seconds))
+
+    def clear(self) -> None:
+        """Drop every rule; GETs already stalled still wait out their time."""
+        with self._lock:
+            self._rules.clear()
+
+    def wait_stalled(self, timeout: float) -> bool:
+        """Wait until at least one GET is being held; False if none is within `timeout`."""
+        with self._stalled:
+            return self._stalled.wait_for(lambda: self._stalled_now > 0, timeout)
+
+    def _add(self, rule: _Rule) -> None:
+        if rule.remaining is not None and rule.remaining < 1:
+            raise ValueError(f"times={rule.remaining} must be at least 1, or None for every GET.")
+        with self._lock:
+            self._rules.append(rule)
+
+    def _take_rule(self, key: str) -> _Rule | None:
+        """Count a GET of `key` and return the rule it uses up, if any."""
+        with self._lock:
+            self.gets[key] += 1
+            for rule in self._rules:
+                if rule.remaining != 0 and fnmatch.fnmatchcase(key, rule.pattern):
+                    if rule.remaining is not None:
+                        rule.remaining -= 1
+                    return rule
+        return None
+
+    def _stall(self, seconds: float) -> None:
+        with self._stalled:
+            self._stalled_now += 1
+            self._stalled.notify_all()
+        try:
+            self._stopping.wait(seconds)  # the front's shutdown releases it early
+        finally:
+            with self._lock:
+                self._stalled_now -= 1
+
+
+def _handler(front: FaultyS3) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as clients expect of S3
+
+        def log_message(self, *args) -> None:  # quiet: tests read the counters instead
+            pass
+
+        def do_GET(self) -> None:
+            rule = front._take_rule(unquote(urlsplit(self.path).path).lstrip("/"))
+            if rule and rule.action == "reset":
+                self._reset()
+                return
+            if rule and rule.action == "503":
+                self._discard_body()
+                self._answer(503, {"Content-Type": "application/xml"}, SLOW_DOWN)
+                return
+            if rule:
+                front._stall(rule.seconds)
+            self._forward()
+
+        def _forward(self) -> None:
+            body = self._discard_body()
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in NOT_FORWARDED}
+            upstream = http.client.HTTPConnection(*front.upstream, timeout=60)
+            try:
+                upstream.request(self.command, self.path, body=body or None, headers=headers)
+                response = upstream.getresponse()
+                data = response.read()
+                answer = {k: v for k, v in response.getheaders() if k.lower() not in NOT_FORWARDED}
+                if self.command == "HEAD":  # no body, but the object's length
+                    answer["Content-Length"] = response.getheader("Content-Length", "0")
+                self._answer(response.status, answer, data)
+            finally:
+                upstream.close()
+
+        do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        def _discard_body(self) -> bytes:
+            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+        def _answer(self, status: int, headers: dict[str, str], data: bytes) -> None:
+            try:
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                if "Content-Length" not in headers:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout)
+                self.close_connection = True
+
+        def _reset(self) -> None:
+            # SO_LINGER 0: close() sends RST, as a dropped connection does.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            self.close_connection = True
+
+    return Handler
+
+
+@contextmanager
+def faulty_s3(upstream_endpoint: str) -> Iterator[FaultyS3]:
+    """A FaultyS3 front listening on 127.0.0.1 (a free port) until the block ends.
+
+    Args:
+        upstream_endpoint: the real S3 server's endpoint, e.g. the session moto server.
+    """
+    front = FaultyS3(upstream_endpoint)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(front))
+    server.daemon_threads = True
+    front.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), name="faulty-s3", daemon=True)
+    thread.start()
+    try:
+        yield front
+    finally:
+        front._stopping.set()
+        server.shutdown()
+        server.server_close()
+        thread.join()
