@@ -12,7 +12,7 @@ from flows.sweep import hyperparameter_sweep
 from flows.transfer_learning import transfer_learning
 from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
 from tasks.dataset import S3ImageFolder
-from tasks.gang import GangError, RankContext, run_gang
+from tasks.gang import GangAttempt, GangError, GangResults, GangStopped, GangTimeout, RankContext, run_gang
 from tasks.process_group import all_reduce_sum
 from tasks.search_space import Dimension
 from tasks.sweep import SweepSettings, sweep
@@ -23,7 +23,11 @@ __all__ = [
     "DataConfig",
     "DataLocation",
     "Dimension",
+    "GangAttempt",
     "GangError",
+    "GangResults",
+    "GangStopped",
+    "GangTimeout",
     "ModelConfig",
     "OutputConfig",
     "RankContext",

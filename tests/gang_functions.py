@@ -1,4 +1,5 @@
-"""Per-rank functions for the gang tests; in a module of their own so workers can import them."""
+"""Per-rank functions for the gang tests, and the flow that runs them; in a module of their
+own so workers can import them, and a flow process started by a test can run the flow."""
 
 from __future__ import annotations
 
@@ -6,10 +7,17 @@ import json
 import os
 import signal
 import time
+from datetime import timedelta
+from pathlib import Path
+from typing import NoReturn
 
+import distributed
 import torch.distributed as dist
+from prefect import flow
+from prefect.runtime import flow_run
+from prefect_dask import DaskTaskRunner
 
-from tasks.gang import RankContext
+from tasks.gang import GangStopped, RankContext, run_gang
 from tasks.process_group import all_reduce_sum
 
 
@@ -54,6 +62,47 @@ def hold_worker(ctx: RankContext, config: dict) -> dict:
     return {"worker": ctx.worker_address, "started": started, "ended": time.time()}
 
 
+def loop_until_stopped(ctx: RankContext, config: dict) -> NoReturn:
+    """Train until told to stop: short steps, each with a collective, `ctx.check_stop()` after each.
+
+    Leaves marks in the folder `config["marks"]`: `running-RANK` (holding the flow run's
+    id) once training, and `left-RANK` (holding what ended the loop) on the way out. With
+    `config["cancel_own_future"]`, the last rank cancels its own Dask future first, as
+    another client or the dashboard could.
+    """
+    marks = Path(config["marks"])
+    if config.get("cancel_own_future") and ctx.rank == ctx.world_size - 1:
+        cancel_own_dask_future()
+    (marks / f"running-{ctx.rank}").write_text(flow_run.get_id() or "")
+    try:
+        while True:
+            all_reduce_sum([1.0])
+            ctx.check_stop()
+            time.sleep(0.05)
+    except BaseException as exc:
+        (marks / f"left-{ctx.rank}").write_text(type(exc).__name__)
+        raise
+
+
+def call_check_stop(ctx: RankContext, seconds: float) -> dict:
+    """Call `ctx.check_stop()` as fast as possible for `seconds`, or until it raises."""
+    calls, started = 0, time.monotonic()
+    try:
+        while time.monotonic() - started < seconds:
+            ctx.check_stop()
+            calls += 1
+    except GangStopped:
+        return {"calls": calls, "stopped_after_s": time.monotonic() - started}
+    return {"calls": calls, "stopped_after_s": None}
+
+
+def cancel_own_dask_future() -> None:
+    """Cancel the running task's future in the scheduler, for every client that holds it."""
+    worker = distributed.get_worker()
+    client = worker.client
+    client.cancel([distributed.Future(worker.get_current_task(), client)], force=True)
+
+
 def report_every_epoch(ctx: RankContext, config: dict) -> dict:
     """A sweep trainable: the loss falls with epochs, faster with a larger lr; stops when told."""
     losses = []
@@ -68,3 +117,18 @@ def report_every_epoch(ctx: RankContext, config: dict) -> dict:
         with open(model_url, "w") as file:
             json.dump(losses, file)
     return {"losses": losses, "rank": ctx.rank, "model_url": model_url}
+
+
+RANK_FUNCTIONS = {"report": report_rank, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
+                  "sleep": sleep_past_the_deadline, "hold": hold_worker, "loop": loop_until_stopped}
+
+
+@flow(name="gang-test")
+def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None = None, max_restarts: int = 0,
+              timeout_s: float | None = None, lease_timeout_s: float = 600):
+    """One gang of RANK_FUNCTIONS[fn_name] on the cluster at `address`; each rank's result."""
+    with DaskTaskRunner(address=address) as runner:
+        return run_gang(RANK_FUNCTIONS[fn_name], config, task_runner=runner, world_size=world_size,
+                        max_restarts=max_restarts, init_timeout=timedelta(seconds=60),
+                        timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+                        lease_timeout=timedelta(seconds=lease_timeout_s))

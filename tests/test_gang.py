@@ -2,36 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
-from datetime import timedelta
 
 import pytest
-from prefect import flow
-from prefect_dask import DaskTaskRunner
 
-from tasks.gang import GangError, run_gang
-from tests.api_helpers import rank_task_runs
-from tests.gang_functions import (
-    fail_on_rank_1,
-    hold_worker,
-    kill_worker_on_rank_1,
-    report_rank,
-    sleep_past_the_deadline,
-)
-
-
-@flow(name="gang-test")
-def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None = None, max_restarts: int = 0,
-              timeout_s: float | None = None, lease_timeout_s: float = 600):
-    fn = {"report": report_rank, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
-          "sleep": sleep_past_the_deadline, "hold": hold_worker}[fn_name]
-    with DaskTaskRunner(address=address) as runner:
-        return run_gang(fn, config, task_runner=runner, world_size=world_size, max_restarts=max_restarts,
-                        init_timeout=timedelta(seconds=60),
-                        timeout=timedelta(seconds=timeout_s) if timeout_s else None,
-                        lease_timeout=timedelta(seconds=lease_timeout_s))
+from tasks.gang import GangError, GangTimeout
+from tasks.gang.supervise import FAILURE_GRACE_S
+from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
+from tests.gang_functions import gang_flow
 
 
 def test_one_rank_per_worker_agreeing_on_the_world(dask_cluster):
@@ -59,19 +40,29 @@ def test_world_larger_than_the_cluster_is_a_clear_error(dask_cluster):
 
 
 def test_a_failing_rank_fails_the_gang_and_every_rank_ends(dask_cluster):
-    state = gang_flow(dask_cluster.scheduler_address, "fail", {}, return_state=True)
+    state = gang_flow(dask_cluster.scheduler_address, "fail", {}, max_restarts=1, return_state=True)
     assert state.is_failed()
-    with pytest.raises(GangError, match="Rank 1 on tcp://.* ended FAILED: .*boom on rank 1, attempt 0"):
+    with pytest.raises(GangError, match=r"Rank 1 on tcp://.* ended FAILED: .*boom on rank 1, attempt 1.* "
+                                        r"\[after 2 attempt\(s\) of at most 2 \(max_restarts=1\)") as failure:
         state.result()
-    runs = rank_task_runs(state.state_details.flow_run_id, 2)
-    assert [r.name for r in runs] == ["rank-0", "rank-1"]
+    # The error that ends the call tells the whole story, attempt by attempt.
+    assert [(a.number, a.world_size) for a in failure.value.attempts] == [(1, 2), (2, 2)]
+    assert [f"boom on rank 1, attempt {n}" in a.ended for n, a in enumerate(failure.value.attempts)] == [True, True]
+    runs = rank_task_runs(state.state_details.flow_run_id, 4)
+    assert sorted(r.name for r in runs) == ["rank-0", "rank-0", "rank-1", "rank-1"]
     assert all(r.state.is_final() and not r.state.is_completed() for r in runs)
+    assert_no_task_run_left_running(state.state_details.flow_run_id)
 
 
 def test_gang_is_re_formed_after_a_failure_on_the_same_workers(dask_cluster):
     results = gang_flow(dask_cluster.scheduler_address, "fail", {"fail_attempts": 1}, max_restarts=1)
     assert [r["ctx"].attempt for r in results] == [1, 1]
     assert all(r["rank_sum"] == 1.0 for r in results)
+    first, second = results.attempts
+    assert (first.number, second.number) == (1, 2) and first.workers == second.workers
+    assert first.world_size == second.world_size == 2 and len(set(first.workers)) == 2
+    assert re.search(r"^Rank 1 on tcp://\S+ ended FAILED: .*boom on rank 1, attempt 0", first.ended)
+    assert second.ended == "completed" and first.seconds > 0 and second.seconds > 0
 
 
 def test_a_killed_worker_is_noticed_and_the_gang_re_formed(dask_cluster):
@@ -83,14 +74,31 @@ def test_a_killed_worker_is_noticed_and_the_gang_re_formed(dask_cluster):
     runs = rank_task_runs(state.state_details.flow_run_id, 4)
     assert len(runs) == 4 and all(r.state.is_final() for r in runs)
     assert sum(r.state.is_completed() for r in runs) == 2
+    first, second = results.attempts
+    assert first.workers[0] == second.workers[0] and first.workers[1] != second.workers[1]
+    assert "rank 1" in first.ended.lower() and first.workers[1] in first.ended
+    assert second.ended == "completed"
+    assert_no_task_run_left_running(state.state_details.flow_run_id)
 
 
-def test_ranks_past_the_deadline_are_stopped_and_their_workers_freed(dask_cluster):
-    state = gang_flow(dask_cluster.scheduler_address, "sleep", {"seconds": 600}, timeout_s=2, return_state=True)
-    with pytest.raises(GangError, match=r"did not finish within its timeout; ranks \[0, 1\] were still running"):
+def test_the_timeout_covers_all_attempts_and_stops_the_ranks_without_re_forming(dask_cluster):
+    started = time.monotonic()
+    state = gang_flow(dask_cluster.scheduler_address, "sleep", {"seconds": 600}, timeout_s=2, max_restarts=2,
+                      return_state=True)
+    elapsed = time.monotonic() - started
+    with pytest.raises(GangTimeout, match=r"did not finish within its timeout of 2s \(one limit for the whole run_gang "
+                                          r"call, all attempts together\); ranks \[0, 1\] were still running on "
+                                          r"\['tcp://\S+', 'tcp://\S+'\]\. Raise timeout.* \[after 1 attempt\(s\) "
+                                          r"of at most 3") as timeout:
         state.result()
+    (attempt,) = timeout.value.attempts
+    assert "did not finish within its timeout" in attempt.ended
+    # One timeout, one grace period for the ranks to stop, the stuck workers' restart and
+    # the flow around it; not three attempts' worth (about 60 s before the fix).
+    assert elapsed < 2 + FAILURE_GRACE_S + 15, elapsed
     runs = rank_task_runs(state.state_details.flow_run_id, 2)
     assert [r.state.type.value for r in runs] == ["CRASHED", "CRASHED"]
+    assert_no_task_run_left_running(state.state_details.flow_run_id)
     # The stuck ranks' workers were restarted, so the next gang runs at once.
     results = gang_flow(dask_cluster.scheduler_address, "report", {})
     assert [r["rank_sum"] for r in results] == [1.0, 1.0]

@@ -68,3 +68,28 @@ def test_the_rank_that_failed_first_hand_is_named_before_its_peers():
     message = root_cause_first([peer, own])
     assert message.startswith(own) and message.endswith(f"(then 1 more rank(s) failed: {peer})")
     assert root_cause_first([own]) == own
+
+
+@pytest.mark.parametrize("limits, message", [
+    ({"max_restarts": -1}, r"max_restarts=-1 is negative; it counts how often a failed gang is re-formed: 0 \(never"),
+    ({"timeout": timedelta(0)}, r"timeout=datetime.timedelta\(0\) is not positive; give a positive timedelta .* or None"),
+])
+def test_meaningless_limits_are_refused_before_any_worker_is_touched(limits, message):
+    from tasks.gang import run_gang
+
+    with pytest.raises(ValueError, match=message):
+        run_gang(lambda ctx, config: None, {}, **limits)  # outside a flow: refused before looking for one
+
+
+def test_attempts_travel_with_results_and_errors_through_pickling():
+    import pickle
+
+    from tasks.gang import GangAttempt, GangResults, GangTimeout
+
+    attempt = GangAttempt(number=1, workers=["tcp://a:1"], world_size=1, ended="completed", seconds=0.5)
+    results = pickle.loads(pickle.dumps(GangResults(["r0"], [attempt])))
+    assert results == ["r0"] and results.attempts == [attempt]
+    error = pickle.loads(pickle.dumps(GangTimeout("too slow").after([attempt], max_restarts=2)))
+    assert type(error) is GangTimeout and error.attempts == [attempt]
+    assert str(error) == ("too slow [after 1 attempt(s) of at most 3 (max_restarts=2); this error's .attempts "
+                          "lists each one's workers and end]")

@@ -19,22 +19,32 @@ After:
     from prefect_ddp import RankContext, run_gang
 
     def train(ctx: RankContext, config: dict) -> float:
-        ...  # torch.distributed is initialised; ctx.rank, ctx.world_size, ctx.device
+        for step in range(steps):  # torch.distributed is initialised; ctx.rank, ctx.device
+            ...
+            ctx.check_stop()  # leave cleanly when the flow run is cancelled
         return loss
 
     @flow(task_runner=DaskTaskRunner(cluster_kwargs={"n_workers": 2}))
     def my_flow():
         losses = run_gang(train, {"lr": 0.1})           # one result per rank, rank order
+        losses.attempts                                 # how often the gang was formed, and why
 
-One module per concern: `plan` (probes, ports, ranks), `lease` (workers held by one gang
-at a time), `rank` (the pinned task), `supervise` (watch, stop, re-form), `states`
-(final states for every rank's task run), `sending` (functions from scripts and
-notebooks), `trial` (reporting to a sweep), and `run` with `run_gang` at the front.
+One module per concern: `plan` (workers, probes, ports, ranks), `lease` (workers held by
+one gang at a time), `rank` (the pinned task), `attempt` (one formation, stopped on any
+way out), `supervise` (watch, deadline, stop), `stopping` (the flag ranks read between
+steps), `states` (final states for every rank's task run), `sending` (functions from
+scripts and notebooks), `trial` (reporting to a sweep), `results` and `errors` (what
+comes back), and `run` with `run_gang` at the front.
 """
 
-from tasks.gang.context import GangError, RankContext
+from tasks.gang.context import RankContext
+from tasks.gang.errors import GangError, GangStopped, GangTimeout
 from tasks.gang.plan import free_port
+from tasks.gang.results import GangAttempt, GangResults
 from tasks.gang.run import run_gang
 from tasks.gang.trial import TrialLink
 
-__all__ = ["GangError", "RankContext", "TrialLink", "free_port", "run_gang"]
+__all__ = [
+    "GangAttempt", "GangError", "GangResults", "GangStopped", "GangTimeout", "RankContext", "TrialLink",
+    "free_port", "run_gang",
+]

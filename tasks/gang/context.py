@@ -1,10 +1,12 @@
-"""What a rank is told about its gang, and the one error the gang raises."""
+"""What a rank is told about its gang, and how it learns that the gang is stopping."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from tasks.gang.errors import GangStopped
+from tasks.gang.stopping import stop_requested
 from tasks.gang.trial import TrialLink
 
 
@@ -25,6 +27,7 @@ class RankContext:
     output_url: str | None = None
     init_timeout_s: float = 300.0
     trial: TrialLink | None = None  # set when the gang trains one trial of a sweep
+    stop_flag: str | None = None  # the scheduler Event the supervisor sets to stop this attempt
 
     @property
     def is_main(self) -> bool:
@@ -41,6 +44,27 @@ class RankContext:
             return False
         return self.trial.report(step, metrics, is_main=self.is_main, device=self.device)
 
+    def check_stop(self) -> None:
+        """Raise GangStopped once the supervisor has asked this gang to stop; call it between steps.
 
-class GangError(RuntimeError):
-    """The gang could not be formed or did not finish; the message says which rank and why."""
+        The supervisor asks when the flow run is cancelled or interrupted, the gang's
+        timeout passes, or another rank or worker failed. Leaving here, between steps, ends
+        the rank cleanly (its process group is destroyed, its worker stays usable) instead
+        of being cancelled mid-step and its worker restarted. Cheap enough for every
+        optimizer step: the flag is read from the scheduler at most once a second. Without
+        a flag (a unit test, a context made by hand) or outside a Dask worker it does nothing.
+
+        Each rank reads the flag on its own, so they may leave one step apart; a peer left
+        waiting in a collective fails on the closed connection, and is recorded as stopped
+        too. Example, in a training loop:
+
+            for batch in loader:
+                train_step(model, batch)
+                ctx.check_stop()
+        """
+        if stop_requested(self.stop_flag):
+            raise GangStopped(
+                f"Rank {self.rank} on {self.worker_address} left between steps: the gang supervisor "
+                "asked this gang to stop (the flow run was cancelled, the gang's timeout passed, or "
+                "another rank or its worker failed)."
+            )

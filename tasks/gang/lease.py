@@ -19,8 +19,8 @@ from contextlib import contextmanager
 
 import distributed
 
-from tasks.gang.context import GangError
-from tasks.gang.plan import by_host
+from tasks.gang.errors import GangError
+from tasks.gang.plan import by_host, cluster_workers
 
 PREFIX = "prefect-ddp-worker-lease"
 POLL_S = 1.0
@@ -71,7 +71,7 @@ def leased_workers(client: distributed.Client, world_size: int | None, holder: s
     deadline = time.monotonic() + timeout_s
     with client.as_current():
         while True:
-            workers = by_host(list(client.scheduler_info()["workers"]))
+            workers = by_host(cluster_workers(client))
             wanted = world_size or len(workers)
             if not workers or wanted > len(workers):
                 raise GangError(

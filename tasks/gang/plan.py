@@ -1,4 +1,4 @@
-"""Before a gang forms: what each worker has, a free port for the master, who is which rank."""
+"""Before a gang forms: which workers exist, what each has, a free port for the master, who is which rank."""
 
 from __future__ import annotations
 
@@ -7,9 +7,22 @@ import socket
 from typing import Any
 from urllib.parse import urlparse
 
+import distributed
+
 from tasks.gang.context import RankContext
 from tasks.gang.trial import TrialLink
 from tasks.process_group import default_backend
+
+
+def cluster_workers(client: distributed.Client) -> list[str]:
+    """The address of every worker of the cluster: the one place the gang reads the worker set.
+
+    `scheduler_info()` returns only 5 workers by default on distributed 2025.4 to 2026.6
+    (dask/distributed#9045, undone in #9308), which made a gang on more workers see live
+    ones as gone. Older versions take no `n_workers` but accept and ignore keywords, and
+    return every worker.
+    """
+    return list(client.scheduler_info(n_workers=-1)["workers"])
 
 
 def probe_worker() -> dict[str, Any]:
@@ -42,6 +55,7 @@ def by_host(addresses: list[str]) -> list[str]:
 def plan_ranks(
     addresses: list[str], probes: dict[str, dict[str, Any]], port: int, attempt: int,
     output_url: str | None, init_timeout_s: float, trial: TrialLink | None = None,
+    stop_flag: str | None = None,
 ) -> list[RankContext]:
     """One context per address: rank order, local ranks per host, backend and master."""
     cuda_everywhere = all(probes[a]["cuda"] for a in addresses)
@@ -64,6 +78,7 @@ def plan_ranks(
             output_url=output_url,
             init_timeout_s=init_timeout_s,
             trial=trial,
+            stop_flag=stop_flag,
         )
         for rank, address in enumerate(addresses)
     ]

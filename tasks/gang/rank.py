@@ -2,7 +2,8 @@
 
 Rank tasks have no Prefect retries on purpose: a retry would run in the same worker
 process, alone, and could never re-form a process group with the others. Retrying is
-the supervisor's job (`max_restarts`).
+the supervisor's job (`max_restarts`). A rank that the supervisor stopped ends Cancelled,
+not Failed, so the report tells a stop from the failure that caused it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from typing import Any, TypeVar
 import distributed
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Cancelled, State
 
 from tasks.gang.context import RankContext
+from tasks.gang.errors import GangStopped
+from tasks.gang.stopping import stop_requested
 from tasks.process_group import process_group
 
 R = TypeVar("R")
@@ -44,7 +48,7 @@ def leave_worker_thread_pool() -> None:
 
 
 @task(name="ddp-rank", retries=0, cache_policy=NO_CACHE, persist_result=False)
-def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankContext, cpus: int) -> R:
+def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankContext, cpus: int) -> R | State:
     """One rank: join the process group, run the training function, always leave the group."""
     leave_worker_thread_pool()
     limit_threads(ctx, cpus)
@@ -56,4 +60,11 @@ def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankCo
         master_port=ctx.master_port,
         timeout=timedelta(seconds=ctx.init_timeout_s),
     ):
-        return train_fn(ctx, config)
+        try:
+            return train_fn(ctx, config)
+        except Exception as error:
+            # A peer that left on the stop flag fails the collective this rank waits in:
+            # while the gang is stopping, that failure is part of the stop.
+            if isinstance(error, GangStopped) or stop_requested(ctx.stop_flag, max_age_s=0):
+                return Cancelled(message=f"Stopped by the gang supervisor: {error}")
+            raise

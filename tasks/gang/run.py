@@ -1,4 +1,4 @@
-"""`run_gang`: lease workers, plan the ranks, submit them pinned, supervise, re-form on failure."""
+"""`run_gang`: lease workers, run an attempt, re-form the gang after a failure, within one deadline."""
 
 from __future__ import annotations
 
@@ -7,19 +7,17 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-import dask
-import distributed
 from prefect.context import get_run_context
 from prefect.runtime import flow_run
 from prefect_dask import DaskTaskRunner
-from prefect_dask.task_runners import PrefectDaskFuture
 
-from tasks.gang.context import GangError, RankContext
+from tasks.gang.attempt import GangSpec, run_attempt
+from tasks.gang.context import RankContext
+from tasks.gang.errors import GangError, GangTimeout
 from tasks.gang.lease import leased_workers
-from tasks.gang.plan import free_port, plan_ranks, probe_worker
-from tasks.gang.rank import run_rank
+from tasks.gang.results import COMPLETED, GangAttempt, GangResults
 from tasks.gang.sending import prepare_to_send
-from tasks.gang.supervise import stop, supervise, wait_for_workers
+from tasks.gang.supervise import Deadline, wait_for_workers
 from tasks.gang.trial import TrialLink
 from tasks.reporting import run_logger
 
@@ -41,6 +39,20 @@ def lease_holder() -> str:
     return f"flow run {flow_run.get_name() or '?'} ({flow_run.get_id() or 'outside a flow run'})"
 
 
+def check_limits(timeout: timedelta | None, max_restarts: int) -> None:
+    """Refuse limits that mean nothing, before any worker is touched."""
+    if max_restarts < 0:
+        raise ValueError(
+            f"max_restarts={max_restarts} is negative; it counts how often a failed gang is "
+            "re-formed: 0 (never, the default) or more."
+        )
+    if timeout is not None and timeout <= timedelta(0):
+        raise ValueError(
+            f"timeout={timeout!r} is not positive; give a positive timedelta for the whole "
+            "run_gang call, or None for no limit."
+        )
+
+
 def run_gang(
     train_fn: Callable[[RankContext, Any], R],
     config: Any,
@@ -53,86 +65,80 @@ def run_gang(
     max_restarts: int = 0,
     lease_timeout: timedelta = timedelta(minutes=10),
     trial: TrialLink | None = None,
-) -> list[R]:
+) -> GangResults[R]:
     """Run `train_fn(ctx, config)` on `world_size` Dask workers as one DDP world.
 
     Args:
         train_fn: the per-rank function. Its process group is already initialised; it must
             resume from its own checkpoint to benefit from restarts (`ctx.attempt` counts
-            them). Defined in a module, a script or a notebook.
+            them), and should call `ctx.check_stop()` between steps so that a cancelled
+            flow run stops it cleanly. Defined in a module, a script or a notebook.
         config: passed to every rank unchanged (picklable; plain values are best).
         task_runner: the DaskTaskRunner to use; default: the current flow's.
         world_size: number of ranks; default: every worker of the cluster.
         output_url: handed to the ranks as `ctx.output_url`.
         init_timeout: limit for the ranks to meet, and for any collective to complete.
-        timeout: limit for the whole gang; default none.
+        timeout: limit for the whole call, all attempts together, counted from the call
+            (waiting for free workers is limited by `lease_timeout` alone). When it passes
+            the ranks are stopped and GangTimeout is raised; the gang is not re-formed.
+            Default: none.
         max_restarts: how often to re-form the gang after a failure.
         lease_timeout: how long to wait for enough workers that no other gang holds.
         trial: the sweep trial this gang trains; `ctx.report` reports to it.
 
     Returns:
-        Each rank's return value, in rank order.
+        Each rank's return value, in rank order, as a list whose `.attempts` lists every
+        GangAttempt (workers, how it ended, seconds): more than one when the gang was
+        re-formed. A GangError that ends the call carries the same `.attempts`.
 
     Example:
         >>> results = run_gang(train, {"lr": 0.1}, world_size=2)  # doctest: +SKIP
+        >>> [a.ended for a in results.attempts]  # doctest: +SKIP
+        ['completed']
     """
+    check_limits(timeout, max_restarts)
     runner = task_runner or current_dask_runner()
+    prepare_to_send(runner.client, train_fn, config)
+    spec = GangSpec(train_fn, config, output_url, init_timeout.total_seconds(), trial, Deadline.after(timeout))
+    attempts: list[GangAttempt] = []
+    try:
+        return GangResults(_until_one_completes(runner, spec, world_size, max_restarts, lease_timeout, attempts), attempts)
+    except GangError as error:
+        if not attempts:
+            raise
+        raise error.after(attempts, max_restarts).with_traceback(error.__traceback__) from error.__cause__
+
+
+def _until_one_completes(
+    runner: DaskTaskRunner, spec: GangSpec, world_size: int | None, max_restarts: int,
+    lease_timeout: timedelta, attempts: list[GangAttempt],
+) -> list[Any]:
+    """Form the gang until an attempt completes, appending each attempt to `attempts`."""
     client = runner.client
-    prepare_to_send(client, train_fn, config)
-    log = run_logger()
-    for attempt in range(max_restarts + 1):
+    for number in range(1, max_restarts + 2):
         with leased_workers(client, world_size, lease_holder(), lease_timeout.total_seconds()) as addresses:
             try:
-                return _run_attempt(
-                    runner, client, train_fn, config, addresses, attempt, output_url,
-                    init_timeout, timeout, trial,
-                )
+                return _recorded_attempt(runner, spec, addresses, number, attempts)
             except GangError as failure:
-                if attempt == max_restarts:
+                if isinstance(failure, GangTimeout) or number > max_restarts:
                     raise
-                log.warning("Gang attempt %d failed: %s. Re-forming it.", attempt + 1, failure)
+                run_logger().warning("Gang attempt %d failed: %s. Re-forming it.", number, failure)
         wait_for_workers(client, len(addresses))
+        if spec.deadline.passed():
+            raise spec.deadline.exceeded(f"it passed before attempt {number + 1} could start")
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
-def _run_attempt(
-    runner: DaskTaskRunner, client: distributed.Client, train_fn: Callable, config: Any,
-    addresses: list[str], attempt: int, output_url: str | None,
-    init_timeout: timedelta, timeout: timedelta | None, trial: TrialLink | None,
+def _recorded_attempt(
+    runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], number: int, attempts: list[GangAttempt],
 ) -> list[Any]:
+    """Run attempt `number` and append how it ended, "completed" or its failure, to `attempts`."""
+    started = time.monotonic()
+    ended = COMPLETED
     try:
-        probes = client.run(probe_worker, workers=addresses)
-        port = client.run(free_port, workers=[addresses[0]])[addresses[0]]
-    except Exception as exc:  # a worker left between choosing and asking: form again
-        raise GangError(f"Could not prepare workers {addresses} for a gang: {exc!r}") from exc
-    contexts = plan_ranks(addresses, probes, port, attempt, output_url, init_timeout.total_seconds(), trial)
-    run_logger().info(
-        "Gang attempt %d: %d ranks on %s, backend %s, master %s:%d",
-        attempt + 1, len(contexts), addresses, contexts[0].backend, contexts[0].master_addr, port,
-    )
-    futures: list[PrefectDaskFuture] = []
-    for ctx in contexts:
-        # Pinned with no escape: Dask must never run a rank elsewhere, alone, into a
-        # rendezvous that the other ranks have already left.
-        with dask.annotate(workers=[ctx.worker_address], allow_other_workers=False):
-            futures.append(
-                runner.submit(
-                    run_rank.with_options(task_run_name=f"rank-{ctx.rank}"),
-                    parameters={
-                        "train_fn": train_fn,
-                        "config": config,
-                        "ctx": ctx,
-                        "cpus": probes[ctx.worker_address]["cpus"],
-                    },
-                )
-            )
-    deadline = time.monotonic() + timeout.total_seconds() if timeout else None
-    try:
-        supervise(client, futures, contexts, deadline)
-    except GangError:
-        try:
-            stop(client, futures, contexts)
-        except Exception:  # the failure being reported matters more than the clean-up's
-            run_logger().exception("Stopping the gang's ranks failed")
+        return run_attempt(runner, spec, addresses, attempt=number - 1)
+    except BaseException as exc:
+        ended = str(exc) if isinstance(exc, GangError) else repr(exc)
         raise
-    return [future.result() for future in futures]
+    finally:
+        attempts.append(GangAttempt(number, list(addresses), len(addresses), ended, time.monotonic() - started))

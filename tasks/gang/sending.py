@@ -20,7 +20,7 @@ from typing import Any
 import cloudpickle
 import distributed
 
-from tasks.gang.context import GangError
+from tasks.gang.errors import GangError
 from tasks.reporting import run_logger
 
 

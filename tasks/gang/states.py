@@ -1,6 +1,7 @@
 """Give every rank's Prefect task run a final state, whatever happened to its worker.
 
-A rank whose worker died never reports again: without this its task run stays RUNNING.
+A rank whose worker died, or was restarted because its rank would not stop, never
+reports again: without this its task run stays RUNNING.
 """
 
 from __future__ import annotations
@@ -9,38 +10,54 @@ import time
 from typing import Any
 
 from prefect.client.orchestration import get_client
-from prefect.exceptions import ObjectNotFound
+from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId
 from prefect.states import Crashed
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from tasks.reporting import run_logger
 
+# The server records a task run from the events its worker sends, a moment after they
+# happen: a rank stopped right after it started may not be recorded yet, and the final
+# state of one that just ended may not have arrived.
+RECORDING_WAIT_S = 5.0
+CRASH_MESSAGE = ("Stopped by the gang supervisor: another rank or its worker failed, the deadline passed, "
+                 "or the flow run was cancelled.")
 
-def read_task_run(api: Any, task_run_id: Any, attempts: int = 10) -> Any:
-    """The task run, or None; the server records task runs from events, a moment late."""
-    for _ in range(attempts):
-        try:
-            return api.read_task_run(task_run_id)
-        except ObjectNotFound:
-            time.sleep(0.5)
-    return None
+
+def settled_task_runs(api: Any, futures: list[PrefectDaskFuture], wait_s: float = RECORDING_WAIT_S) -> list[Any]:
+    """The ranks' task runs once the server has recorded each, and the final state of each
+    rank that ended by itself; or as they are after `wait_s`.
+
+    Waiting for a finished rank's own final state keeps its story (Cancelled by the stop
+    flag, Failed) instead of overwriting it with Crashed. A rank cancelled before it
+    started never gets a task run, so fewer may come back.
+    """
+    ids = [f.task_run_id for f in futures]
+    ended_by_themselves = {f.task_run_id for f in futures if f.wrapped_future.status == "finished"}
+    deadline = time.monotonic() + wait_s
+    while True:
+        runs = api.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=ids)), limit=len(ids))
+        settled = len(runs) >= len(ids) and all(r.state and r.state.is_final() for r in runs if r.id in ended_by_themselves)
+        if settled or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.5)
 
 
 def crash_unfinished_task_runs(futures: list[PrefectDaskFuture]) -> None:
     """Give every rank's task run a final state; never raise over the gang's own error."""
-    with get_client(sync_client=True) as api:
-        for future in futures:
-            task_run = read_task_run(api, future.task_run_id)
-            if task_run is None:  # cancelled before it started: no task run was created
-                continue
-            try:
+    if not futures:
+        return
+    try:
+        with get_client(sync_client=True) as api:
+            for task_run in settled_task_runs(api, futures):
                 if task_run.state is None or not task_run.state.is_final():
-                    api.set_task_run_state(
-                        future.task_run_id,
-                        Crashed(message="Stopped by the gang supervisor after another rank or its worker failed."),
-                        force=True,
-                    )
-            except Exception:
-                run_logger().exception("Could not mark task run %s as crashed", future.task_run_id)
+                    _crash(api, task_run.id)
+    except Exception:
+        run_logger().exception("Could not read the gang's task runs to give them a final state")
 
 
+def _crash(api: Any, task_run_id: Any) -> None:
+    try:
+        api.set_task_run_state(task_run_id, Crashed(message=CRASH_MESSAGE), force=True)
+    except Exception:
+        run_logger().exception("Could not mark task run %s as crashed", task_run_id)

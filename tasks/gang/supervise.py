@@ -10,16 +10,25 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
 
 import distributed
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from tasks.gang.context import GangError, RankContext
+from tasks.gang.context import RankContext
+from tasks.gang.errors import GangError, GangTimeout
+from tasks.gang.plan import cluster_workers
 from tasks.gang.states import crash_unfinished_task_runs
+from tasks.gang.stopping import StopFlag
 from tasks.reporting import run_logger
 
-# Surviving gloo ranks fail within ~5 s of a peer's death (DESIGN 4); give them this long
-# to record their own failure before they are cancelled.
+# Surviving gloo ranks fail within ~5 s of a peer's death (DESIGN 4), and ranks between
+# steps see the stop flag within a second or so of a step; give them this long to end on
+# their own before they are cancelled and their workers restarted.
 FAILURE_GRACE_S = 15.0
 # When one rank raises, its peers fail milliseconds later on the closed connection; wait
 # this long for them so the report names the rank that failed first-hand.
@@ -29,21 +38,46 @@ PEER_LOSS = re.compile(r"closed by peer|reset by peer|Broken pipe|remote process
 WORKER_RETURN_TIMEOUT_S = 60.0
 
 
+@dataclass(frozen=True)
+class Deadline:
+    """run_gang's `timeout`: one limit for the whole call, all attempts together."""
+
+    limit_s: float | None
+    at: float | None  # on the time.monotonic() clock
+
+    @classmethod
+    def after(cls, timeout: timedelta | None) -> Deadline:
+        if timeout is None:
+            return cls(None, None)
+        return cls(timeout.total_seconds(), time.monotonic() + timeout.total_seconds())
+
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() > self.at
+
+    def exceeded(self, what: str) -> GangTimeout:
+        return GangTimeout(
+            f"The gang did not finish within its timeout of {self.limit_s:g}s (one limit for the "
+            f"whole run_gang call, all attempts together); {what}. Raise timeout, or give the "
+            "training less to do."
+        )
+
+
 def wait_for(
     client: distributed.Client, futures: list[distributed.Future], timeout_s: float,
     return_when: str = "ALL_COMPLETED",
 ) -> None:
-    """distributed.wait on this client (not the process's default one), without raising at the timeout."""
+    """distributed.wait on this client (not the process's default one), without raising at
+    the timeout or for a cancelled future (the caller tells a cancelled rank apart)."""
     with client.as_current():
         try:
             distributed.wait(futures, timeout=timeout_s, return_when=return_when)
-        except (TimeoutError, distributed.TimeoutError):
+        except (TimeoutError, distributed.TimeoutError, CancelledError):
             pass
 
 
 def supervise(
     client: distributed.Client, futures: list[PrefectDaskFuture],
-    contexts: list[RankContext], deadline: float | None, poll_s: float = 1.0,
+    contexts: list[RankContext], deadline: Deadline, poll_s: float = 1.0,
 ) -> None:
     """Return once every rank completed; raise GangError at the first sign of trouble."""
     pending = dict(zip((f.wrapped_future for f in futures), contexts))
@@ -52,18 +86,26 @@ def supervise(
         failures = _collect_failures(pending)
         if failures:
             wait_for(client, list(pending), PEER_FAILURE_WINDOW_S)
-            raise GangError(root_cause_first(failures + _collect_failures(pending)))
-        if not pending:
-            return
-        alive = set(client.scheduler_info()["workers"])
-        gone = [c for c in pending.values() if c.worker_address not in alive]
-        if gone:
-            raise GangError(
-                f"Worker {gone[0].worker_address} of rank {gone[0].rank} left the cluster "
-                "(killed, out of memory or lost) while training."
+            failures += _collect_failures(pending)
+        failures = _departures(client, pending) + failures
+        if failures:
+            raise GangError(root_cause_first(failures))
+        if pending and deadline.passed():
+            running = sorted(pending.values(), key=lambda c: c.rank)
+            raise deadline.exceeded(
+                f"ranks {[c.rank for c in running]} were still running on {[c.worker_address for c in running]}"
             )
-        if deadline is not None and time.monotonic() > deadline:
-            raise GangError(f"The gang did not finish within its timeout; ranks {sorted(c.rank for c in pending.values())} were still running.")
+
+
+def _departures(client: distributed.Client, pending: dict[distributed.Future, RankContext]) -> list[str]:
+    """Why each unfinished rank whose worker left the cluster will never finish."""
+    if not pending:
+        return []
+    alive = set(cluster_workers(client))
+    return [
+        f"Worker {c.worker_address} of rank {c.rank} left the cluster (killed, out of memory or lost) while training"
+        for c in pending.values() if c.worker_address not in alive
+    ]
 
 
 def _collect_failures(pending: dict[distributed.Future, RankContext]) -> list[str]:
@@ -71,12 +113,13 @@ def _collect_failures(pending: dict[distributed.Future, RankContext]) -> list[st
     failures = []
     for dask_future in [f for f in pending if f.done()]:
         ctx = pending.pop(dask_future)
-        if dask_future.status == "error":
-            failures.append(f"Rank {ctx.rank} on {ctx.worker_address} failed in Dask: {dask_future.exception()!r}")
-            continue
-        state = dask_future.result()
-        if not state.is_completed():
-            failures.append(f"Rank {ctx.rank} on {ctx.worker_address} ended {state.type.value}: {state.message}")
+        where = f"Rank {ctx.rank} on {ctx.worker_address}"
+        if dask_future.cancelled():  # by another client, the dashboard, or the scheduler
+            failures.append(f"{where} was cancelled in Dask before it finished")
+        elif dask_future.status == "error":
+            failures.append(f"{where} failed in Dask: {dask_future.exception()!r}")
+        elif not (state := dask_future.result()).is_completed():
+            failures.append(f"{where} ended {state.type.value}: {state.message}")
     return failures
 
 
@@ -87,23 +130,57 @@ def root_cause_first(failures: list[str]) -> str:
     return ordered[0] + others
 
 
-def stop(client: distributed.Client, futures: list[PrefectDaskFuture], contexts: list[RankContext]) -> None:
-    """Stop every rank, give each task run a final state, and restart stuck workers."""
-    dask_futures = [f.wrapped_future for f in futures]
-    wait_for(client, dask_futures, FAILURE_GRACE_S)
-    stuck = [c.worker_address for f, c in zip(dask_futures, contexts) if not f.done()]
-    client.cancel(dask_futures, force=True)
+@contextmanager
+def logged_failure(step: str) -> Iterator[None]:
+    """Log, never raise, a failure of one step of stopping: the gang's own error matters more."""
+    try:
+        yield
+    except Exception:
+        run_logger().exception("Stopping the gang: %s failed", step)
+
+
+def stop(
+    client: distributed.Client, flag: StopFlag, futures: list[PrefectDaskFuture],
+    contexts: list[RankContext],
+) -> None:
+    """Stop every rank, give each task run a final state, and restart stuck workers.
+
+    Each step runs even when the one before it failed (the scheduler may be what failed),
+    so the task runs get their final state whatever happened to Dask.
+    """
+    stuck: list[str] = []
+    with logged_failure("asking the ranks to stop"):
+        stuck = _ask_to_stop(client, flag, futures, contexts)
     crash_unfinished_task_runs(futures)
-    alive = set(client.scheduler_info()["workers"])
+    if stuck:
+        with logged_failure(f"restarting workers {stuck}"):
+            _restart(client, stuck)
+
+
+def _ask_to_stop(
+    client: distributed.Client, flag: StopFlag, futures: list[PrefectDaskFuture], contexts: list[RankContext],
+) -> list[str]:
+    """Set the flag, give the ranks a grace period, cancel them all; the workers of those still running."""
+    flag.set()
+    dask_futures = [f.wrapped_future for f in futures]
+    # Ranks of a gang whose last ranks were never submitted wait in the rendezvous,
+    # where no flag reaches them: waiting for them would only delay their restart.
+    wait_for(client, dask_futures, FAILURE_GRACE_S if len(futures) == len(contexts) else 0)
+    unfinished = {f: c for f, c in zip(dask_futures, contexts) if not f.done()}
+    # Only those: a finished future keeps its status, by which the task run is left to
+    # record its own final state (states.settled_task_runs).
+    client.cancel(list(unfinished), force=True)
+    return [c.worker_address for c in unfinished.values()]
+
+
+def _restart(client: distributed.Client, stuck: list[str]) -> None:
     # A rank thread blocked in a collective cannot be interrupted; restarting its worker
     # is the only way to free the process (and its process group) for the next gang.
-    stuck_alive = [a for a in stuck if a in alive]
-    if stuck_alive:
-        run_logger().warning("Restarting workers %s whose ranks did not stop.", stuck_alive)
-        try:
-            client.restart_workers(stuck_alive)
-        except Exception:  # workers without a nanny cannot restart; they time out alone
-            run_logger().exception("Could not restart workers %s", stuck_alive)
+    # Workers without a nanny cannot restart (logged); their ranks end at their own timeout.
+    alive = [a for a in stuck if a in set(cluster_workers(client))]
+    if alive:
+        run_logger().warning("Restarting workers %s whose ranks did not stop.", alive)
+        client.restart_workers(alive)
 
 
 def wait_for_workers(client: distributed.Client, n: int) -> None:
@@ -111,4 +188,4 @@ def wait_for_workers(client: distributed.Client, n: int) -> None:
     try:
         client.wait_for_workers(n, timeout=WORKER_RETURN_TIMEOUT_S)
     except (TimeoutError, distributed.TimeoutError):
-        run_logger().warning("Only %d of %d workers came back; re-forming on those.", len(client.scheduler_info()["workers"]), n)
+        run_logger().warning("Only %d of %d workers came back; re-forming on those.", len(cluster_workers(client)), n)

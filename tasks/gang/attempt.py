@@ -1,0 +1,82 @@
+"""One attempt of a gang: plan the ranks, submit them pinned, supervise, and stop them on any way out.
+
+"Any way out" includes more than the gang's own failures: a submit that fails half-way
+through the ranks, a Dask future cancelled by someone else, an error in the supervisor,
+and the flow run being cancelled (Prefect raises TerminationSignal on SIGTERM) or
+interrupted (KeyboardInterrupt). Each of those once left ranks training on an external
+cluster after the flow had ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import dask
+import distributed
+from prefect_dask import DaskTaskRunner
+from prefect_dask.task_runners import PrefectDaskFuture
+
+from tasks.gang.context import RankContext
+from tasks.gang.errors import GangError
+from tasks.gang.plan import free_port, plan_ranks, probe_worker
+from tasks.gang.rank import run_rank
+from tasks.gang.stopping import stop_flag
+from tasks.gang.supervise import Deadline, stop, supervise
+from tasks.gang.trial import TrialLink
+from tasks.reporting import run_logger
+
+
+@dataclass(frozen=True)
+class GangSpec:
+    """What every attempt of one run_gang call shares."""
+
+    train_fn: Callable[[RankContext, Any], Any]
+    config: Any
+    output_url: str | None
+    init_timeout_s: float
+    trial: TrialLink | None
+    deadline: Deadline
+
+
+def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], attempt: int) -> list[Any]:
+    """Run the gang once on `addresses`; each rank's result, or GangError saying what went wrong."""
+    client = runner.client
+    probes, port = _prepare(client, addresses)
+    with stop_flag(client) as flag:
+        contexts = plan_ranks(addresses, probes, port, attempt, spec.output_url, spec.init_timeout_s,
+                              spec.trial, stop_flag=flag.name)
+        run_logger().info(
+            "Gang attempt %d: %d ranks on %s, backend %s, master %s:%d",
+            attempt + 1, len(contexts), addresses, contexts[0].backend, contexts[0].master_addr, port,
+        )
+        futures: list[PrefectDaskFuture] = []
+        try:
+            for ctx in contexts:
+                futures.append(_submit(runner, spec, ctx, probes[ctx.worker_address]["cpus"]))
+            supervise(client, futures, contexts, spec.deadline)
+            return [future.result() for future in futures]
+        except BaseException:  # cancellation and Ctrl-C too: never leave ranks behind
+            stop(client, flag, futures, contexts)
+            raise
+
+
+def _prepare(client: distributed.Client, addresses: list[str]) -> tuple[dict[str, dict[str, Any]], int]:
+    """What each worker has, and a port free on rank 0's worker for the rendezvous."""
+    try:
+        probes = client.run(probe_worker, workers=addresses)
+        port = client.run(free_port, workers=[addresses[0]])[addresses[0]]
+    except Exception as exc:  # a worker left between choosing and asking: form again
+        raise GangError(f"Could not prepare workers {addresses} for a gang: {exc!r}") from exc
+    return probes, port
+
+
+def _submit(runner: DaskTaskRunner, spec: GangSpec, ctx: RankContext, cpus: int) -> PrefectDaskFuture:
+    # Pinned with no escape: Dask must never run a rank elsewhere, alone, into a
+    # rendezvous that the other ranks have already left.
+    with dask.annotate(workers=[ctx.worker_address], allow_other_workers=False):
+        return runner.submit(
+            run_rank.with_options(task_run_name=f"rank-{ctx.rank}"),
+            parameters={"train_fn": spec.train_fn, "config": spec.config, "ctx": ctx, "cpus": cpus},
+        )

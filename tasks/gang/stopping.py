@@ -1,0 +1,87 @@
+"""Asking a gang's ranks to stop between steps, through a flag in the Dask scheduler.
+
+A rank's thread cannot be interrupted from outside: cancelling its Dask future leaves it
+running, and only restarting its worker ends it (DESIGN 4). So before the supervisor
+cancels anything it sets a flag, a `distributed.Event` named for the attempt, and each
+rank's `ctx.check_stop()` reads it between steps through its worker's client and leaves
+the loop; the rank then destroys its process group and its worker is free for the next
+gang with no restart. Reads are rate-limited so that calling it after every optimizer
+step costs one scheduler round trip a second. The flag lives in the scheduler, so it
+reaches ranks on an external cluster from a flow process that is being cancelled.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import distributed
+
+from tasks.reporting import run_logger
+
+PREFIX = "prefect-ddp-stop"
+READ_EVERY_S = 1.0
+
+# The last read in this process: (flag name, time.monotonic() of the read, whether set).
+# One rank runs per worker process, so one entry is enough.
+_last_read: tuple[str, float, bool] = ("", -math.inf, False)
+
+
+def stop_requested(name: str | None, max_age_s: float = READ_EVERY_S) -> bool:
+    """Whether the supervisor set flag `name`, as read in the last `max_age_s` seconds.
+
+    False without a flag or outside a Dask worker (a unit test calling the training
+    function), and when the scheduler cannot be reached just now: a rank keeps training
+    through a passing network error and reads again `max_age_s` later.
+    """
+    global _last_read
+    if name is None:
+        return False
+    last_name, read_at, was_set = _last_read
+    if last_name == name and (was_set or time.monotonic() - read_at < max_age_s):
+        return was_set
+    try:
+        client = distributed.get_worker().client
+    except ValueError:  # not inside a Dask worker
+        return False
+    _last_read = (name, time.monotonic(), _read(name, client))
+    return _last_read[2]
+
+
+def _read(name: str, client: distributed.Client) -> bool:
+    try:
+        return distributed.Event(name, client=client).is_set()
+    except (OSError, TimeoutError) as exc:
+        run_logger().debug("Could not read the gang's stop flag %s: %r", name, exc)
+        return False
+
+
+class StopFlag:
+    """The supervisor's side of one attempt's flag."""
+
+    def __init__(self, client: distributed.Client) -> None:
+        self.name = f"{PREFIX}:{uuid.uuid4().hex}"
+        self._event = distributed.Event(self.name, client=client)
+
+    def set(self) -> None:
+        self._event.set()
+
+    def remove(self) -> None:
+        """Take the flag out of the scheduler (a set Event stays there until cleared)."""
+        self._event.clear()
+
+
+@contextmanager
+def stop_flag(client: distributed.Client) -> Iterator[StopFlag]:
+    """A fresh flag for one attempt, removed from the scheduler when the attempt ends."""
+    flag = StopFlag(client)
+    try:
+        yield flag
+    finally:
+        try:
+            flag.remove()
+        except Exception:  # never mask the error that ended the attempt
+            run_logger().exception("Could not remove the gang's stop flag %s", flag.name)

@@ -1,0 +1,231 @@
+"""Stopping a gang on every way out of run_gang: signals to the flow's process, a rank
+cancelled in Dask, a submit that fails half-way; ranks leave between steps on the stop flag.
+
+The ranks run on the session's cluster, which the flow reaches by address, as an external
+cluster: nothing that happens to the flow's process reaches them but the supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import distributed
+import pytest
+import torch.distributed as dist
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
+from prefect.states import Cancelling
+from prefect_dask import DaskTaskRunner
+from prefect_dask.task_runners import PrefectDaskFuture
+
+from tasks.gang import GangError, GangStopped, RankContext, run_gang
+from tasks.gang.stopping import READ_EVERY_S, StopFlag
+from tasks.gang.supervise import FAILURE_GRACE_S
+from tests.api_helpers import assert_no_task_run_left_running
+from tests.deployed import POOL
+from tests.gang_functions import call_check_stop, gang_flow, report_rank
+
+REPO = Path(__file__).resolve().parent.parent
+# The flow's own process, as `python my_flow.py` starts it. Python leaves SIGINT ignored in
+# a process started in the background; a terminal's Ctrl-C raises KeyboardInterrupt.
+FLOW_PROCESS = """
+import json, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from tests.gang_functions import gang_flow
+gang_flow(**json.loads(sys.argv[1]))
+"""
+RANKS_START_S = 120
+
+
+def wait_for_marks(folder: Path, kind: str, ranks: int, process: subprocess.Popen | None = None,
+                   timeout_s: float = RANKS_START_S) -> list[str]:
+    """The contents of the `kind-RANK` marks that loop_until_stopped leaves, once every rank left one."""
+    deadline = time.monotonic() + timeout_s
+    while len(marks := sorted(folder.glob(f"{kind}-*"))) < ranks:
+        assert process is None or process.poll() is None, f"the flow process exited {process.returncode}"
+        assert time.monotonic() < deadline, f"only {len(marks)} of {ranks} ranks left a {kind!r} mark"
+        time.sleep(0.2)
+    return [mark.read_text() for mark in marks]
+
+
+def worker_addresses(address: str) -> set[str]:
+    with distributed.Client(address) as client:
+        return set(client.scheduler_info(n_workers=-1)["workers"])
+
+
+def assert_workers_free(address: str, before: set[str]) -> None:
+    """The same workers as before (none restarted), idle, outside any process group, and
+    free for the next gang, which gets both at once."""
+    with distributed.Client(address) as client:
+        assert set(client.scheduler_info(n_workers=-1)["workers"]) == before
+        assert all(not keys for keys in client.processing().values()), client.processing()
+        assert set(client.run(dist.is_initialized).values()) == {False}
+    results = gang_flow(address, "report", {}, lease_timeout_s=5)
+    assert [r["rank_sum"] for r in results] == [1.0, 1.0]
+
+
+def read_flow_run(flow_run_id: str):
+    with get_client(sync_client=True) as api:
+        return api.read_flow_run(flow_run_id)
+
+
+def assert_ranks_cancelled(flow_run_id: str) -> None:
+    """Every task run is final, and the ranks ended Cancelled: they left by themselves."""
+    runs = assert_no_task_run_left_running(flow_run_id)
+    assert sorted((r.name, r.state.type.value) for r in runs) == [("rank-0", "CANCELLED"), ("rank-1", "CANCELLED")]
+
+
+@pytest.mark.parametrize("signum, crash_message", [
+    (signal.SIGTERM, "Execution was aborted by a termination signal."),  # Prefect's TerminationSignal
+    (signal.SIGINT, "Execution was aborted by an interrupt signal."),  # KeyboardInterrupt
+])
+def test_a_signal_to_the_flow_process_stops_its_ranks_on_an_external_cluster(
+    dask_cluster, tmp_path, signum, crash_message,
+):
+    address = dask_cluster.scheduler_address
+    before = worker_addresses(address)
+    parameters = {"address": address, "fn_name": "loop", "config": {"marks": str(tmp_path)}}
+    process = subprocess.Popen([sys.executable, "-c", FLOW_PROCESS, json.dumps(parameters)], cwd=REPO,
+                               env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        flow_run_id, _ = wait_for_marks(tmp_path, "running", 2, process)
+        sent = time.monotonic()
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=60)
+        stopped_in = time.monotonic() - sent
+    finally:
+        process.kill()
+    # Within the grace a process runner gives before SIGKILL (30 s), and without the
+    # supervisor's own grace period: the ranks left on the flag, not by a restart.
+    assert stopped_in < FAILURE_GRACE_S, f"{stopped_in:.1f}s\n{output[-3000:]}"
+    assert len(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == 2  # (still training before the fix)
+    run = read_flow_run(flow_run_id)
+    assert run.state.type.value == "CRASHED" and run.state.message == crash_message
+    assert_ranks_cancelled(flow_run_id)
+    assert_workers_free(address, before)
+
+
+def test_a_rank_cancelled_in_dask_stops_the_gang_and_its_peers_leave_cleanly(dask_cluster, tmp_path):
+    address = dask_cluster.scheduler_address
+    before = worker_addresses(address)
+    state = gang_flow(address, "loop", {"marks": str(tmp_path), "cancel_own_future": True}, return_state=True)
+    with pytest.raises(GangError, match=r"^Rank 1 on tcp://\S+ was cancelled in Dask before it finished"):
+        state.result()
+    # The first rank to read the flag leaves with GangStopped; its peer, when it waited in
+    # the step's collective by then, on the closed connection.
+    assert "GangStopped" in wait_for_marks(tmp_path, "left", 2, timeout_s=5)
+    runs = assert_no_task_run_left_running(state.state_details.flow_run_id)
+    assert {r.name: r.state.type.value for r in runs}["rank-0"] == "CANCELLED"
+    assert_workers_free(address, before)
+
+
+class SecondSubmitFails(DaskTaskRunner):
+    """A real DaskTaskRunner whose second submit fails once the first rank runs, as a
+    connection lost half-way through submitting a gang would."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.submitted: list[PrefectDaskFuture] = []
+
+    def submit(self, task, parameters, wait_for=None, dependencies=None) -> PrefectDaskFuture:
+        if self.submitted:
+            wait_until_running(self.submitted[0].task_run_id)
+            raise ConnectionError("lost the scheduler while submitting rank 1 (test)")
+        self.submitted.append(super().submit(task, parameters, wait_for, dependencies))
+        return self.submitted[0]
+
+
+def wait_until_running(task_run_id) -> None:
+    deadline = time.monotonic() + RANKS_START_S
+    with get_client(sync_client=True) as api:
+        while True:
+            try:
+                if api.read_task_run(task_run_id).state.is_running():
+                    return
+            except ObjectNotFound:  # recorded from its events, a moment late
+                pass
+            assert time.monotonic() < deadline, "rank 0 never started"
+            time.sleep(0.2)
+
+
+@flow(name="gang-half-submitted")
+def half_submitted_gang(address: str) -> list:
+    with SecondSubmitFails(address=address) as runner:
+        return run_gang(report_rank, {}, task_runner=runner)
+
+
+def test_a_submit_failing_half_way_still_stops_the_ranks_already_submitted(dask_cluster):
+    address = dask_cluster.scheduler_address
+    state = half_submitted_gang(address, return_state=True)
+    with pytest.raises(ConnectionError, match="lost the scheduler while submitting rank 1"):  # not masked
+        state.result()
+    # Rank 0 waited in the rendezvous for a rank 1 that never came; it was stopped, not
+    # left RUNNING until its init timeout.
+    runs = assert_no_task_run_left_running(state.state_details.flow_run_id)
+    assert [(r.name, r.state.type.value) for r in runs] == [("rank-0", "CRASHED")]
+    results = gang_flow(address, "report", {}, lease_timeout_s=5)  # both workers are free
+    assert [r["rank_sum"] for r in results] == [1.0, 1.0]
+
+
+CTX = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo", device="cpu",
+                  worker_address="local", master_addr="127.0.0.1", master_port=0)
+
+
+def test_check_stop_does_nothing_outside_a_dask_worker_or_without_a_flag():
+    assert CTX.check_stop() is None
+    assert replace(CTX, stop_flag="prefect-ddp-stop:x").check_stop() is None
+    assert issubclass(GangStopped, GangError)
+
+
+def test_check_stop_costs_a_scheduler_round_trip_a_second_and_sees_the_flag_within_one(dask_cluster):
+    with distributed.Client(dask_cluster.scheduler_address) as client:
+        flag = StopFlag(client)
+        ctx = replace(CTX, stop_flag=flag.name)
+        calm = client.submit(call_check_stop, ctx, 0.5, pure=False).result()
+        # A round trip takes a millisecond or more: one per call would allow a few hundred.
+        assert calm["stopped_after_s"] is None and calm["calls"] > 5000, calm
+        flag.set()
+        try:
+            stopped = client.submit(call_check_stop, ctx, 5, pure=False).result()
+        finally:
+            flag.remove()
+    assert stopped["stopped_after_s"] is not None and stopped["stopped_after_s"] < READ_EVERY_S + 0.5, stopped
+
+
+def wait_for_flow_run_state(flow_run_id, final_type: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (run := read_flow_run(flow_run_id)).state.type.value != final_type:
+        assert time.monotonic() < deadline, f"flow run still {run.state.type.value} after {timeout_s}s"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_cancelling_a_deployment_run_stops_its_ranks(deployments, dask_cluster, tmp_path):
+    """The UI's Cancel: the API sets the run Cancelling, and the process worker that started
+    the run's process sends it SIGTERM (30 s before SIGKILL); the flow ends Cancelled."""
+    address = dask_cluster.scheduler_address
+    before = worker_addresses(address)
+    # By module path, so that the ranks find the functions the flow names (by file path the
+    # module would be "gang_functions", which the Dask workers cannot import).
+    gang_flow.from_source(source=str(REPO), entrypoint="tests.gang_functions.gang_flow").deploy(
+        name="stop-on-cancel", work_pool_name=POOL, print_next_steps=False,
+    )
+    run = run_deployment("gang-test/stop-on-cancel", timeout=0, parameters={
+        "address": address, "fn_name": "loop", "config": {"marks": str(tmp_path)},
+    })
+    wait_for_marks(tmp_path, "running", 2)
+    with get_client(sync_client=True) as api:
+        api.set_flow_run_state(run.id, Cancelling(message="Cancelled from the UI (test)"))
+    wait_for_flow_run_state(run.id, "CANCELLED", timeout_s=FAILURE_GRACE_S)
+    assert len(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == 2
+    assert_ranks_cancelled(run.id)
+    assert_workers_free(address, before)
