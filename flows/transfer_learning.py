@@ -15,6 +15,7 @@ shortcuts (`data_url`, `epochs`, `lr`, ...) change one nested field from the CLI
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -43,6 +44,7 @@ from tasks.config import (
     with_overrides,
 )
 from tasks.gang import run_gang
+from tasks.gang.plan import cluster_workers
 from tasks.gang.trial import current_trial
 from tasks.indexing import index_images
 from tasks.model import check_starting_weights
@@ -110,6 +112,27 @@ def cluster_runner(cluster: ClusterConfig) -> Iterator[DaskTaskRunner]:
         yield runner
 
 
+def gang_size(runner: DaskTaskRunner, world_size: int | None) -> int:
+    """The number of ranks the gang will have; checked before any image is decoded."""
+    workers = cluster_workers(runner.client)
+    if world_size and world_size > len(workers):
+        raise ValueError(
+            f"cluster.world_size={world_size} needs {world_size} Dask workers (one rank each), but "
+            f"the cluster has {len(workers)}. Lower cluster.world_size, leave it empty to use every "
+            "worker, or add workers (cluster.n_workers for a local cluster)."
+        )
+    return world_size or len(workers)
+
+
+def require_a_batch_per_rank(split, world_size: int) -> None:
+    """A rank with one training image would take no step (a batch of one is dropped for BatchNorm)."""
+    if len(split.train) < 2 * world_size:
+        raise ValueError(
+            f"Only {len(split.train)} training images for {world_size} ranks: each rank needs at "
+            "least 2. Add images, lower data.val_fraction, or lower cluster.world_size."
+        )
+
+
 DESCRIPTION = (
     "Fine-tune a torchvision backbone on an S3 image folder (URL/CLASS/IMAGE.jpg) with PyTorch "
     "DDP, one rank per Dask worker; keep each deployment's best model."
@@ -165,8 +188,10 @@ def transfer_learning(
     if not warm:
         check_starting_weights(model, len(manifest.classes), source)
     with cluster_runner(cluster) as runner:
-        manifest = validate_dataset(runner, source, manifest, data.validate_sample)
+        world_size = gang_size(runner, cluster.world_size)
+        manifest = validate_dataset(runner, source, manifest, data.validate_sample, data.max_unreadable_fraction)
         split = split_dataset(manifest, data.val_fraction, data.seed)
+        require_a_batch_per_rank(split, world_size)
         results = run_gang(
             train_classifier, training_job(source, out, manifest, split, model, training, warm),
             task_runner=runner,
@@ -178,7 +203,7 @@ def transfer_learning(
             lease_timeout=timedelta(seconds=cluster.lease_timeout_s),
             trial=current_trial(),
         )
-    summary = aggregate(results, manifest, split, out)
+    summary = aggregate(results, manifest, split, out, [asdict(a) for a in results.attempts])
     if summary["pruned_at"]:  # a sweep stopped it early: a partial model is kept by no one
         publish_report(summary, manifest, out, None, warm)
         return Completed(name="Pruned", message=f"pruned at epoch {summary['pruned_at']}",

@@ -34,7 +34,15 @@ def global_history(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return results[0]["history"]
 
 
-def summarize(results: list[dict[str, Any]], split: Split) -> dict[str, Any]:
+def attempt_rows(gang_attempts: list[dict[str, Any]], resumes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per gang attempt: the supervisor's view (workers, how it ended) joined with
+    rank 0's (the epoch it resumed after; None when it never got that far)."""
+    resumed = {r["attempt"]: r["resumed_after_epoch"] for r in resumes}
+    return [a | {"resumed_after_epoch": resumed.get(a["number"])} for a in gang_attempts]
+
+
+def summarize(results: list[dict[str, Any]], split: Split,
+              gang_attempts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     history = global_history(results)
     best = max(history, key=lambda h: (h["val_acc"], -h["val_loss"]))
     return {
@@ -49,20 +57,25 @@ def summarize(results: list[dict[str, Any]], split: Split) -> dict[str, Any]:
         "final_val_acc": history[-1]["val_acc"],
         "final_val_loss": history[-1]["val_loss"],
         "pruned_at": results[0].get("pruned_at"),
+        "attempts": attempt_rows(gang_attempts or [], results[0].get("attempts", [])),
     }
 
 
 @task(name="aggregate", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
 def aggregate(
-    results: list[dict[str, Any]], manifest: Manifest, split: Split, output: DataLocation
+    results: list[dict[str, Any]], manifest: Manifest, split: Split, output: DataLocation,
+    gang_attempts: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Write metrics, manifest and split under the run's output; return the summary."""
+    """Write metrics, manifest and split under the run's output; return the summary.
+
+    `gang_attempts` are run_gang's attempts as dicts, when the gang was formed more than once.
+    """
     options = output.storage_options()
     files = {name: child_url(output.url, name) for name in
              ("model.pt", "model.json", "metrics.json", "manifest.json", "split.json", "report.md", "curves.png")}
     if not exists(files["model.pt"], options):
         raise FileNotFoundError(f"Rank 0 reported success but wrote no model at {files['model.pt']}.")
-    summary = summarize(results, split) | {"files": files}
+    summary = summarize(results, split, gang_attempts) | {"files": files}
     write_json(files["metrics.json"], summary, options)
     write_json(files["manifest.json"], manifest.model_dump(), options)
     write_json(files["split.json"], split.model_dump() | {

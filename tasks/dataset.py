@@ -70,6 +70,14 @@ def eval_transform(image_size: int) -> Callable:
     ])
 
 
+class FetchTimeout(OSError):
+    """A batch's images did not arrive within fetch_timeout_s.
+
+    Not the builtin TimeoutError: Prefect takes that for the task's own timeout and would
+    record the rank as TimedOut, as if the rank, not the storage, had run too long.
+    """
+
+
 class S3ImageFolder(Dataset):
     """(image tensor, label) pairs for the images at `keys` below `root`.
 
@@ -136,7 +144,7 @@ class S3ImageFolder(Dataset):
     def _fetch_error(self, failed: dict[str, Exception]) -> OSError:
         timed_out = [path for path, error in failed.items() if isinstance(error, TimeoutError)]
         if timed_out:
-            return TimeoutError(
+            return FetchTimeout(
                 f"Could not fetch {len(timed_out)} image(s) within fetch_timeout_s="
                 f"{self.fetch_timeout_s:g} s, e.g. {', '.join(timed_out[:SHOWN_KEYS])}. The "
                 "storage endpoint stalled or is too slow: check it, or raise "

@@ -33,6 +33,25 @@ def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None, prun
     return started + f"{verdict} to `{promotion.latest_url}`: {promotion.reason}.\n"
 
 
+def resumed_text(after_epoch: int | None) -> str:
+    if after_epoch is None:
+        return "did not reach training"
+    return f"after epoch {after_epoch}" if after_epoch else "from the start"
+
+
+def attempts_markdown(attempts: list[dict[str, Any]]) -> str:
+    """How the gang got there: one line when it trained in one go, else every attempt."""
+    if len(attempts) <= 1:
+        return "Trained in one gang attempt, without a restart.\n\n"
+    rows = [[a["number"], a["world_size"], ", ".join(a["workers"]), resumed_text(a["resumed_after_epoch"]),
+             f"{a['seconds']:.0f}", a["ended"]] for a in attempts]
+    return (
+        f"**The gang was re-formed: {len(attempts)} attempts.** Each resumed from the last "
+        "checkpoint of the one before.\n\n"
+        + markdown_table(["attempt", "ranks", "workers", "resumed", "seconds", "ended"], rows) + "\n"
+    )
+
+
 def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, outcome: str) -> str:
     rows = [[h[k] for k in EPOCH_COLUMNS] for h in summary["history"]]
     workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
@@ -43,7 +62,8 @@ def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, ou
         + outcome
         + f"\nData: `{manifest.root}`, {len(manifest.classes)} classes, {summary['train_size']} train / "
         f"{summary['val_size']} val images. World size {summary['world_size']} ({workers}).\n\n"
-        "## Curves\n\n" + curves + "\n\n"
+        + attempts_markdown(summary.get("attempts", []))
+        + "## Curves\n\n" + curves + "\n\n"
         "## Per epoch (all ranks)\n\n"
         + markdown_table(EPOCH_COLUMNS, rows)
         + "\n## Files\n\n"

@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -115,7 +116,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     def dataset(positions: list[int], transform) -> S3ImageFolder:
         return S3ImageFolder(
             m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions],
-            options, transform, fetch_threads=cfg.fetch_threads,
+            options, transform, fetch_threads=cfg.fetch_threads, fetch_timeout_s=cfg.fetch_timeout_s,
         )
 
     train_set = dataset(job.split.train, train_transform(cfg.image_size))
@@ -222,6 +223,12 @@ class ProgressReporter:
             self.publisher.close(PROGRESS_CLOSE_TIMEOUT_S)
 
 
+def between_steps(ctx: RankContext, progress: ProgressReporter, epoch: int, done: int, total: int) -> None:
+    """After every optimizer step: leave if the gang is being stopped, else move the progress bar."""
+    ctx.check_stop()
+    progress.step(epoch, done, total)
+
+
 def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     """Per-rank entry point: train, validate, checkpoint; rank 0 saves the model."""
     log = run_logger()
@@ -256,7 +263,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
             train_loader.sampler.set_epoch(epoch)
             train_loss, train_correct, train_count = train_one_epoch(
                 ddp_model, train_loader, optimizer, state.scaler, device, use_amp,
-                on_step=lambda done, total, epoch=epoch: progress.step(epoch, done, total),
+                on_step=partial(between_steps, ctx, progress, epoch),
             )
             sync_buffers(model)
             val_sums = evaluate(model, val_loader, device)

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from blocks.data_location import DataLocation
 from tasks.run_folder import OutputNotWritable
@@ -88,3 +90,31 @@ def test_a_batch_larger_than_the_training_set_still_trains(earlier_run, dask_clu
     summary = state.result()
     assert summary["history"][0]["train_samples"] == summary["train_size"]  # one batch of all of them
     assert_no_task_run_left_running(state.state_details.flow_run_id)
+
+
+def test_a_world_size_above_the_workers_fails_before_any_image_is_decoded(earlier_run, dask_cluster):
+    output, _, before = earlier_run
+    state = run_tiny_flow(output, {"address": dask_cluster.scheduler_address, "world_size": 3})
+    assert_failed_cleanly(state, ValueError, r"cluster.world_size=3 needs 3 Dask workers .* the cluster has 2")
+    with get_client(sync_client=True) as api:
+        names = {t.name for t in api.read_task_runs(flow_run_filter=FlowRunFilter(
+            id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))}
+    assert not any(name.startswith(("decode-check", "rank-")) for name in names), names
+    assert {k: v for k, v in snapshot(output).items() if k in before} == before
+
+
+def test_a_single_class_is_refused_before_training(earlier_run, s3_fs, image_location):
+    output, _, _ = earlier_run
+    s3_fs.pipe({f"{image_location.url[5:]}-one-class/circle/{i}.jpg": s3_fs.cat_file(f"{image_location.url[5:]}/circle/000{i}.jpg")
+                for i in range(3)})
+    state = run_tiny_flow(output, {"address": "tcp://127.0.0.1:1"}, data={"url": f"{image_location.url}-one-class"})
+    assert_failed_cleanly(state, ValueError, r"only one class \('circle'\).*needs at least 2 class folders")
+
+
+def test_too_few_training_images_for_the_ranks_are_refused(earlier_run, s3_fs, image_location, dask_cluster):
+    output, _, _ = earlier_run
+    tiny = f"{image_location.url}-tiny"
+    s3_fs.pipe({f"{tiny[5:]}/{cls}/0.jpg": s3_fs.cat_file(f"{image_location.url[5:]}/{cls}/0000.jpg") for cls in ("circle", "square")}
+               | {f"{tiny[5:]}/{cls}/1.jpg": s3_fs.cat_file(f"{image_location.url[5:]}/{cls}/0001.jpg") for cls in ("circle", "square")})
+    state = run_tiny_flow(output, {"address": dask_cluster.scheduler_address, "world_size": 2}, data={"url": tiny})
+    assert_failed_cleanly(state, ValueError, r"Only 2 training images for 2 ranks: each rank needs at least 2")

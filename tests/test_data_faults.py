@@ -24,7 +24,7 @@ from prefect.states import State
 
 from blocks.data_location import DataLocation
 from tasks.dataset import FETCH_ATTEMPTS as DATASET_ATTEMPTS
-from tasks.dataset import S3ImageFolder, eval_transform
+from tasks.dataset import FetchTimeout, S3ImageFolder, eval_transform
 from tasks.storage import fetch_objects
 from tasks.validation import FETCH_ATTEMPTS, decode_chunk
 from tests.api_helpers import assert_no_task_run_left_running
@@ -108,7 +108,7 @@ def test_a_stalled_endpoint_fails_the_batch_within_the_fetch_limit_naming_the_im
     front.stall_gets("test-images/shapes/*", seconds=30)
     dataset = dataset_through(via_front, fetch_timeout_s=2)
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"Could not fetch 3 image\(s\) within fetch_timeout_s=2 s, e.g. "
+    with pytest.raises(FetchTimeout, match=r"Could not fetch 3 image\(s\) within fetch_timeout_s=2 s, e.g. "
                                            r".*circle/0000.jpg.*raise training.fetch_timeout_s"):
         dataset.__getitems__([0, 1, 2])
     assert time.monotonic() - started < 4
