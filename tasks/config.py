@@ -159,7 +159,7 @@ class OutputConfig(_Strict):
     """Where models, metrics and reports are written: one folder per flow run below url."""
 
     url: str = Field(
-        "./outputs", description="s3://bucket/prefix or a local path; each run writes to URL/RUN-NAME/."
+        "./outputs", description="s3://bucket/prefix or a local path; each run writes to URL/RUN-NAME-ID/ (ID: the first 8 characters of the flow run id)."
     )
     block: str | None = Field(
         None,

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from blocks.data_location import DataLocation
 from tasks.gang import run_gang
 from tasks.gang.run import current_dask_runner
+from tasks.gang.stopping import stop_all_gangs
 from tasks.gang.trial import PRUNED_AT, TrialLink
 from tasks.reporting import run_logger
 from tasks.search_space import Dimension, Value, describe, distributions, grid, grid_size, with_params
@@ -148,21 +149,33 @@ def run_trials(
     to_run = trials_left(study, settings, space)
     log = run_logger()
     log.info("Sweep %r: %d trial(s) to train, %d at a time.", settings.name, to_run, settings.concurrency)
-    pending: dict[Future, tuple[Any, float]] = {}
     with ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="trial") as pool:
-        while to_run or pending:
-            while to_run and len(pending) < settings.concurrency:
-                trial = study.ask(distributions(space))
-                link = TrialLink(storage=storage, study_name=study.study_name, trial_id=trial._trial_id,
-                                 metric=settings.metric, pruner=study.pruner)
-                # Each thread gets the flow's context, so its runs are this flow run's children.
-                future = pool.submit(contextvars.copy_context().run, train_trial, trial, link)
-                pending[future] = (trial, time.monotonic())
-                to_run -= 1
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                trial, started = pending.pop(future)
-                tell(study, trial, outcome_of(future) | {"seconds": round(time.monotonic() - started, 1)})
+        try:
+            _ask_and_tell(study, space, settings, storage, train_trial, to_run, pool)
+        except BaseException:
+            # Cancel, SIGTERM or Ctrl-C reach this thread only: stop the trials' gangs too,
+            # or their ranks would train on after this process is gone.
+            stop_all_gangs()
+            raise
+
+
+def _ask_and_tell(study: Any, space: dict[str, Dimension], settings: SweepSettings, storage: str,
+                  train_trial: Callable[[Any, TrialLink], dict[str, Any]], to_run: int,
+                  pool: ThreadPoolExecutor) -> None:
+    pending: dict[Future, tuple[Any, float]] = {}
+    while to_run or pending:
+        while to_run and len(pending) < settings.concurrency:
+            trial = study.ask(distributions(space))
+            link = TrialLink(storage=storage, study_name=study.study_name, trial_id=trial._trial_id,
+                             metric=settings.metric, pruner=study.pruner)
+            # Each thread gets the flow's context, so its runs are this flow run's children.
+            future = pool.submit(contextvars.copy_context().run, train_trial, trial, link)
+            pending[future] = (trial, time.monotonic())
+            to_run -= 1
+        done, _ = wait(pending, return_when=FIRST_COMPLETED)
+        for future in done:
+            trial, started = pending.pop(future)
+            tell(study, trial, outcome_of(future) | {"seconds": round(time.monotonic() - started, 1)})
 
 
 def outcome_of(future: Future) -> dict[str, Any]:

@@ -5,7 +5,7 @@ and sometimes stalls. Point a client's endpoint_url at the front and tell it whi
 to break:
 
     with faulty_s3(s3_endpoint) as front:
-        location = image_location.model_copy(update={"endpoint_url": front.endpoint})
+        location = block_copy(image_location, endpoint_url=front.endpoint)
         front.fail_gets("test-images/shapes/circle/*", times=3, how="503")
         front.stall_gets("*", seconds=20)            # every GET, until cleared
         assert front.wait_stalled(timeout=10)        # a client is now stuck in a GET

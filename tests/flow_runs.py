@@ -8,6 +8,7 @@ from typing import Any
 
 from prefect.states import State
 
+from blocks.data_location import DataLocation
 from flows.transfer_learning import transfer_learning
 from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
 from tests.api_helpers import assert_no_task_run_left_running
@@ -44,3 +45,16 @@ def snapshot(folder: Path) -> dict[str, str]:
     """Every file below `folder` with a digest of its bytes, to prove later runs left them alone."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def block_copy(location: DataLocation, **changes: Any) -> DataLocation:
+    """A copy of a saved block with `changes`, to save under a name of its own.
+
+    A plain `model_copy` keeps the saved block's document id, and Prefect's
+    `save(other_name, overwrite=True)` then overwrites the original's document when
+    `other_name` exists already: a second test run would repoint the shared test block.
+    """
+    copy = location.model_copy(update=changes)
+    copy._block_document_id = None
+    copy._block_document_name = None
+    return copy

@@ -19,6 +19,7 @@ from prefect_dask import DaskTaskRunner
 
 from tasks.gang import GangStopped, RankContext, run_gang
 from tasks.process_group import all_reduce_sum
+from tasks.sweep import SweepSettings, sweep
 
 
 def report_rank(ctx: RankContext, config: dict) -> dict:
@@ -73,14 +74,15 @@ def loop_until_stopped(ctx: RankContext, config: dict) -> NoReturn:
     marks = Path(config["marks"])
     if config.get("cancel_own_future") and ctx.rank == ctx.world_size - 1:
         cancel_own_dask_future()
-    (marks / f"running-{ctx.rank}").write_text(flow_run.get_id() or "")
+    name = f"{ctx.rank}-trial-{ctx.trial.trial_id}" if ctx.trial else f"{ctx.rank}"
+    (marks / f"running-{name}").write_text(flow_run.get_id() or "")
     try:
         while True:
             all_reduce_sum([1.0])
             ctx.check_stop()
             time.sleep(0.05)
     except BaseException as exc:
-        (marks / f"left-{ctx.rank}").write_text(type(exc).__name__)
+        (marks / f"left-{name}").write_text(type(exc).__name__)
         raise
 
 
@@ -132,3 +134,12 @@ def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None =
                         max_restarts=max_restarts, init_timeout=timedelta(seconds=60),
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         lease_timeout=timedelta(seconds=lease_timeout_s))
+
+
+@flow(name="sweep-test")
+def sweep_flow(address: str, marks: str, trials: int) -> dict:
+    """`trials` one-rank trials of loop_until_stopped at once, on the cluster at `address`."""
+    with DaskTaskRunner(address=address) as runner:
+        return sweep(loop_until_stopped, {"marks": marks, "x": 0}, {"x": {"kind": "grid", "values": list(range(trials))}},
+                     SweepSettings(n_trials=trials, concurrency=trials, metric="loss", direction="minimize"),
+                     task_runner=runner, output=marks)

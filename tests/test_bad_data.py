@@ -30,6 +30,7 @@ from tasks.manifest import Manifest
 from tasks.validation import DecodeResult, check_unreadable, decode_check
 from tests.api_helpers import assert_no_task_run_left_running
 from tests.conftest import truncated_jpeg
+from tests.flow_runs import block_copy
 
 BLOCK = "bad-data"
 COLOUR = (200, 100, 50)
@@ -201,7 +202,7 @@ def authenticating_s3() -> Iterator[str]:
 def test_wrong_credentials_fail_validate_source_at_once_naming_the_block(
     image_location, authenticating_s3, dask_cluster, tmp_path
 ):
-    image_location.model_copy(update={"endpoint_url": authenticating_s3}).save("wrong-keys", overwrite=True)
+    block_copy(image_location, endpoint_url=authenticating_s3).save("wrong-keys", overwrite=True)
     state = run_flow(tmp_path, dask_cluster, block="wrong-keys")
     runs = failed_with(state, PermissionError, r"Access to 's3://test-images/shapes' was denied \(.*\)\. Check the "
                                                r"credentials of data-location block 'wrong-keys' "
@@ -212,7 +213,7 @@ def test_wrong_credentials_fail_validate_source_at_once_naming_the_block(
 @pytest.mark.slow
 def test_an_unreachable_endpoint_fails_within_a_bounded_time_naming_it(image_location, dask_cluster, tmp_path):
     # botocore's default retries (5 attempts, ~8 s) and one Prefect retry after 5 s.
-    image_location.model_copy(update={"endpoint_url": "http://127.0.0.1:1"}).save("unreachable", overwrite=True)
+    block_copy(image_location, endpoint_url="http://127.0.0.1:1").save("unreachable", overwrite=True)
     started = time.monotonic()
     state = run_flow(tmp_path, dask_cluster, block="unreachable")
     runs = failed_with(state, ConnectionError, r"Cannot reach 's3://test-images/shapes' .*Check endpoint_url "

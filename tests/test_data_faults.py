@@ -29,6 +29,7 @@ from tasks.storage import fetch_objects
 from tasks.validation import FETCH_ATTEMPTS, decode_chunk
 from tests.api_helpers import assert_no_task_run_left_running
 from tests.faulty_s3 import FaultyS3, faulty_s3
+from tests.flow_runs import block_copy
 
 KEYS = ["circle/0000.jpg", "circle/0001.jpg", "square/0000.jpg"]
 
@@ -42,7 +43,7 @@ def front(s3_endpoint: str) -> Iterator[FaultyS3]:
 @pytest.fixture
 def via_front(image_location: DataLocation, front: FaultyS3) -> DataLocation:
     """The test images through the front; botocore makes one attempt, so the counts are ours."""
-    return image_location.model_copy(update={"endpoint_url": front.endpoint, "max_attempts": 1})
+    return block_copy(image_location, endpoint_url=front.endpoint, max_attempts=1)
 
 
 def object_key(location: DataLocation, key: str) -> str:

@@ -19,6 +19,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 
+from tasks.run_folder import run_folder_name
 from tests.deployed import REPO, check, prefect_cli
 
 TINY_TRAINING = '{"batch_size": 4, "image_size": 32, "num_workers": 0}'
@@ -53,7 +54,7 @@ def test_the_on_demand_deployment_runs_from_the_cli_with_nested_parameters(deplo
     # A run of the deployment keeps its model under the deployment's name.
     kept = json.loads((tmp_path / "on-demand" / "latest" / "metrics.json").read_text())
     assert kept["run"]["name"] == run.name and "**Promoted** to" in report
-    assert (tmp_path / run.name / "model.pt").exists()
+    assert (tmp_path / run_folder_name(run.name, str(run.id)) / "model.pt").exists()
 
 
 @pytest.mark.slow

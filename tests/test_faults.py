@@ -11,7 +11,7 @@ import pytest
 from blocks.data_location import DataLocation
 from tests.api_helpers import assert_no_task_run_left_running
 from tests.faulty_s3 import faulty_s3
-from tests.flow_runs import run_tiny_flow
+from tests.flow_runs import block_copy, run_tiny_flow
 
 FETCH_TIMEOUT_S = 5
 STALL_WINDOW_S = FETCH_TIMEOUT_S + 1
@@ -37,7 +37,7 @@ def test_a_stalled_s3_endpoint_is_detected_by_the_fetch_timeout_and_the_gang_ret
     image_location: DataLocation, dask_cluster, s3_endpoint, tmp_path,
 ):
     with faulty_s3(s3_endpoint) as front:
-        image_location.model_copy(update={"endpoint_url": front.endpoint}).save("stalling-images", overwrite=True)
+        block_copy(image_location, endpoint_url=front.endpoint).save("stalling-images", overwrite=True)
         seen: dict = {}
         watcher = threading.Thread(target=stall_training_for_a_while, args=(front, seen), daemon=True)
         watcher.start()

@@ -114,6 +114,32 @@ def test_a_signal_to_the_flow_process_stops_its_ranks_on_an_external_cluster(
     assert_workers_free(address, before)
 
 
+SWEEP_PROCESS = """
+import json, sys
+from tests.gang_functions import sweep_flow
+sweep_flow(**json.loads(sys.argv[1]))
+"""
+
+
+def test_sigterm_to_a_sweep_stops_the_gangs_of_all_its_trials(dask_cluster, tmp_path):
+    """The signal reaches the sweep's main thread; the trials' gangs run in other threads."""
+    address = dask_cluster.scheduler_address
+    before = worker_addresses(address)
+    parameters = {"address": address, "marks": str(tmp_path), "trials": 2}
+    process = subprocess.Popen([sys.executable, "-c", SWEEP_PROCESS, json.dumps(parameters)], cwd=REPO,
+                               env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        flow_run_id, _ = wait_for_marks(tmp_path, "running", 2, process)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert set(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == {"GangStopped"}, output[-3000:]
+    runs = assert_no_task_run_left_running(flow_run_id)
+    assert [r.state.type.value for r in runs if r.name.startswith("rank-")] == ["CANCELLED", "CANCELLED"]
+    assert_workers_free(address, before)
+
+
 def test_a_rank_cancelled_in_dask_stops_the_gang_and_its_peers_leave_cleanly(dask_cluster, tmp_path):
     address = dask_cluster.scheduler_address
     before = worker_addresses(address)

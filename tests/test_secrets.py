@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import (
 )
 
 from blocks.data_location import DataLocation
-from tests.flow_runs import run_tiny_flow
+from tests.flow_runs import block_copy, run_tiny_flow
 
 
 def all_logs(api, flow_run_id, last_words: str) -> list:
@@ -53,7 +53,7 @@ def test_a_blocks_secret_reaches_no_log_artifact_result_or_file(
     image_location: DataLocation, dask_cluster, s3_fs, prefect_home: Path, capfd, tmp_path,
 ):
     secret = f"never-show-{uuid.uuid4().hex}"
-    image_location.model_copy(update={"aws_secret_access_key": secret}).save("secret-images", overwrite=True)
+    block_copy(image_location, aws_secret_access_key=secret).save("secret-images", overwrite=True)
     output = "s3://test-images/secret-test-outputs"
     state = run_tiny_flow(output, {"address": dask_cluster.scheduler_address, "world_size": 2},
                           data={"block": "secret-images"})

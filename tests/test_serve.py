@@ -6,6 +6,7 @@ import pytest
 from prefect.deployments import run_deployment
 
 from deployments.serve import serving
+from tasks.run_folder import run_folder_name
 
 
 @pytest.mark.slow
@@ -18,4 +19,4 @@ def test_the_served_deployment_runs_on_the_demo_images(prefect_api, tmp_path):
         )
     assert run.state.is_completed(), run.state.message
     assert run.parameters["data"]["block"] == "demo-images"
-    assert (tmp_path / "out" / run.name / "model.pt").exists()
+    assert (tmp_path / "out" / run_folder_name(run.name, str(run.id)) / "model.pt").exists()

@@ -13,6 +13,7 @@ reaches ranks on an external cluster from a flow process that is being cancelled
 from __future__ import annotations
 
 import math
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -74,13 +75,34 @@ class StopFlag:
         self._event.clear()
 
 
+# Flags of the gangs this process supervises now. A signal reaches only the main thread,
+# but a sweep runs its trials' gangs in threads of their own: stop_all_gangs reaches those.
+_active: set[StopFlag] = set()
+_active_lock = threading.Lock()
+
+
+def stop_all_gangs() -> None:
+    """Ask the ranks of every gang this process supervises to stop (a sweep being cancelled)."""
+    with _active_lock:
+        flags = list(_active)
+    for flag in flags:
+        try:
+            flag.set()
+        except Exception:  # the others still need their flag set
+            run_logger().exception("Could not set the gang's stop flag %s", flag.name)
+
+
 @contextmanager
 def stop_flag(client: distributed.Client) -> Iterator[StopFlag]:
     """A fresh flag for one attempt, removed from the scheduler when the attempt ends."""
     flag = StopFlag(client)
+    with _active_lock:
+        _active.add(flag)
     try:
         yield flag
     finally:
+        with _active_lock:
+            _active.discard(flag)
         try:
             flag.remove()
         except Exception:  # never mask the error that ended the attempt
