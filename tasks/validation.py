@@ -10,18 +10,12 @@ and left out of the manifest, so they never reach training; when more than
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
-from uuid import UUID
 
 from fsspec import AbstractFileSystem
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
-from prefect.client.orchestration import SyncPrefectClient, get_client
-from prefect.client.schemas.objects import TaskRun
-from prefect.exceptions import ObjectNotFound
 from prefect.futures import wait
-from prefect.states import Crashed
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 from pydantic import BaseModel
@@ -29,6 +23,7 @@ from pydantic import BaseModel
 from blocks.data_location import DataLocation
 from tasks.config import DataConfig
 from tasks.dataset import open_rgb
+from tasks.gang.states import crash_unfinished_task_runs
 from tasks.manifest import Manifest
 from tasks.reporting import markdown_table
 from tasks.retries import retry_transient
@@ -226,10 +221,7 @@ def gather_chunks(
     lost = [(future, chunk) for future, chunk in zip(futures, chunks)
             if future.wrapped_future.status != "finished"]
     if lost:
-        try:
-            crash_task_runs([future.task_run_id for future, _ in lost], LOST_CHUNK)
-        except Exception:  # the lost chunk is the news; a failed clean-up must not hide it
-            get_run_logger().exception("Could not mark the lost decode-check task runs Crashed")
+        crash_unfinished_task_runs([future for future, _ in lost], LOST_CHUNK)
         future, chunk = lost[0]
         error = future.wrapped_future.exception()
         raise RuntimeError(
@@ -242,22 +234,6 @@ def gather_chunks(
     return [r for future in futures for r in future.result()]
 
 
-def crash_task_runs(task_run_ids: list[UUID], message: str) -> None:
-    """Give these task runs a final state (Crashed) unless they already have one."""
-    with get_client(sync_client=True) as api:
-        for task_run_id in task_run_ids:
-            task_run = _read_task_run(api, task_run_id)
-            if task_run is not None and (task_run.state is None or not task_run.state.is_final()):
-                api.set_task_run_state(task_run_id, Crashed(message=message), force=True)
-
-
-def _read_task_run(api: SyncPrefectClient, task_run_id: UUID, attempts: int = 10) -> TaskRun | None:
-    """The task run, or None if it never started; the server records it from events, late."""
-    for _ in range(attempts):
-        try:
-            return api.read_task_run(task_run_id)
-        except ObjectNotFound:
-            time.sleep(0.5)
     return None
 
 

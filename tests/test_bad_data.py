@@ -118,7 +118,13 @@ def bad_folders(image_location: DataLocation, s3_fs) -> str:
     return "s3://test-images/bad"
 
 
+EARLIER_MODEL = b"a model an earlier run kept"
+
+
 def run_flow(output: Path, dask_cluster, url: str | None = None, block: str = BLOCK) -> State:
+    """The flow on `url`, into `output`, where an earlier run's model already lies."""
+    (output / "earlier-run").mkdir(parents=True, exist_ok=True)
+    (output / "earlier-run" / "model.pt").write_bytes(EARLIER_MODEL)
     return transfer_learning(
         data=DataConfig(block=block, url=url, index_cache_minutes=0, val_fraction=0.25),
         model=ModelConfig(backbone="mobilenet_v3_small"),
@@ -130,11 +136,13 @@ def run_flow(output: Path, dask_cluster, url: str | None = None, block: str = BL
     )
 
 
-def failed_with(state: State, error: type[BaseException], match: str) -> list:
-    """Assert the run failed with `error` matching `match`; return its task runs, all final."""
+def failed_with(state: State, error: type[BaseException], match: str, output: Path) -> list:
+    """Assert the run failed with `error` matching `match`, leaving the earlier run's model in
+    `output` as it was; return its task runs, all final."""
     assert state.is_failed(), state
     with pytest.raises(error, match=match):
         state.result()
+    assert (output / "earlier-run" / "model.pt").read_bytes() == EARLIER_MODEL
     return assert_no_task_run_left_running(state.state_details.flow_run_id)
 
 
@@ -145,14 +153,14 @@ def names(task_runs: list) -> set[str]:
 def test_a_folder_of_unreadable_images_fails_before_training(bad_folders, dask_cluster, tmp_path):
     state = run_flow(tmp_path, dask_cluster, f"{bad_folders}/all-unreadable")
     runs = failed_with(state, ValueError, r"None of the 3 images checked under 's3://test-images/bad/all-unreadable' "
-                                          r"could be read: .*e.g. a/0.jpg, b/0.jpg, b/1.jpg")
+                                          r"could be read: .*e.g. a/0.jpg, b/0.jpg, b/1.jpg", tmp_path)
     assert "rank" not in names(runs)
 
 
 def test_too_many_unreadable_images_stop_the_run_before_training(bad_folders, dask_cluster, tmp_path):
     state = run_flow(tmp_path, dask_cluster, f"{bad_folders}/too-many-unreadable")
     runs = failed_with(state, ValueError, r"2 of the 10 images checked .* \(20.0%\) could not be read, more than "
-                                          r"data.max_unreadable_fraction=0.1 allows; e.g. a/0.jpg, b/1.jpg")
+                                          r"data.max_unreadable_fraction=0.1 allows; e.g. a/0.jpg, b/1.jpg", tmp_path)
     assert "rank" not in names(runs)
 
 
@@ -178,7 +186,7 @@ def test_a_missing_bucket_fails_validate_source_at_once_naming_it(bad_folders, d
     started = time.monotonic()
     state = run_flow(tmp_path, dask_cluster, "s3://no-such-bucket/images")
     runs = failed_with(state, FileNotFoundError, r"Bucket 'no-such-bucket' of 's3://no-such-bucket/images' was not "
-                                                 r"found at http://127.0.0.1:\d+")
+                                                 r"found at http://127.0.0.1:\d+", tmp_path)
     assert [r.run_count for r in validate_source_runs(runs)] == [1]
     assert time.monotonic() - started < 15
 
@@ -206,7 +214,7 @@ def test_wrong_credentials_fail_validate_source_at_once_naming_the_block(
     state = run_flow(tmp_path, dask_cluster, block="wrong-keys")
     runs = failed_with(state, PermissionError, r"Access to 's3://test-images/shapes' was denied \(.*\)\. Check the "
                                                r"credentials of data-location block 'wrong-keys' "
-                                               r"\(aws_access_key_id 'testing'\)")
+                                               r"\(aws_access_key_id 'testing'\)", tmp_path)
     assert [r.run_count for r in validate_source_runs(runs)] == [1]
 
 
@@ -217,6 +225,6 @@ def test_an_unreachable_endpoint_fails_within_a_bounded_time_naming_it(image_loc
     started = time.monotonic()
     state = run_flow(tmp_path, dask_cluster, block="unreachable")
     runs = failed_with(state, ConnectionError, r"Cannot reach 's3://test-images/shapes' .*Check endpoint_url "
-                                               r"\(http://127.0.0.1:1\)")
+                                               r"\(http://127.0.0.1:1\)", tmp_path)
     assert [r.run_count for r in validate_source_runs(runs)] == [2]
     assert time.monotonic() - started < 45

@@ -75,7 +75,9 @@ def test_a_killed_worker_is_noticed_and_the_gang_re_formed(dask_cluster):
     assert len(runs) == 4 and all(r.state.is_final() for r in runs)
     assert sum(r.state.is_completed() for r in runs) == 2
     first, second = results.attempts
-    assert first.workers[0] == second.workers[0] and first.workers[1] != second.workers[1]
+    # Rank 1's worker died; the re-formed gang has the survivor and the nanny's new worker
+    # (in address order, so either may be rank 0).
+    assert first.workers[0] in second.workers and first.workers[1] not in second.workers
     assert "rank 1" in first.ended.lower() and first.workers[1] in first.ended
     assert second.ended == "completed"
     assert_no_task_run_left_running(state.state_details.flow_run_id)

@@ -43,21 +43,23 @@ def settled_task_runs(api: Any, futures: list[PrefectDaskFuture], wait_s: float 
         time.sleep(0.5)
 
 
-def crash_unfinished_task_runs(futures: list[PrefectDaskFuture]) -> None:
-    """Give every rank's task run a final state; never raise over the gang's own error."""
+def crash_unfinished_task_runs(futures: list[PrefectDaskFuture], message: str = CRASH_MESSAGE) -> None:
+    """Give every future's task run a final state (Crashed with `message` where it has none);
+    never raise over the error that the caller is reporting. Decode-check uses it too, for
+    chunks whose workers all died."""
     if not futures:
         return
     try:
         with get_client(sync_client=True) as api:
             for task_run in settled_task_runs(api, futures):
                 if task_run.state is None or not task_run.state.is_final():
-                    _crash(api, task_run.id)
+                    _crash(api, task_run.id, message)
     except Exception:
-        run_logger().exception("Could not read the gang's task runs to give them a final state")
+        run_logger().exception("Could not read the task runs to give them a final state")
 
 
-def _crash(api: Any, task_run_id: Any) -> None:
+def _crash(api: Any, task_run_id: Any, message: str) -> None:
     try:
-        api.set_task_run_state(task_run_id, Crashed(message=CRASH_MESSAGE), force=True)
+        api.set_task_run_state(task_run_id, Crashed(message=message), force=True)
     except Exception:
         run_logger().exception("Could not mark task run %s as crashed", task_run_id)
