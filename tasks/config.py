@@ -110,6 +110,12 @@ class TrainingConfig(_Strict):
     fetch_threads: int = Field(
         16, ge=1, le=256, description="Images fetched concurrently per batch."
     )
+    cache_gb: float = Field(
+        0, ge=0, le=100_000,
+        description="Keep fetched images on each worker host's local disk, up to this many GB, "
+        "so later epochs read them from there instead of S3 (folder: $PREFECT_DDP_CACHE_DIR, "
+        "else the temp folder). 0 turns it off.",
+    )
     fetch_timeout_s: float = Field(
         60, ge=1, le=3600,
         description="Limit in seconds for fetching one batch of images, retries included. A "

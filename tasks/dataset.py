@@ -22,6 +22,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
+from tasks.byte_cache import ByteCache
 from tasks.config import TrainingConfig
 from tasks.model import IMAGENET_MEAN, IMAGENET_STD
 from tasks.storage import fetch_objects, filesystem, object_read_options
@@ -88,7 +89,9 @@ class S3ImageFolder(Dataset):
         transform: applied to each decoded PIL image (8-bit RGB, see `open_rgb`).
         fetch_threads: images fetched at once within a batch.
         fetch_timeout_s: limit for fetching one batch, retries included; past it the batch
-            fails with a TimeoutError naming its images.
+            fails with a FetchTimeout naming its images.
+        sizes: each image's size from the manifest, part of its key in `cache`.
+        cache: keeps fetched bytes on local disk, so later epochs read them from there.
 
     >>> from tasks.dataset import S3ImageFolder, eval_transform
     >>> dataset = S3ImageFolder("s3://bucket/flowers", ["daisy/1.jpg"], [0], {}, eval_transform(224))
@@ -100,9 +103,11 @@ class S3ImageFolder(Dataset):
         self, root: str, keys: Sequence[str], labels: Sequence[int],
         storage_options: dict[str, Any], transform: Callable, fetch_threads: int = 16,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
+        sizes: Sequence[int] | None = None, cache: ByteCache | None = None,
     ) -> None:
-        if len(keys) != len(labels):
-            raise ValueError(f"Got {len(keys)} keys but {len(labels)} labels; they must pair up.")
+        if len(keys) != len(labels) or (sizes is not None and len(sizes) != len(keys)):
+            raise ValueError(f"Got {len(keys)} keys, {len(labels)} labels and "
+                             f"{'no' if sizes is None else len(sizes)} sizes; they must pair up.")
         self.root = root.rstrip("/")
         self.keys = list(keys)
         self.labels = list(labels)
@@ -112,6 +117,8 @@ class S3ImageFolder(Dataset):
         self.transform = transform
         self.fetch_threads = fetch_threads
         self.fetch_timeout_s = fetch_timeout_s
+        self.sizes = list(sizes) if sizes is not None else [None] * len(self.keys)
+        self.cache = cache
         self._fs = None
         self._root_path = ""
         self._pid = None
@@ -132,6 +139,20 @@ class S3ImageFolder(Dataset):
         return f"{self._root_path}/{self.keys[index]}"
 
     def fetch(self, indices: Sequence[int]) -> list[bytes]:
+        """The bytes of the images at `indices`: from the cache where it has them, else one GET each."""
+        if self.cache is None:
+            return self._get(indices)
+        found = {i: self.cache.get(self._url(i), self.sizes[i]) for i in indices}
+        missing = list(dict.fromkeys(i for i, data in found.items() if data is None))
+        for i, data in zip(missing, self._get(missing) if missing else []):
+            self.cache.put(self._url(i), self.sizes[i], data)
+            found[i] = data
+        return [found[i] for i in indices]
+
+    def _url(self, index: int) -> str:
+        return f"{self.root}/{self.keys[index]}"
+
+    def _get(self, indices: Sequence[int]) -> list[bytes]:
         """The bytes of the images at `indices`, one GET each, retrying transient errors."""
         fs = self.fs  # first: it sets the root path that `_path` uses
         paths = [self._path(i) for i in indices]

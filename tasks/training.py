@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from blocks.data_location import DataLocation
+from tasks.byte_cache import ByteCache
 from tasks.checkpoints import TrainingState, job_fingerprint, record_attempt
 from tasks.config import ModelConfig, TrainingConfig
 from tasks.dataset import S3ImageFolder, eval_transform, train_transform
@@ -112,11 +113,13 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     """
     cfg, m = job.training, job.manifest
     options = job.source.storage_options()
+    cache = ByteCache(int(cfg.cache_gb * 1e9)) if cfg.cache_gb else None
 
     def dataset(positions: list[int], transform) -> S3ImageFolder:
         return S3ImageFolder(
             m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions],
             options, transform, fetch_threads=cfg.fetch_threads, fetch_timeout_s=cfg.fetch_timeout_s,
+            sizes=[m.sizes[i] for i in positions], cache=cache,
         )
 
     train_set = dataset(job.split.train, train_transform(cfg.image_size))

@@ -64,7 +64,7 @@ def test_local_folders_work_too(tmp_path):
 
 
 def test_keys_and_labels_must_pair_up():
-    with pytest.raises(ValueError, match="Got 2 keys but 1 labels"):
+    with pytest.raises(ValueError, match="Got 2 keys, 1 labels and no sizes; they must pair up"):
         S3ImageFolder("s3://b/p", ["a/1.jpg", "a/2.jpg"], [0], {}, eval_transform(32))
 
 

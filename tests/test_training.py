@@ -120,3 +120,13 @@ def test_only_transient_errors_are_retried():
     assert retry_transient(None, None, Failed(data=ConnectionError("reset"))) is True
     for permanent in (FileNotFoundError("gone"), PermissionError("denied"), ValueError("empty")):
         assert retry_transient(None, None, Failed(data=permanent)) is False
+
+
+def test_training_with_cache_gb_keeps_the_images_in_the_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFECT_DDP_CACHE_DIR", str(tmp_path / "cache"))
+    job = local_job(tmp_path, epochs=1)
+    job = job.model_copy(update={"training": job.training.model_copy(update={"cache_gb": 0.01})})
+    train_classifier(CTX, job)
+    kept = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    # Every image once, but the ninth training image: a lone last batch is dropped for BatchNorm.
+    assert len(kept) == len(job.manifest) - 1
