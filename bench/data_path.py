@@ -1,0 +1,431 @@
+"""Data-path benchmark (issue 12): images/s, HTTP requests and CPU time per image, by reader.
+
+Readers, each behind a DataLoader (batch 32, the training's eval transform, no shuffle):
+- torchvision's ImageFolder on local disk: the baseline; every ratio is taken against it,
+  measured in the same run on the same JPEGs;
+- our S3ImageFolder (tasks/dataset.py): one GET per image, a batch fetched concurrently;
+- dask-pytorch-ddp 0.2.2's S3ImageFolder: a new boto3 resource, a HEAD and a GET per image
+  (DESIGN 5). It is installed into bench/.cache on first use, never into the project's
+  environment; where it cannot be installed its rows are skipped and the output says why.
+
+The S3 readers read through moto on loopback and through bench.s3_front, which waits
+30 ms (`--latency-ms`) before each response, as real S3 takes tens of milliseconds, and
+which, unlike moto, does not cap near 250 GETs/s (DESIGN 8). Two image sets: 64 px
+shapes and photo-sized 500x375 JPEGs. DataLoader workers: 0 and 2, forked and persistent
+as tasks/training.py makes them.
+
+Each measurement starts with a warm-up epoch of one batch per worker (it forks the workers
+and creates the S3 clients), then times `--repeats` epochs and keeps the fastest. CPU time
+is the client's: this process and its DataLoader workers. The server's CPU is shown in a
+column of its own: on two cores it competes with the client for the same CPU.
+
+    .venv/bin/python -m bench.data_path          # about 5 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import boto3
+import numpy as np
+import psutil
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision.datasets import ImageFolder
+
+from bench.s3_endpoints import S3Endpoint, latency_endpoint, moto_endpoint
+from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
+from deployments.sample_data import CLASSES, draw_shape, shapes_dataset
+from tasks.config import TrainingConfig
+from tasks.dataset import S3ImageFolder, eval_transform
+
+BUCKET = "bench"
+BATCH_SIZE = 32
+DPD_REQUIREMENT = "dask-pytorch-ddp==0.2.2"
+CACHE = Path(__file__).resolve().parent / ".cache"
+PHOTO_SIZE = (500, 375)
+# Grain on the flat shapes, so a 500x375 JPEG weighs what a photo does (about 90 KB), not 8 KB.
+PHOTO_GRAIN = 18.0
+PIP_TIMEOUT_S = 180
+# Other processes using more than this many cores during an epoch mark its row as disturbed.
+NOISE_CORES = 0.1
+LOCAL, OURS, DPD = "ImageFolder (local disk)", "S3ImageFolder (ours)", "dask-pytorch-ddp 0.2.2"
+
+
+# --- the images --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ImageSet:
+    """One set of JPEGs: its folder and S3 prefix, and the crop the transform makes."""
+
+    name: str
+    shape: str
+    crop: int
+    make: Callable[[int], dict[str, bytes]]  # images per class -> {"<class>/<n>.jpg": bytes}
+
+
+def photo_dataset(per_class: int, seed: int = 0) -> dict[str, bytes]:
+    """500x375 JPEGs: the sample shapes with grain, so they decode and weigh like photos."""
+    rng, grain = random.Random(seed), np.random.default_rng(seed)
+    files = {}
+    for shape, colour in CLASSES.items():
+        for n in range(per_class):
+            image = draw_shape(shape, colour, PHOTO_SIZE[0], rng).crop((0, 0, *PHOTO_SIZE))
+            noise = grain.normal(0, PHOTO_GRAIN, (PHOTO_SIZE[1], PHOTO_SIZE[0], 3))
+            pixels = np.asarray(image, dtype=np.float32) + noise
+            buffer = io.BytesIO()
+            Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=90)
+            files[f"{shape}/{n:04d}.jpg"] = buffer.getvalue()
+    return files
+
+
+def write_files(folder: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+
+
+# --- the readers ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Source:
+    """Where a reader finds one image set: its local copy and, for S3 readers, an endpoint."""
+
+    folder: Path
+    prefix: str
+    transform: Callable
+    endpoint: str | None = None
+
+
+def read_local(source: Source) -> Dataset:
+    return ImageFolder(str(source.folder), transform=source.transform)
+
+
+def read_ours(source: Source, fetch_threads: int) -> Dataset:
+    # The manifest is ImageFolder's own listing: the same images, order and labels as the baseline.
+    listing = ImageFolder(str(source.folder))
+    keys = [Path(path).relative_to(source.folder).as_posix() for path, _ in listing.samples]
+    options = {"endpoint_url": source.endpoint, "key": MOTO_CREDENTIALS["aws_access_key_id"],
+               "secret": MOTO_CREDENTIALS["aws_secret_access_key"],
+               "client_kwargs": {"region_name": MOTO_REGION}}
+    return S3ImageFolder(f"s3://{BUCKET}/{source.prefix}", keys, listing.targets, options,
+                         source.transform, fetch_threads=fetch_threads)
+
+
+def read_dpd(module: ModuleType, source: Source) -> Dataset:
+    # It takes no endpoint: boto3 finds it in AWS_ENDPOINT_URL_S3 (see `boto_environment`).
+    return module.S3ImageFolder(BUCKET, f"{source.prefix}/", transform=source.transform)
+
+
+def load_dask_pytorch_ddp(cache: Path) -> ModuleType | str:
+    """dask_pytorch_ddp.data, installed under `cache` on first use; or why it cannot be had.
+
+    --no-deps: its dependencies (boto3, torch, dask) are already here, and its pins must not
+    move the project's. --target keeps it out of the project's environment.
+    """
+    target = cache / "dask-pytorch-ddp"
+    if not (target / "dask_pytorch_ddp").is_dir():
+        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                   "--target", str(target), DPD_REQUIREMENT]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return (f"`pip install {DPD_REQUIREMENT}` did not finish within {PIP_TIMEOUT_S} s "
+                    "(is the package index reachable?)")
+        if done.returncode:
+            return f"`pip install {DPD_REQUIREMENT}` failed: {(done.stderr or done.stdout).strip()[-300:]}"
+    sys.path.insert(0, str(target))
+    from dask_pytorch_ddp import data  # noqa: PLC0415 - importable only once installed
+
+    return data
+
+
+@contextmanager
+def boto_environment(endpoint: str) -> Iterator[None]:
+    """Point boto3's default session (and forked DataLoader workers) at `endpoint`.
+
+    dask-pytorch-ddp calls `boto3.resource("s3")` with no arguments, so the endpoint and
+    credentials can only reach it through the environment; boto3 reads AWS_ENDPOINT_URL_S3.
+    """
+    values = {"AWS_ENDPOINT_URL_S3": endpoint, "AWS_DEFAULT_REGION": MOTO_REGION,
+              "AWS_ACCESS_KEY_ID": MOTO_CREDENTIALS["aws_access_key_id"],
+              "AWS_SECRET_ACCESS_KEY": MOTO_CREDENTIALS["aws_secret_access_key"]}
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    boto3.DEFAULT_SESSION = None  # a session made earlier would keep another endpoint
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        boto3.DEFAULT_SESSION = None
+
+
+# --- measuring -----------------------------------------------------------------------------
+
+@dataclass
+class Measurement:
+    """One timed epoch. CPU times are the differences across it, in core-seconds."""
+
+    images: int
+    seconds: float
+    client_cpu_s: float
+    other_cpu_s: float  # by processes that are neither the client nor the server: noise
+    server_cpu_s: float | None = None
+    requests: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.seconds
+
+    @property
+    def disturbed(self) -> bool:
+        """Whether other processes took more than a tenth of a core while it ran."""
+        return self.other_cpu_s > NOISE_CORES * self.seconds
+
+
+def client_processes() -> list[psutil.Process]:
+    """This process and its DataLoader workers: forked children, so the same command line.
+
+    The S3 servers are children too, but run other command lines, so they are left out.
+    """
+    me = psutil.Process()
+    return [me, *(child for child in me.children() if child.cmdline() == me.cmdline())]
+
+
+def cpu_s(processes: list[psutil.Process]) -> float:
+    return sum(times.user + times.system for times in (p.cpu_times() for p in processes))
+
+
+def cpu_now(processes: list[psutil.Process], server: S3Endpoint | None) -> tuple[float, float, float]:
+    """CPU seconds so far of the client, the server and the whole machine (steal left out)."""
+    machine = psutil.cpu_times()
+    busy = machine.user + machine.nice + machine.system + machine.irq + machine.softirq
+    return cpu_s(processes), server.cpu_s() if server else 0.0, busy
+
+
+class EpochIndices(Sampler[int]):
+    """The first `limit` indices, in order; `limit` may change between epochs.
+
+    It lets the warm-up be a whole (short) epoch: one batch per worker, which forks the
+    workers and creates their S3 clients, and leaves no batch in flight that a timed epoch
+    would wait for or count requests of.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.limit))
+
+    def __len__(self) -> int:
+        return self.limit
+
+
+def timed_epoch(loader: DataLoader, server: S3Endpoint | None) -> Measurement:
+    """Time one epoch over `loader`, counting CPU and the server's requests across it."""
+    processes = client_processes()
+    requests_before = server.counts() if server else Counter()
+    before = cpu_now(processes, server)
+    start = time.perf_counter()
+    images = sum(len(labels) for _, labels in loader)
+    seconds = time.perf_counter() - start
+    client, served, machine = (now - then for now, then in zip(cpu_now(processes, server), before))
+    result = Measurement(images, seconds, client, machine - client - served)
+    if server:
+        time.sleep(0.2)  # moto logs a request after answering it
+        result.server_cpu_s, result.requests = served, server.counts() - requests_before
+    return result
+
+
+def measure(dataset: Dataset, workers: int, server: S3Endpoint | None, repeats: int) -> Measurement:
+    """The fastest of `repeats` epochs over all of `dataset`, after a warm-up epoch."""
+    indices = EpochIndices(min(len(dataset), max(1, workers) * BATCH_SIZE))
+    options: dict[str, Any] = {"batch_size": BATCH_SIZE, "num_workers": workers, "sampler": indices}
+    if workers:
+        options |= {"multiprocessing_context": "fork", "persistent_workers": True}
+    loader = DataLoader(dataset, **options)
+    for _ in loader:  # warm-up
+        pass
+    indices.limit = len(dataset)
+    return max((timed_epoch(loader, server) for _ in range(repeats)), key=lambda m: m.images_per_s)
+
+
+# --- the run -------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    image_set: str
+    workers: int
+    reader: str
+    source: str
+    result: Measurement
+
+
+def run_set(image_set: ImageSet, folder: Path, readers: dict[str, Callable[[Source], Dataset]],
+            servers: list[S3Endpoint], workers: list[int], repeats: int) -> Iterator[Row]:
+    """Every reader on one image set, at each number of DataLoader workers."""
+    transform = eval_transform(image_set.crop)
+    for count in workers:
+        local = read_local(Source(folder, image_set.name, transform))
+        yield timed_row(image_set.name, count, LOCAL, local, None, repeats)
+        for server in servers:
+            for name, reader in readers.items():
+                with boto_environment(server.url):
+                    dataset = reader(Source(folder, image_set.name, transform, server.url))
+                    row = timed_row(image_set.name, count, name, dataset, server, repeats)
+                yield row
+
+
+def timed_row(image_set: str, workers: int, reader: str, dataset: Dataset,
+              server: S3Endpoint | None, repeats: int) -> Row:
+    row = Row(image_set, workers, reader, server.name if server else "local disk",
+              measure(dataset, workers, server, repeats))
+    # Progress on stderr, so stdout stays the report.
+    print(f"  {image_set}, {workers} workers, {reader} via {row.source}: "
+          f"{row.result.images_per_s:.0f} images/s", file=sys.stderr, flush=True)
+    return row
+
+
+def requests_text(m: Measurement) -> str:
+    if not m.requests:
+        return "-"
+    parts = " + ".join(f"{kind} {n / m.images:.2f}" for kind, n in sorted(m.requests.items()))
+    return f"{sum(m.requests.values()) / m.images:.2f} ({parts})"
+
+
+def baseline(rows: list[Row], row: Row) -> Row:
+    return next(r for r in rows if (r.image_set, r.workers, r.reader) == (row.image_set, row.workers, LOCAL))
+
+
+def table(rows: list[Row]) -> str:
+    columns = ["images", "workers", "reader", "source", "images/s", "x local disk", "HTTP requests/image",
+               "client CPU ms/image", "server CPU ms/image"]
+    lines = [f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
+    for row in rows:
+        m, base = row.result, baseline(rows, row).result
+        server = "-" if m.server_cpu_s is None else f"{1000 * m.server_cpu_s / m.images:.2f}"
+        mark = "*" if m.disturbed else ""
+        lines.append(f"| {row.image_set} | {row.workers} | {row.reader} | {row.source} | {m.images_per_s:.0f}{mark} | "
+                     f"{m.images_per_s / base.images_per_s:.2f} | {requests_text(m)} | "
+                     f"{1000 * m.client_cpu_s / m.images:.2f} | {server} |")
+    return "\n".join(lines)
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def targets(rows: list[Row], front: str) -> list[str]:
+    """Issue 12's targets for our reader through the latency front, one line per case."""
+    lines = []
+    for row in (r for r in rows if r.reader == OURS and r.source == front):
+        m, local = row.result, baseline(rows, row).result.images_per_s
+        dpd = next((r.result.images_per_s for r in rows if r.reader == DPD and r.source == front
+                    and (r.image_set, r.workers) == (row.image_set, row.workers)), None)
+        per_image = sum(m.requests.values()) / m.images
+        one_get = set(m.requests) == {"GET"} and m.requests["GET"] == m.images
+        dpd_text = "no dask-pytorch-ddp row" if dpd is None else (
+            f"{m.images_per_s / dpd:.1f}x dask-pytorch-ddp (>= 10: {verdict(m.images_per_s >= 10 * dpd)})")
+        lines.append(f"- {row.image_set}, {row.workers} workers: {m.images_per_s / local:.2f}x local disk "
+                     f"(>= 0.5: {verdict(m.images_per_s >= 0.5 * local)}); {dpd_text}; "
+                     f"{per_image:.2f} requests/image (exactly 1 GET: {verdict(one_get)})")
+    return lines
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{os.cpu_count()} cores ({model}), {gpu}, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--small-per-class", type=int, default=128, help="64 px images per class (3 classes).")
+    parser.add_argument("--photo-per-class", type=int, default=64, help="500x375 images per class (3 classes).")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader workers to try.")
+    parser.add_argument("--repeats", type=int, default=2, help="Timed epochs per case; the fastest counts.")
+    parser.add_argument("--latency-ms", type=float, default=30.0, help="The front's wait before each response.")
+    parser.add_argument("--fetch-threads", type=int, default=TrainingConfig.model_fields["fetch_threads"].default,
+                        help="Our S3ImageFolder's concurrent fetches per batch (the training default).")
+    parser.add_argument("--skip-dpd", action="store_true", help="Leave dask-pytorch-ddp out.")
+    args = parser.parse_args(argv)
+    if min(args.small_per_class, args.photo_per_class, args.repeats) < 1 or min(args.workers) < 0:
+        parser.error("--small-per-class, --photo-per-class and --repeats must be at least 1, --workers at least 0.")
+    return args
+
+
+def readers(args: argparse.Namespace) -> tuple[dict[str, Callable[[Source], Dataset]], str | None]:
+    """The S3 readers to run, and why dask-pytorch-ddp is missing from them, if it is."""
+    chosen: dict[str, Callable[[Source], Dataset]] = {OURS: partial(read_ours, fetch_threads=args.fetch_threads)}
+    if args.skip_dpd:
+        return chosen, "left out (--skip-dpd)"
+    module = load_dask_pytorch_ddp(CACHE)
+    if isinstance(module, str):
+        return chosen, module
+    return chosen | {DPD: partial(read_dpd, module)}, None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    s3_readers, dpd_missing = readers(args)
+    image_sets = [ImageSet("small", "64x64", 64, partial(shapes_dataset, size=64)),
+                  ImageSet("photo", "500x375", 224, photo_dataset)]
+    counts = {"small": args.small_per_class, "photo": args.photo_per_class}
+    started = time.perf_counter()
+    with ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-data-path-")))
+        for image_set in image_sets:
+            write_files(work / "images" / image_set.name, image_set.make(counts[image_set.name]))
+        servers = [stack.enter_context(moto_endpoint(work, BUCKET, work / "images")),
+                   stack.enter_context(latency_endpoint(work, BUCKET, work / "images", args.latency_ms))]
+        rows = [row for image_set in image_sets for row in run_set(
+            image_set, work / "images" / image_set.name, s3_readers, servers, args.workers, args.repeats)]
+    report(args, rows, servers[1].name, dpd_missing, time.perf_counter() - started, image_sets, counts)
+
+
+def report(args: argparse.Namespace, rows: list[Row], front: str, dpd_missing: str | None,
+           seconds: float, image_sets: list[ImageSet], counts: dict[str, int]) -> None:
+    sets = ", ".join(f"{s.name}: {counts[s.name] * len(CLASSES)} JPEGs of {s.shape}, eval crop {s.crop}"
+                     for s in image_sets)
+    print(f"# Data path, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n")
+    print(f"Machine: {machine()}")
+    print(f"Command: {' '.join([os.path.relpath(sys.executable), '-m', 'bench.data_path', *sys.argv[1:]])}")
+    print(f"Images: {sets}; batch {BATCH_SIZE}; our fetch_threads={args.fetch_threads}; "
+          f"best of {args.repeats} epochs after a warm-up batch per worker; total run {seconds:.0f} s")
+    if dpd_missing:
+        print(f"dask-pytorch-ddp rows skipped: {dpd_missing}")
+    print()
+    print(table(rows))
+    disturbed = [r.result.other_cpu_s / r.result.seconds for r in rows if r.result.disturbed]
+    if disturbed:
+        print(f"\n* {len(disturbed)} row(s) ran while other processes used up to {max(disturbed):.2f} cores "
+              "of the machine's CPU: those numbers are low; rerun on a quiet machine.")
+    print(f"\nTargets for our S3ImageFolder via {front}:")
+    print("\n".join(targets(rows, front)))
+
+
+if __name__ == "__main__":
+    main()
