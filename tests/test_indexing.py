@@ -61,3 +61,27 @@ def test_an_unchanged_prefix_is_listed_once_within_the_cache_window(image_locati
     first, second = index_twice()
     assert first.name == "Completed" and second.name == "Cached"
     assert second.result() == first.result()
+
+
+def test_listing_each_class_folder_concurrently_finds_what_one_recursive_listing_finds(image_location, s3_fs):
+    from fsspec.asyn import sync
+
+    from tasks.indexing import LISTING_CONCURRENCY, find_per_folder, relative_sizes
+
+    root = image_location.url.removeprefix("s3://").rsplit("/", 1)[0] + "/listing-parity"
+    # More folders than are listed at once, a nested folder, a folder marker, a file at the top.
+    keys = {f"{root}/class{i:02d}/{j}.jpg": b"x" * (i + j + 1) for i in range(LISTING_CONCURRENCY + 3) for j in range(3)}
+    keys |= {f"{root}/class00/deep/er/1.png": b"yy", f"{root}/marker/": b"", f"{root}/top.jpg": b"zzz"}
+    s3_fs.pipe(keys)
+
+    sequential = relative_sizes(root, s3_fs.find(root, detail=True))
+    per_folder = relative_sizes(root, sync(s3_fs.loop, find_per_folder, s3_fs, root))
+    assert per_folder == sequential
+    assert sequential.keys() == {key.removeprefix(root + "/") for key in keys}  # the marker too: a non-image
+    image_listing = list_folder(image_location.model_copy(update={"url": f"s3://{root}"}))
+    assert image_listing == sequential
+
+
+def test_an_empty_s3_prefix_lists_as_empty(image_location):
+    empty = image_location.model_copy(update={"url": image_location.url + "-nothing-here"})
+    assert list_folder(empty) == {}
