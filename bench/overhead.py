@@ -14,6 +14,8 @@ return. The flow also records when its body starts and when run_gang returns, to
 its fixed cost goes. Run from the repository root:
 
     .venv/bin/python -m bench.overhead                  # 1 warm-up, then median of 3 pairs
+    .venv/bin/python -m bench.overhead --no-check-stop  # gang ranks skip ctx.check_stop()
+    DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False .venv/bin/python -m bench.overhead  # no worker profiler
 """
 
 from __future__ import annotations
