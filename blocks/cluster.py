@@ -7,6 +7,8 @@ Clusters this module creates are set up for training, which Dask's defaults are 
   a worker, so it is set for the whole process, not inside a `with`.
 - The nanny's `MALLOC_TRIM_THRESHOLD_=65536` is dropped: it made a 2-rank resnet18 loop
   1.5x slower here (system CPU 5 s -> 24 s; DESIGN 4).
+- The worker's profiler is off: sampling every thread's stack every 10 ms cost a rank's
+  loop 4 % here (the dashboard's profile page stays empty).
 - Workers get the Prefect API URL this process uses, so rank task runs, logs and artifacts
   land in the flow's run. Without PREFECT_API_URL that is the temporary server Prefect
   started for this process: workers not told its URL would each start their own (three
@@ -14,7 +16,8 @@ Clusters this module creates are set up for training, which Dask's defaults are 
 
 Owners of an external cluster (`address=`) must do the same on their workers: start them
 with `--no-nanny` or `DASK_DISTRIBUTED__WORKER__DAEMON=False`, unset
-`MALLOC_TRIM_THRESHOLD_`, and export PREFECT_API_URL.
+`MALLOC_TRIM_THRESHOLD_`, set `DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False`, and export
+PREFECT_API_URL.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ TRAINING_DASK_CONFIG = {
     "distributed.worker.daemon": False,
     # None removes the variable from the nanny's pre-spawn environment.
     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+    # The worker's profiler samples every thread's stack every 10 ms: 7 % more CPU in a
+    # rank's loop here (loop 1.068x torchrun's with it, 1.024x without; bench/RESULTS.md).
+    "distributed.worker.profile.enabled": False,
 }
 
 

@@ -1,3 +1,4 @@
+import dask
 import pytest
 from pydantic import SecretStr, ValidationError
 
@@ -53,6 +54,14 @@ def test_cluster_block_with_address_connects_instead_of_creating():
 def test_training_clusters_are_not_daemonic_and_do_not_trim_malloc():
     assert TRAINING_DASK_CONFIG["distributed.worker.daemon"] is False
     assert TRAINING_DASK_CONFIG["distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"] is None
+
+
+def test_workers_of_a_training_cluster_run_without_the_profiler(dask_cluster):
+    from distributed import Client
+
+    with Client(dask_cluster.scheduler_address) as client:
+        settings = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
+    assert set(settings.values()) == {False}
 
 
 @pytest.mark.parametrize("part", ["..", ".", "", "a/b", "..\\x", "/etc"])
