@@ -15,18 +15,20 @@ from tests.flow_runs import block_copy, run_tiny_flow
 
 FETCH_TIMEOUT_S = 5
 STALL_WINDOW_S = FETCH_TIMEOUT_S + 1
+BATCH = 4  # tests.flow_runs.TINY_TRAINING's batch_size
 
 
 def stall_training_for_a_while(front, seen: dict) -> None:
-    """Once training fetches (an image's second GET: decode-check made the first), hold every
-    GET that arrives within the next STALL_WINDOW_S: longer than the ranks' fetch timeout, so
-    they fail, shorter than re-forming the gang takes, so the next attempt's GETs pass."""
+    """Once training fetches (an image's second GET: decode-check made the first), hold the
+    next batch of GETs of both ranks, longer than their fetch timeout, so both fail."""
     deadline = time.monotonic() + 300
     while not any(n > 1 for key, n in list(front.gets.items()) if key.endswith(".jpg")):
         if time.monotonic() > deadline:
             return
         time.sleep(0.01)
-    front.stall_gets("*", seconds=120)
+    # Exactly the GETs of the batches both ranks fetch next (batch 4): the re-formed gang's
+    # GETs pass, however soon it starts.
+    front.stall_gets("*", seconds=120, times=2 * BATCH)
     seen["stalled"] = front.wait_stalled(timeout=STALL_WINDOW_S)
     time.sleep(STALL_WINDOW_S)
     front.clear()
