@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from blocks.data_location import DataLocation
 from tasks.config import DataConfig
-from tasks.dataset import open_rgb
+from tasks.dataset import SHOWN_KEYS, open_rgb
 from tasks.gang.states import crash_unfinished_task_runs
 from tasks.manifest import Manifest
 from tasks.reporting import markdown_table
@@ -32,7 +32,6 @@ from tasks.storage import fetch_objects, filesystem, is_s3, object_read_options
 CHUNK_SIZE = 256
 FETCH_CONCURRENCY = 32
 FETCH_ATTEMPTS = 4
-SHOWN_KEYS = 3
 DEFAULT_MAX_UNREADABLE = DataConfig.model_fields["max_unreadable_fraction"].default
 LOST_CHUNK = "Its Dask workers died while running it and Dask stopped rerunning it (KilledWorker)."
 
