@@ -9,13 +9,16 @@ keeps the learning rate the linear scaling rule gives it.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from tasks.storage import exists, load_torch, read_json, save_torch, write_json
+from tasks.process_group import broadcast_bytes
+from tasks.storage import exists, read_bytes, read_json, save_torch, write_json
 
 # The recipe fields that change what a resumed training would compute.
 RECIPE_FIELDS = {"batch_size", "image_size", "optimizer", "lr", "momentum", "weight_decay",
@@ -59,11 +62,19 @@ class TrainingState:
         }, options)
 
     def resume(self, url: str, options: dict[str, Any], fingerprint: dict[str, Any],
-               world_size: int, scale_lr: bool) -> tuple[int, list[dict[str, Any]]]:
-        """Load the last committed checkpoint, if any; returns (next epoch, history so far)."""
-        if not exists(url, options):
+               world_size: int, scale_lr: bool, device: torch.device | str = "cpu") -> tuple[int, list[dict[str, Any]]]:
+        """Load the last committed checkpoint, if any; returns (next epoch, history so far).
+
+        Rank 0 alone reads storage and every rank loads the bytes it read. Ranks that read
+        for themselves could disagree: on separate hosts with a local output folder each
+        sees its own disk, and a checkpoint can land between two reads. They would then
+        train on from different epochs with different optimizer states. Call it before DDP
+        wraps the model, on every rank (it is a collective).
+        """
+        data = broadcast_bytes(read_committed(url, options) if is_rank0() else None, device)
+        if data is None:
             return 0, []
-        checkpoint = load_torch(url, options)
+        checkpoint = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         refuse_other_jobs(url, checkpoint.get("job"), fingerprint)
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
@@ -73,6 +84,15 @@ class TrainingState:
         if scale_lr and checkpoint["world_size"] != world_size:
             rescale_lr(self.optimizer, self.scheduler, world_size / checkpoint["world_size"])
         return checkpoint["epoch"] + 1, list(checkpoint["history"])
+
+
+def is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def read_committed(url: str, options: dict[str, Any]) -> bytes | None:
+    """The checkpoint's bytes, or None before the first one is written (it is written whole or not at all)."""
+    return read_bytes(url, options) if exists(url, options) else None
 
 
 def refuse_other_jobs(url: str, theirs: dict[str, Any] | None, ours: dict[str, Any]) -> None:

@@ -100,3 +100,25 @@ def sync_buffers(model: torch.nn.Module) -> None:
         return
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)
+
+
+def broadcast_bytes(data: bytes | None, device: torch.device | str = "cpu") -> bytes | None:
+    """Rank 0's `data` (or its None) on every rank; `data` itself without a process group.
+
+    Sent as a length and a uint8 tensor rather than with `broadcast_object_list`, so no
+    rank unpickles anything: the bytes may come from storage (a checkpoint), which is only
+    ever opened with `torch.load(weights_only=True)`.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return data
+    is_source = dist.get_rank() == 0
+    length = torch.tensor([-1 if data is None or not is_source else len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    if length.item() < 0:
+        return None
+    if is_source:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=0)
+    return data if is_source else payload.cpu().numpy().tobytes()

@@ -244,7 +244,6 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     if job.warm_start:
         load_warm_start(model, job.warm_start)
     model = model.to(device)
-    ddp_model = wrap_ddp(model, device)
     optimizer = build_optimizer(model, job.training, ctx.world_size)
     scheduler = build_scheduler(optimizer, job.training)
     state = TrainingState(model, optimizer, scheduler, torch.amp.GradScaler(device.type, enabled=use_amp))
@@ -252,7 +251,8 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     checkpoint_url = child_url(job.output.url, "checkpoints", CHECKPOINT)
     fingerprint = job_fingerprint(job.manifest.classes, job.split.digest(job.manifest), job.model, job.training)
     start_epoch, history = state.resume(checkpoint_url, output, fingerprint, ctx.world_size,
-                                        job.training.scale_lr_by_world_size)
+                                        job.training.scale_lr_by_world_size, device)
+    ddp_model = wrap_ddp(model, device)
     if start_epoch:
         log.log(level, "Rank %d resumed from %s after epoch %d", ctx.rank, checkpoint_url, start_epoch)
     attempts = record_attempt(child_url(job.output.url, "checkpoints", ATTEMPTS), output, ctx.attempt + 1,
