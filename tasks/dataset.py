@@ -51,6 +51,11 @@ def open_rgb(data: bytes) -> Image.Image:
         return image.convert("RGB")
 
 
+def encoded(data: bytes, label: int) -> tuple[torch.Tensor, int]:
+    """An image's bytes as a uint8 tensor, for a rank that decodes on its device."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
+
+
 def train_transform(image_size: int) -> Callable:
     return v2.Compose([
         v2.PILToTensor(),
@@ -86,7 +91,8 @@ class S3ImageFolder(Dataset):
         root: folder URL; keys are relative to it.
         keys, labels: the images to serve and their class indices.
         storage_options: fsspec options (endpoint, credentials) for `root`.
-        transform: applied to each decoded PIL image (8-bit RGB, see `open_rgb`).
+        transform: applied to each decoded PIL image (8-bit RGB, see `open_rgb`); None
+            serves the encoded bytes as a uint8 tensor, for decoding on the rank's device.
         fetch_threads: images fetched at once within a batch.
         fetch_timeout_s: limit for fetching one batch, retries included; past it the batch
             fails with a FetchTimeout naming its images.
@@ -101,7 +107,7 @@ class S3ImageFolder(Dataset):
 
     def __init__(
         self, root: str, keys: Sequence[str], labels: Sequence[int],
-        storage_options: dict[str, Any], transform: Callable, fetch_threads: int = 16,
+        storage_options: dict[str, Any], transform: Callable | None, fetch_threads: int = 16,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
         sizes: Sequence[int] | None = None, cache: ByteCache | None = None,
     ) -> None:
@@ -178,6 +184,8 @@ class S3ImageFolder(Dataset):
         )
 
     def decode(self, data: bytes, label: int) -> tuple[torch.Tensor, int]:
+        if self.transform is None:  # the rank decodes on its device (tasks.device_batches)
+            return encoded(data, label)
         return self.transform(open_rgb(data)), label
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
