@@ -1,7 +1,8 @@
 """The `transfer-learning` flow: S3 image folder -> DDP on a Dask cluster -> model and report.
 
     validate-source -> index -> decode-check (mapped over the workers) -> split
-        -> ddp-rank x world size (the gang) -> aggregate
+        -> [write-shards, with training.images_per_shard] -> ddp-rank x world size (the gang)
+        -> aggregate
 
     -> promote (runs of a deployment keep their best model) -> report
 
@@ -50,6 +51,7 @@ from tasks.indexing import index_images
 from tasks.model import check_starting_weights
 from tasks.promotion import WarmStart, find_warm_start, latest_location, promote
 from tasks.report import publish_report
+from tasks.shards import write_train_shards
 from tasks.splitting import split_dataset
 from tasks.run_folder import claim_run_folder, run_folder_name
 from tasks.storage import child_url
@@ -192,6 +194,9 @@ def transfer_learning(
         manifest = validate_dataset(runner, source, manifest, data.validate_sample, data.max_unreadable_fraction)
         split = split_dataset(manifest, data.val_fraction, data.seed)
         require_a_batch_per_rank(split, world_size)
+        if training.images_per_shard:
+            write_train_shards(manifest, split, source, base, training.images_per_shard, world_size,
+                               training.fetch_threads, training.fetch_timeout_s)
         results = run_gang(
             train_classifier, training_job(source, out, manifest, split, model, training, warm),
             task_runner=runner,

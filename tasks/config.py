@@ -116,6 +116,12 @@ class TrainingConfig(_Strict):
         "so later epochs read them from there instead of S3 (folder: $PREFECT_DDP_CACHE_DIR, "
         "else the temp folder). 0 turns it off.",
     )
+    images_per_shard: int | None = Field(
+        None, ge=2, le=1_000_000,
+        description="Pack the training images into tar shards of this many images (written once "
+        "below OUTPUT/shards/ and reused by later runs over the same images and split) and read "
+        "each shard with one GET. Empty: one GET per image (the default). Validation stays per image.",
+    )
     fetch_timeout_s: float = Field(
         60, ge=1, le=3600,
         description="Limit in seconds for fetching one batch of images, retries included. A "

@@ -40,6 +40,7 @@ from tasks.model import build_model, model_card
 from tasks.process_group import all_reduce_sum, sync_buffers, wrap_ddp
 from tasks.promotion import WarmStart, load_warm_start
 from tasks.reporting import EPOCH_COLUMNS, BackgroundPublisher, in_prefect_run, markdown_table, run_logger
+from tasks.shards import ShardDataset, ShardLoader, open_shards
 from tasks.splitting import Split
 from tasks.storage import child_url, save_torch, write_json
 
@@ -106,10 +107,13 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tupl
 
 
 def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoader]:
-    """Train batches from a DistributedSampler; val sharded rank::world_size, unpadded.
+    """Train batches from a DistributedSampler (or tar shards); val sharded rank::world_size, unpadded.
 
     DistributedSampler pads the val shard with repeats to even it out, which would count
-    some images twice; a plain stride covers every val image exactly once.
+    some images twice; a plain stride covers every val image exactly once. With
+    training.images_per_shard the train set is read from the shards that the flow's
+    write-shards step wrote; that dataset batches itself and gives every rank the same
+    number of steps (tasks.shards).
     """
     cfg, m = job.training, job.manifest
     options = job.source.storage_options()
@@ -122,10 +126,8 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
             sizes=[m.sizes[i] for i in positions], cache=cache,
         )
 
-    train_set = dataset(job.split.train, train_transform(cfg.image_size))
     val_set = dataset(job.split.val, eval_transform(cfg.image_size))
     loader_options: dict[str, Any] = {
-        "batch_size": cfg.batch_size,
         "num_workers": cfg.num_workers,
         "pin_memory": ctx.device.startswith("cuda"),
     }
@@ -133,17 +135,24 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
         require_non_daemonic(cfg.num_workers)
         # Dask workers start processes with spawn: 18 s per loader start here, fork 0.5 s.
         loader_options |= {"multiprocessing_context": "fork", "persistent_workers": True}
+    val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
+    val_loader = DataLoader(val_set, sampler=val_shard, batch_size=cfg.batch_size, **loader_options)
+    if cfg.images_per_shard:
+        output = job.output.storage_options()
+        folder, index = open_shards(job.output.url, output, m, job.split, cfg.images_per_shard)
+        shards = ShardDataset(folder, index, output, train_transform(cfg.image_size), cfg.batch_size, ctx.rank,
+                              ctx.world_size, cfg.num_workers, job.split.seed, cfg.fetch_timeout_s)
+        return ShardLoader(shards, **loader_options), val_loader
+    train_set = dataset(job.split.train, train_transform(cfg.image_size))
     sampler = DistributedSampler(
         train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=job.split.seed
     )
-    val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
     # A last batch of one image breaks BatchNorm in training mode; every rank's shard has
     # the same length, so all ranks drop it together and keep the same number of steps.
     drop_single = len(sampler) % cfg.batch_size == 1
-    return (
-        DataLoader(train_set, sampler=sampler, drop_last=drop_single, **loader_options),
-        DataLoader(val_set, sampler=val_shard, **loader_options),
-    )
+    train_loader = DataLoader(train_set, sampler=sampler, batch_size=cfg.batch_size, drop_last=drop_single,
+                              **loader_options)
+    return train_loader, val_loader
 
 
 def require_non_daemonic(num_workers: int) -> None:

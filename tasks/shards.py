@@ -1,0 +1,416 @@
+"""Tar shards of the training images: one sequential GET per shard instead of one per image.
+
+Per-image mode (the default) sends one GET per image per epoch; where latency or request
+cost dominates (small images, large sets, DESIGN 5) the `training.images_per_shard` option
+packs the training images into tar shards once and reads those instead:
+
+    write:  manifest + split.train --(one GET per image, concurrently)--> shard-000000.tar ...
+            + index.json, written LAST, below OUTPUT/shards/KEY/
+    read:   each loader worker GETs its shards whole, one after the other (the next one is
+            fetched while the current one is decoded) and shuffles through a buffer.
+
+- Members follow webdataset's layout: `<key>.<ext>` (the image's bytes as stored) and
+  `<key>.cls` (its class index, decimal). Keys are sample numbers, never user-given names,
+  so nothing from a bucket becomes a path; the folder is named by a digest (`shard_key`).
+- KEY digests the source root, the training images (paths, sizes, labels), the classes and
+  the shard size, so a later run over the same data and split reuses the shards, and a
+  changed image (another size) or another split gets new ones. A set without its index, or
+  whose index does not match its folder or its shards, is written again.
+- Equal steps on every rank: DDP hangs in a collective when one rank runs out of batches
+  before the others. Shards go to rank r as `shards[r::world]`, then to loader worker w as
+  `[w::workers]`; worker w of every rank stops at the same number of images, the least any
+  rank's worker w holds, so every rank yields the same batches (see `ShardDataset.plan`).
+  The images past that cap (at most about one shard per rank, and different ones every
+  epoch, as the shard order is reshuffled) are not seen that epoch.
+- Memory: a loader worker holds two shards (the one it reads and the next) plus a shuffle
+  buffer of `images_per_shard` images, all as encoded bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import multiprocessing
+import os
+import random
+import tarfile
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+from torch.utils.data.dataloader import _InfiniteConstantSampler
+
+from blocks.data_location import DataLocation
+from tasks.dataset import FETCH_ATTEMPTS, FetchTimeout, S3ImageFolder, open_rgb
+from tasks.manifest import Manifest
+from tasks.retries import retry_transient
+from tasks.splitting import Split
+from tasks.storage import (
+    child_url,
+    fetch_objects,
+    filesystem,
+    object_read_options,
+    read_json,
+    write_bytes,
+    write_json,
+)
+
+SHARDS_FOLDER = "shards"
+INDEX = "index.json"
+LABEL_SUFFIX = "cls"
+
+
+def require_a_shard_per_rank(shards: int, world_size: int, images_per_shard: int) -> None:
+    """Shards are a rank's unit of work: a rank without one would take no step."""
+    if shards < world_size:
+        raise ValueError(
+            f"{shards} shard(s) of up to {images_per_shard} training images for {world_size} ranks; every "
+            f"rank needs at least one shard. Lower training.images_per_shard to at most the training "
+            "images divided by the world size, or use fewer ranks."
+        )
+
+
+class ShardIndex(BaseModel):
+    """What a complete shard set holds; `shards[i]` is a file name in the set's folder."""
+
+    key: str
+    split_digest: str
+    classes: list[str]
+    images_per_shard: int
+    shards: list[str]
+    images: list[int]
+    bytes: list[int]
+
+
+def shard_key(manifest: Manifest, positions: Sequence[int], images_per_shard: int) -> str:
+    """The digest naming a shard set: same source, images, sizes, labels and shard size, same key."""
+    rows = [manifest.root, str(images_per_shard), *manifest.classes, "--"]
+    rows += [f"{manifest.paths[i]}\t{manifest.sizes[i]}\t{manifest.labels[i]}" for i in sorted(positions)]
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:24]
+
+
+def shard_folder(output_base: str, manifest: Manifest, positions: Sequence[int], images_per_shard: int) -> str:
+    """OUTPUT/shards/KEY: below the output prefix, beside the run folders, shared by runs.
+
+    >>> m = Manifest(root="s3://b/imgs", classes=["a"], paths=["a/1.jpg"], sizes=[9], labels=[0])
+    >>> shard_folder("s3://b/out", m, [0], 100)
+    's3://b/out/shards/b7d6855b6421b08d09bf68c5'
+    """
+    return child_url(output_base, SHARDS_FOLDER, shard_key(manifest, positions, images_per_shard))
+
+
+def complete_index(folder: str, storage_options: dict[str, Any], key: str) -> ShardIndex | None:
+    """The set's index when the set is complete and is the one `key` names, else None.
+
+    Complete: the index exists (it is written last), names this key, and every shard it
+    lists is in the folder with the size it recorded (one listing, no request per shard).
+    """
+    fs, path = filesystem(folder, storage_options)
+    try:
+        index = ShardIndex.model_validate(read_json(child_url(folder, INDEX), storage_options))
+        present = {entry["name"].rsplit("/", 1)[-1]: entry["size"] for entry in fs.ls(path, detail=True)}
+    except (FileNotFoundError, ValueError):
+        return None
+    if index.key != key or any(present.get(name) != size for name, size in zip(index.shards, index.bytes)):
+        return None
+    return index
+
+
+def write_shards(
+    manifest: Manifest, positions: Sequence[int], source_options: dict[str, Any], output_base: str,
+    output_options: dict[str, Any], images_per_shard: int, split_digest: str, seed: int = 0,
+    fetch_threads: int = 16, fetch_timeout_s: float = 60,
+) -> tuple[ShardIndex, bool]:
+    """Pack the images at `positions` into shards below `output_base`; returns (index, reused).
+
+    Images are shuffled (by `seed`) before packing, so a shard mixes classes and the
+    reader's buffer needs no whole-set memory to mix well. A complete set with the same key
+    is reused as it is.
+
+    Args:
+        manifest: the images; `positions` index into it (a split's train list).
+        source_options, output_options: fsspec options for the images and for the output.
+        output_base: the output prefix; the set goes to `shard_folder(output_base, ...)`.
+        images_per_shard: images per shard (the last shard holds the rest).
+        split_digest: recorded in the index, to tell which split wrote it.
+        fetch_threads, fetch_timeout_s: images fetched at once, and the limit per shard's images.
+
+    >>> # write_shards(manifest, split.train, {}, "s3://b/out", {}, 256, split.digest(manifest))
+    """
+    if images_per_shard < 1 or not positions:
+        raise ValueError(f"write_shards got images_per_shard={images_per_shard} and {len(positions)} "
+                         "images; it needs at least one of each.")
+    folder = shard_folder(output_base, manifest, positions, images_per_shard)
+    key = folder.rsplit("/", 1)[-1]
+    existing = complete_index(folder, output_options, key)
+    if existing:
+        return existing, True
+    order = sorted(positions)
+    random.Random(f"{seed}-shards").shuffle(order)
+    source = S3ImageFolder(manifest.root, [manifest.paths[i] for i in order], [manifest.labels[i] for i in order],
+                           source_options, transform=open_rgb, fetch_threads=fetch_threads,
+                           fetch_timeout_s=fetch_timeout_s)
+    names, counts, sizes = [], [], []
+    for number, start in enumerate(range(0, len(order), images_per_shard)):
+        indices = list(range(start, min(start + images_per_shard, len(order))))
+        data = pack(source, indices)
+        names.append(f"shard-{number:06d}.tar")
+        write_bytes(child_url(folder, names[-1]), data, output_options)
+        counts.append(len(indices))
+        sizes.append(len(data))
+    index = ShardIndex(key=key, split_digest=split_digest, classes=manifest.classes,
+                       images_per_shard=images_per_shard, shards=names, images=counts, bytes=sizes)
+    write_json(child_url(folder, INDEX), index.model_dump(), output_options)
+    return index, False
+
+
+def pack(source: S3ImageFolder, indices: list[int]) -> bytes:
+    """One tar shard of `source`'s images at `indices`: `<n>.<ext>` and `<n>.cls` per image."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i, data in zip(indices, source.fetch(indices)):
+            extension = source.keys[i].rsplit(".", 1)[-1].lower()  # an image extension: manifest.IMAGE_EXTENSIONS
+            _add_member(tar, f"{i:08d}.{extension}", data)
+            _add_member(tar, f"{i:08d}.{LABEL_SUFFIX}", str(source.labels[i]).encode())
+    return buffer.getvalue()
+
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)  # mtime stays 0: the same images give the same bytes
+    tar.addfile(info, io.BytesIO(data))
+
+
+def read_samples(data: bytes) -> Iterator[tuple[bytes, int]]:
+    """(image bytes, label) for each image of a shard, in order."""
+    sample: dict[str, bytes] = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        for member in tar:
+            key, _, extension = member.name.rpartition(".")
+            sample[LABEL_SUFFIX if extension == LABEL_SUFFIX else "image"] = tar.extractfile(member).read()
+            if len(sample) == 2:
+                yield sample["image"], int(sample[LABEL_SUFFIX])
+                sample = {}
+
+
+class ShardDataset(IterableDataset):
+    """Batches of (images, labels) from shards: the same number of batches on every rank.
+
+    Yields whole batches (use `ShardLoader`, or a DataLoader with batch_size=None), so
+    `len()` is exactly this rank's batches per epoch and progress reports stay true.
+
+    Args:
+        folder: the shard set's folder URL; index: its `ShardIndex`.
+        storage_options: fsspec options for the folder.
+        transform: applied to each decoded 8-bit RGB PIL image.
+        batch_size: images per batch; a worker's last batch may be smaller, never 1 image
+            (BatchNorm cannot train on one), which is dropped instead.
+        rank, world_size: this rank and the gang's size.
+        loader_workers: the DataLoader's num_workers (0 counts as 1: the main process).
+        seed: with the epoch (`set_epoch`), seeds the shard order and the shuffle buffer.
+        fetch_timeout_s: limit for one shard's GET, retries included.
+
+    >>> # loader = ShardLoader(ShardDataset(folder, index, {}, transform, 32, rank, world, 2))
+    """
+
+    def __init__(
+        self, folder: str, index: ShardIndex, storage_options: dict[str, Any], transform: Callable,
+        batch_size: int, rank: int, world_size: int, loader_workers: int, seed: int = 0,
+        fetch_timeout_s: float = 60,
+    ) -> None:
+        require_a_shard_per_rank(len(index.shards), world_size, index.images_per_shard)
+        self.folder = folder
+        self.index = index
+        self.storage_options = {**object_read_options(folder, storage_options, 1), "skip_instance_cache": True}
+        self.transform = transform
+        self.batch_size = batch_size
+        self.rank, self.world_size = rank, world_size
+        self.loader_workers = max(1, loader_workers)
+        self.seed = seed
+        self.fetch_timeout_s = fetch_timeout_s
+        # Shared memory: persistent loader workers were forked before set_epoch is called.
+        self._epoch = multiprocessing.get_context("fork").RawValue("q", 0)
+        self._fs = None
+        self._folder_path = ""
+        self._pid: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch.value = epoch
+
+    def plan(self, epoch: int) -> list[tuple[list[int], int]]:
+        """(shards, images to yield) for each loader worker of this rank, in `epoch`.
+
+        The shard order is reshuffled every epoch (same on every rank: same seed); rank r
+        takes order[r::world], its worker w takes [w::workers]. Worker w's cap is the least
+        that worker w holds on any rank, less one image when a batch of one would be left.
+        """
+        order = list(range(len(self.index.shards)))
+        random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        plan = []
+        for worker in range(self.loader_workers):
+            held = [order[rank :: self.world_size][worker :: self.loader_workers] for rank in range(self.world_size)]
+            cap = min(sum(self.index.images[i] for i in shards) for shards in held)
+            plan.append((held[self.rank], cap - 1 if cap % self.batch_size == 1 else cap))
+        return plan
+
+    def __len__(self) -> int:
+        return sum(math.ceil(cap / self.batch_size) for _, cap in self.plan(self._epoch.value))
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = get_worker_info()
+        worker = info.id if info else 0
+        epoch = self._epoch.value
+        shards, cap = self.plan(epoch)[worker]
+        rng = random.Random(f"{self.seed}-{epoch}-{self.rank}-{worker}")
+        batch = []
+        for data, label in shuffled(self._samples(shards, cap), self.index.images_per_shard, rng):
+            batch.append((self.transform(open_rgb(data)), label))
+            if len(batch) == self.batch_size:
+                yield default_collate(batch)
+                batch = []
+        if batch:
+            yield default_collate(batch)
+
+    @property
+    def fs(self):
+        # Created lazily in each process, as S3ImageFolder.fs: a client made before the
+        # DataLoader forks would share its event loop and sockets with the children.
+        if self._fs is None or self._pid != os.getpid():
+            self._fs, self._folder_path = filesystem(self.folder, self.storage_options)
+            self._pid = os.getpid()
+        return self._fs
+
+    def _samples(self, shards: list[int], cap: int) -> Iterator[tuple[bytes, int]]:
+        """The first `cap` images of `shards`, read in order; the next shard is fetched meanwhile."""
+        if not cap:
+            return
+        taken = 0
+        with ThreadPoolExecutor(max_workers=1) as prefetcher:
+            pending: Future | None = prefetcher.submit(self._fetch, shards[0])
+            for position, shard in enumerate(shards):
+                data = pending.result()
+                more = position + 1 < len(shards) and taken + self.index.images[shard] < cap
+                pending = prefetcher.submit(self._fetch, shards[position + 1]) if more else None
+                for sample in read_samples(data):
+                    yield sample
+                    taken += 1
+                    if taken == cap:
+                        return
+
+    def _fetch(self, shard: int) -> bytes:
+        """A whole shard, with one GET (retried on transient errors, bounded by fetch_timeout_s)."""
+        fs = self.fs
+        path = f"{self._folder_path}/{self.index.shards[shard]}"
+        result = fetch_objects(fs, [path], 1, FETCH_ATTEMPTS, self.fetch_timeout_s)[path]
+        if isinstance(result, TimeoutError):
+            raise FetchTimeout(
+                f"Could not fetch shard {path} ({self.index.bytes[shard]} bytes) within fetch_timeout_s="
+                f"{self.fetch_timeout_s:g} s. The storage endpoint stalled or is too slow: check it, "
+                "or raise training.fetch_timeout_s or lower training.images_per_shard."
+            )
+        if isinstance(result, Exception):
+            raise OSError(f"Could not fetch shard {path} after {FETCH_ATTEMPTS} attempts: {result!r}. "
+                          "If the shard set was deleted, the next run's write-shards step writes it again.")
+        return result
+
+
+def shuffled(samples: Iterator[Any], buffer_size: int, rng: random.Random) -> Iterator[Any]:
+    """`samples` in a random order, holding at most `buffer_size` of them (webdataset's shuffle).
+
+    >>> sorted(shuffled(iter(range(5)), 2, random.Random(0)))
+    [0, 1, 2, 3, 4]
+    """
+    buffer: list[Any] = []
+    for sample in samples:
+        if len(buffer) < buffer_size:
+            buffer.append(sample)
+            continue
+        slot = rng.randrange(buffer_size)
+        yield buffer[slot]
+        buffer[slot] = sample
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+class _EpochSampler(_InfiniteConstantSampler):
+    """The iterable's placeholder sampler, with `set_epoch` passed on to the dataset."""
+
+    def __init__(self, dataset: ShardDataset) -> None:
+        super().__init__()
+        self.dataset = dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+
+class ShardLoader(DataLoader):
+    """A DataLoader of a ShardDataset's batches whose `sampler.set_epoch` reaches the dataset.
+
+    The training loop calls `loader.sampler.set_epoch(epoch)`, as DistributedSampler wants;
+    a DataLoader of an IterableDataset refuses any sampler and holds a placeholder without
+    it, so this one holds a placeholder that passes the epoch on.
+    """
+
+    def __init__(self, dataset: ShardDataset, **options: Any) -> None:
+        super().__init__(dataset, batch_size=None, **options)
+
+    @property
+    def sampler(self) -> _EpochSampler:
+        return self._epoch_sampler
+
+    @sampler.setter
+    def sampler(self, placeholder: _InfiniteConstantSampler) -> None:
+        # Set once, by DataLoader.__init__, with the placeholder it made.
+        self._epoch_sampler = _EpochSampler(self.dataset)
+
+
+def open_shards(
+    output_url: str, storage_options: dict[str, Any], manifest: Manifest, split: Split, images_per_shard: int,
+) -> tuple[str, ShardIndex]:
+    """(folder, index) of the training set's shards for the run folder `output_url`.
+
+    The flow's write-shards step wrote them below the run folder's parent (the output
+    prefix); a set missing or not matching this split fails here, naming the folder.
+    """
+    folder = shard_folder(output_url.rstrip("/").rsplit("/", 1)[0], manifest, split.train, images_per_shard)
+    index = complete_index(folder, storage_options, folder.rsplit("/", 1)[-1])
+    if index is None:
+        raise FileNotFoundError(
+            f"No complete shard set for this split at {folder} (training.images_per_shard="
+            f"{images_per_shard}). The flow's write-shards step writes it before training; run the "
+            "flow, or set training.images_per_shard to empty for per-image reading."
+        )
+    return folder, index
+
+
+@task(name="write-shards", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
+def write_train_shards(
+    manifest: Manifest, split: Split, source: DataLocation, output_base: DataLocation, images_per_shard: int,
+    world_size: int, fetch_threads: int, fetch_timeout_s: float,
+) -> ShardIndex:
+    """Write (or reuse) the training images' shards, and say which in a markdown artifact.
+
+    Retried twice: a fetch or write that failed on a transient error is worth another
+    pass, and the pass after a crash rewrites the set, whose index was never written.
+    Too few shards for the ranks fail at once (a ValueError is not retried).
+    """
+    require_a_shard_per_rank(math.ceil(len(split.train) / images_per_shard), world_size, images_per_shard)
+    index, reused = write_shards(
+        manifest, split.train, source.storage_options(), output_base.url, output_base.storage_options(),
+        images_per_shard, split.digest(manifest), split.seed, fetch_threads, fetch_timeout_s,
+    )
+    folder = shard_folder(output_base.url, manifest, split.train, images_per_shard)
+    what = "Reused the existing" if reused else "Wrote"
+    create_markdown_artifact(
+        key="train-shards",
+        markdown=f"# Training shards\n\n{what} {len(index.shards)} shards, {sum(index.images)} images, "
+        f"{sum(index.bytes) / 1e6:.1f} MB, {images_per_shard} images per shard, in `{folder}`.\n",
+        description="Tar shards of the training images (training.images_per_shard)",
+    )
+    return index

@@ -1,0 +1,222 @@
+"""Tar shards: written once and reused, read with equal steps on every rank, each image once.
+
+Real moto S3 (through the counting front where requests are counted), real DataLoaders with
+0 and 2 forked workers, two real gloo processes, and one flow run on the session's cluster.
+Images are PNGs whose first pixel's red value is the image's number, so a batch tells which
+images it holds.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from PIL import Image
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+from blocks.data_location import DataLocation
+from tasks.dataset import FetchTimeout
+from tasks.gang.plan import free_port
+from tasks.manifest import Manifest
+from tasks.process_group import process_group
+from tasks.shards import INDEX, ShardDataset, ShardIndex, ShardLoader, open_shards, shard_folder, write_shards
+from tasks.storage import child_url, read_json
+from tests.conftest import BUCKET
+from tests.faulty_s3 import FaultyS3, faulty_s3
+from tests.flow_runs import block_copy, run_tiny_flow
+
+CLASSES = ["a", "b", "c"]
+
+
+def numbered_png(number: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), (number, 7, 7)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_number(image: Image.Image) -> torch.Tensor:
+    """The test's transform: the image's number, read back from its first pixel."""
+    return torch.tensor(image.getpixel((0, 0))[0])
+
+
+@pytest.fixture(scope="module")
+def numbered(image_location: DataLocation, s3_fs) -> tuple[DataLocation, Manifest]:
+    """24 numbered images in 3 classes on moto, and their manifest (label = number % 3)."""
+    files = {f"{CLASSES[n % 3]}/{n:03d}.png": numbered_png(n) for n in range(24)}
+    s3_fs.pipe({f"{BUCKET}/numbered/{key}": data for key, data in files.items()})
+    paths = sorted(files)
+    manifest = Manifest(root=f"s3://{BUCKET}/numbered", classes=CLASSES, paths=paths,
+                        sizes=[len(files[p]) for p in paths], labels=[CLASSES.index(p[0]) for p in paths])
+    return image_location.with_url(manifest.root), manifest
+
+
+@pytest.fixture
+def front(s3_endpoint: str) -> Iterator[FaultyS3]:
+    with faulty_s3(s3_endpoint) as front:
+        yield front
+
+
+def write(location: DataLocation, manifest: Manifest, output: str, per_shard: int, positions=None):
+    positions = list(range(len(manifest))) if positions is None else positions
+    options = location.storage_options()
+    return write_shards(manifest, positions, options, output, options, per_shard, "split-digest", fetch_threads=8)
+
+
+def output_url(request) -> str:
+    return f"s3://{BUCKET}/shard-out/{request.node.name.replace('[', '-').rstrip(']')}"
+
+
+def source_gets(front: FaultyS3) -> int:
+    return sum(count for key, count in front.gets.items() if key.startswith(f"{BUCKET}/numbered/"))
+
+
+def read_epoch(dataset: ShardDataset, epoch: int, num_workers: int) -> tuple[list[int], list[int], int]:
+    """(image numbers in order, labels, batches) of one epoch through a real DataLoader."""
+    options = {"multiprocessing_context": "fork"} if num_workers else {}
+    loader = ShardLoader(dataset, num_workers=num_workers, **options)
+    loader.sampler.set_epoch(epoch)
+    numbers, labels, batches = [], [], 0
+    for images, batch_labels in loader:
+        numbers += images.tolist()
+        labels += batch_labels.tolist()
+        batches += 1
+    assert batches == len(loader)
+    return numbers, labels, batches
+
+
+def dataset(location: DataLocation, output: str, manifest: Manifest, index, rank: int, world: int,
+            workers: int, batch: int = 3) -> ShardDataset:
+    folder = shard_folder(output, manifest, range(len(manifest)), index.images_per_shard)
+    return ShardDataset(folder, index, location.storage_options(), image_number, batch, rank, world, workers)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_image_once_per_epoch_across_ranks_and_workers(numbered, request, num_workers):
+    location, manifest = numbered
+    output = output_url(request)
+    index, reused = write(location, manifest, output, per_shard=6)
+    assert (reused, index.images) == (False, [6, 6, 6, 6])
+    seen, steps = [], []
+    for rank in (0, 1):
+        numbers, labels, batches = read_epoch(dataset(location, output, manifest, index, rank, 2, num_workers), 0,
+                                              num_workers)
+        assert labels == [n % 3 for n in numbers]
+        seen += numbers
+        steps.append(batches)
+    assert sorted(seen) == list(range(24))
+    assert steps == [4, 4]
+
+
+def test_the_shuffle_differs_by_epoch_and_repeats_for_the_same_epoch(numbered, request):
+    location, manifest = numbered
+    output = output_url(request)
+    index, _ = write(location, manifest, output, per_shard=4)
+    orders = [read_epoch(dataset(location, output, manifest, index, 0, 1, 0), epoch, 0)[0] for epoch in (0, 1, 1)]
+    assert sorted(orders[0]) == sorted(orders[1]) == list(range(24))
+    assert orders[0] != orders[1]
+    assert orders[1] == orders[2]
+
+
+def rank_of_two(rank: int, port: int, folder: str, index: dict, storage_options: dict, results: Path) -> None:
+    """One gloo rank with 2 forked loader workers: a collective after every batch, as DDP's backward."""
+    shards = ShardDataset(folder, ShardIndex.model_validate(index), storage_options, image_number, 2, rank, 2, 2)
+    with process_group(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                       timeout=timedelta(seconds=30)):
+        steps, numbers = 0, []
+        for images, _ in ShardLoader(shards, num_workers=2, multiprocessing_context="fork"):
+            dist.all_reduce(torch.ones(1))  # a rank with fewer batches would leave the other waiting here
+            steps += 1
+            numbers += images.tolist()
+    (results / f"rank{rank}.json").write_text(json.dumps({"steps": steps, "len": len(shards), "numbers": numbers}))
+
+
+def test_uneven_shards_give_two_gloo_ranks_the_same_steps(numbered, request, tmp_path):
+    location, manifest = numbered
+    output = output_url(request)
+    train = list(range(23))  # 5 shards of 5, 5, 5, 5, 3: one rank gets 3 shards, the other 2
+    index, _ = write(location, manifest, output, per_shard=5, positions=train)
+    assert index.images == [5, 5, 5, 5, 3]
+    folder = shard_folder(output, manifest, train, 5)
+    # fork, not spawn: a spawned child imports torch and this module again (50 s here, 4 s forked).
+    mp.start_processes(rank_of_two, args=(free_port(), folder, index.model_dump(), location.storage_options(), tmp_path),
+                       nprocs=2, start_method="fork")
+    rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert rank0["steps"] == rank1["steps"] == rank0["len"] == rank1["len"] > 0
+    # Worker caps of at least 5 and 3 images, less the lone image a batch of 2 would leave.
+    assert len(rank0["numbers"]) == len(rank1["numbers"]) >= 4 + 2
+    assert len(set(rank0["numbers"] + rank1["numbers"])) == len(rank0["numbers"] + rank1["numbers"])
+
+
+def test_a_complete_set_is_reused_and_a_half_written_one_rewritten(numbered, request, s3_fs, front):
+    location, manifest = numbered
+    through_front = block_copy(location, endpoint_url=front.endpoint)
+    output = output_url(request)
+    index, reused = write(through_front, manifest, output, per_shard=8)
+    assert not reused and source_gets(front) >= 24  # one GET per image (a retry on a loaded machine adds one)
+    before = source_gets(front)
+    again, reused = write(through_front, manifest, output, per_shard=8)
+    assert reused and again == index and source_gets(front) == before
+    folder = shard_folder(output, manifest, range(24), 8)
+    s3_fs.rm(f"{folder[5:]}/{INDEX}")  # as if the writer had died before its last step
+    _, reused = write(through_front, manifest, output, per_shard=8)
+    assert not reused and source_gets(front) >= before + 24
+    assert read_json(child_url(folder, INDEX), location.storage_options())["images"] == [8, 8, 8]
+    s3_fs.rm(f"{folder[5:]}/{index.shards[1]}")  # an index whose shard is gone is not trusted either
+    assert not write(through_front, manifest, output, per_shard=8)[1]
+
+
+def test_reading_a_set_that_was_never_written_names_the_folder_and_the_fix(numbered):
+    location, manifest = numbered
+    from tasks.splitting import stratified_split
+
+    split = stratified_split(manifest, 0.25, 0)
+    with pytest.raises(FileNotFoundError, match=r"No complete shard set for this split at s3://.*/shards/\w+ "
+                                                r"\(training.images_per_shard=6\).*write-shards"):
+        open_shards(f"s3://{BUCKET}/never-written/run-1", location.storage_options(), manifest, split, 6)
+
+
+def test_too_few_shards_for_the_ranks_are_refused_with_the_fix(numbered, request):
+    location, manifest = numbered
+    index, _ = write(location, manifest, output_url(request), per_shard=12)
+    with pytest.raises(ValueError, match="2 shard.* for 3 ranks; every rank needs at least one shard. Lower "
+                                         "training.images_per_shard"):
+        dataset(location, output_url(request), manifest, index, 0, 3, 0)
+
+
+def test_a_stalled_shard_fetch_fails_with_fetch_timeout(numbered, request, front):
+    location, manifest = numbered
+    output = output_url(request)
+    index, _ = write(location, manifest, output, per_shard=12)
+    folder = shard_folder(output, manifest, range(24), 12)
+    through_front = block_copy(location, endpoint_url=front.endpoint)
+    shards = ShardDataset(folder, index, through_front.storage_options(), image_number, 3, 0, 1, 0,
+                          fetch_timeout_s=1)
+    front.stall_gets(f"{BUCKET}/shard-out/*", seconds=10)
+    with pytest.raises(FetchTimeout, match=r"Could not fetch shard .*shard-00000\d.tar .* within "
+                                           r"fetch_timeout_s=1 s.*images_per_shard"):
+        read_epoch(shards, 0, 0)
+    front.clear()
+
+
+@pytest.mark.slow  # about 60 s on 2 loaded cores: a whole flow run on the session cluster
+def test_the_flow_trains_from_the_shards_it_wrote(image_location, dask_cluster, tmp_path):
+    image_location.save("test-images", overwrite=True)
+    state = run_tiny_flow(tmp_path, {"address": dask_cluster.scheduler_address},
+                          training={"images_per_shard": 4, "num_workers": 2})
+    summary = state.result()
+    index = json.loads(next((tmp_path / "shards").rglob(INDEX)).read_text())
+    assert sum(index["images"]) == summary["train_size"] and len(index["shards"]) == len(index["images"]) > 1
+    # World size 1, 2 loader workers each holding whole batches: every training image, once.
+    assert summary["history"][0]["train_samples"] == summary["train_size"]
+    with get_client(sync_client=True) as api:
+        artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]), key=ArtifactFilterKey(any_=["train-shards"])))
+    assert "Wrote 6 shards" in artifacts[0].data
