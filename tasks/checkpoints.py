@@ -22,7 +22,7 @@ from tasks.storage import exists, read_bytes, read_json, save_torch, write_json
 
 # The recipe fields that change what a resumed training would compute.
 RECIPE_FIELDS = {"batch_size", "image_size", "optimizer", "lr", "momentum", "weight_decay",
-                 "scale_lr_by_world_size", "scheduler", "amp"}
+                 "scale_lr_by_world_size", "scheduler", "amp", "amp_dtype"}
 
 
 def job_fingerprint(classes: list[str], split_digest: str, model: Any, training: Any) -> dict[str, Any]:
@@ -80,7 +80,8 @@ class TrainingState:
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         if self.scheduler is not None and checkpoint["lr_scheduler"] is not None:
             self.scheduler.load_state_dict(checkpoint["lr_scheduler"])
-        self.scaler.load_state_dict(checkpoint["scaler"])
+        if checkpoint["scaler"]:  # empty when saved without loss scaling (bfloat16, or no amp)
+            self.scaler.load_state_dict(checkpoint["scaler"])
         if scale_lr and checkpoint["world_size"] != world_size:
             rescale_lr(self.optimizer, self.scheduler, world_size / checkpoint["world_size"])
         return checkpoint["epoch"] + 1, list(checkpoint["history"])

@@ -104,6 +104,19 @@ class TrainingConfig(_Strict):
         "cosine", description="cosine over the epochs, plateau on val loss, or none."
     )
     amp: bool = Field(True, description="Mixed precision; used only where ranks have CUDA.")
+    amp_dtype: Literal["bfloat16", "float16"] = Field(
+        "bfloat16", description="Autocast type with amp: bfloat16 needs no loss scaling (GPUs "
+        "without it, before Ampere, fall back to float16 with a GradScaler).",
+    )
+    channels_last: bool = Field(
+        True, description="On CUDA ranks, lay out the model and images channels-last (faster "
+        "convolutions on tensor cores).",
+    )
+    decode_on: Literal["loader", "device"] = Field(
+        "loader", description="Where images are decoded and augmented: in the DataLoader's CPU "
+        "processes, or in batches on the rank's device (on a GPU, torchvision's nvjpeg decoder: "
+        "for when the CPUs cannot keep the GPU fed). Non-JPEG images decode on the CPU either way.",
+    )
     num_workers: int = Field(
         2, ge=0, le=64, description="DataLoader worker processes per rank (0: load inline)."
     )

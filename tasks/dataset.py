@@ -51,9 +51,12 @@ def open_rgb(data: bytes) -> Image.Image:
         return image.convert("RGB")
 
 
-def encoded(data: bytes, label: int) -> tuple[torch.Tensor, int]:
-    """An image's bytes as a uint8 tensor, for a rank that decodes on its device."""
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
+def prepare(data: bytes, label: int, transform: Callable | None) -> tuple[torch.Tensor, int]:
+    """A fetched image as the loader hands it over: decoded and transformed, or, with no
+    transform, its bytes as a uint8 tensor for a rank that decodes on its device."""
+    if transform is None:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
+    return transform(open_rgb(data)), label
 
 
 def train_transform(image_size: int) -> Callable:
@@ -183,13 +186,8 @@ class S3ImageFolder(Dataset):
             f"{path}: {error!r}"
         )
 
-    def decode(self, data: bytes, label: int) -> tuple[torch.Tensor, int]:
-        if self.transform is None:  # the rank decodes on its device (tasks.device_batches)
-            return encoded(data, label)
-        return self.transform(open_rgb(data)), label
-
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
-        return [self.decode(data, self.labels[i]) for data, i in zip(self.fetch(indices), indices)]
+        return [prepare(data, self.labels[i], self.transform) for data, i in zip(self.fetch(indices), indices)]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.__getitems__([index])[0]

@@ -47,7 +47,8 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from blocks.data_location import DataLocation
-from tasks.dataset import FETCH_ATTEMPTS, FetchTimeout, S3ImageFolder, open_rgb
+from tasks.dataset import FETCH_ATTEMPTS, FetchTimeout, S3ImageFolder, open_rgb, prepare
+from tasks.device_batches import encoded_collate
 from tasks.manifest import Manifest
 from tasks.retries import retry_transient
 from tasks.splitting import Split
@@ -208,7 +209,8 @@ class ShardDataset(IterableDataset):
     Args:
         folder: the shard set's folder URL; index: its `ShardIndex`.
         storage_options: fsspec options for the folder.
-        transform: applied to each decoded 8-bit RGB PIL image.
+        transform: applied to each decoded 8-bit RGB PIL image; None yields encoded images
+            for a rank that decodes on its device (tasks.device_batches).
         batch_size: images per batch; a worker's last batch may be smaller, never 1 image
             (BatchNorm cannot train on one), which is dropped instead.
         rank, world_size: this rank and the gang's size.
@@ -220,7 +222,7 @@ class ShardDataset(IterableDataset):
     """
 
     def __init__(
-        self, folder: str, index: ShardIndex, storage_options: dict[str, Any], transform: Callable,
+        self, folder: str, index: ShardIndex, storage_options: dict[str, Any], transform: Callable | None,
         batch_size: int, rank: int, world_size: int, loader_workers: int, seed: int = 0,
         fetch_timeout_s: float = 60,
     ) -> None:
@@ -229,6 +231,7 @@ class ShardDataset(IterableDataset):
         self.index = index
         self.storage_options = {**object_read_options(folder, storage_options, 1), "skip_instance_cache": True}
         self.transform = transform
+        self.collate = default_collate if transform else encoded_collate
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.loader_workers = max(1, loader_workers)
@@ -270,12 +273,12 @@ class ShardDataset(IterableDataset):
         rng = random.Random(f"{self.seed}-{epoch}-{self.rank}-{worker}")
         batch = []
         for data, label in shuffled(self._samples(shards, cap), self.index.images_per_shard, rng):
-            batch.append((self.transform(open_rgb(data)), label))
+            batch.append(prepare(data, label, self.transform))
             if len(batch) == self.batch_size:
-                yield default_collate(batch)
+                yield self.collate(batch)
                 batch = []
         if batch:
-            yield default_collate(batch)
+            yield self.collate(batch)
 
     @property
     def fs(self):

@@ -34,6 +34,7 @@ from tasks.byte_cache import ByteCache
 from tasks.checkpoints import TrainingState, job_fingerprint, record_attempt
 from tasks.config import ModelConfig, TrainingConfig
 from tasks.dataset import S3ImageFolder, eval_transform, train_transform
+from tasks.device_batches import ToDevice, encoded_collate
 from tasks.gang import RankContext
 from tasks.manifest import Manifest
 from tasks.model import build_model, model_card
@@ -64,19 +65,22 @@ class TrainJob(BaseModel):
 
 def train_one_epoch(
     model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler, device: torch.device, use_amp: bool,
+    scaler: torch.amp.GradScaler, inputs: ToDevice, amp_dtype: torch.dtype | None,
     on_step: Callable[[int, int], None] | None = None,
 ) -> tuple[float, float, float]:
     """One pass over this rank's shard; returns local (loss sum, correct, count).
 
+    `inputs` puts each batch of images on the rank's device (decoding it there when the
+    loader hands over encoded images); `amp_dtype` None trains in full precision.
     `on_step(done, total)` is called after every optimizer step, for progress reports.
     """
     model.train()
     criterion = nn.CrossEntropyLoss()
     loss_sum = correct = count = 0.0
+    device = inputs.device
     for step, (images, labels) in enumerate(loader, start=1):
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, enabled=use_amp):
+        images, labels = inputs(images), labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
             loss = criterion(logits, labels)
         optimizer.zero_grad(set_to_none=True)
@@ -92,13 +96,13 @@ def train_one_epoch(
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float, float]:
-    """This rank's shard of the val set; returns local (loss sum, correct, count)."""
+def evaluate(model: nn.Module, loader: DataLoader, inputs: ToDevice) -> tuple[float, float, float]:
+    """This rank's shard of the val set, in full precision; returns local (loss sum, correct, count)."""
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction="sum")
     loss_sum = correct = count = 0.0
     for images, labels in loader:
-        images, labels = images.to(device), labels.to(device)
+        images, labels = inputs(images), labels.to(inputs.device)
         logits = model(images)
         loss_sum += criterion(logits, labels).item()
         correct += (logits.argmax(1) == labels).sum().item()
@@ -126,7 +130,13 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
             sizes=[m.sizes[i] for i in positions], cache=cache,
         )
 
-    val_set = dataset(job.split.val, eval_transform(cfg.image_size))
+    # decode_on="device": the loaders hand over encoded images (no transform); the rank
+    # decodes and transforms them (batch_inputs).
+    on_device = cfg.decode_on == "device"
+    train_tf = None if on_device else train_transform(cfg.image_size)
+    val_tf = None if on_device else eval_transform(cfg.image_size)
+    per_image = {"batch_size": cfg.batch_size, "collate_fn": encoded_collate if on_device else None}
+    val_set = dataset(job.split.val, val_tf)
     loader_options: dict[str, Any] = {
         "num_workers": cfg.num_workers,
         "pin_memory": ctx.device.startswith("cuda"),
@@ -136,22 +146,21 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
         # Dask workers start processes with spawn: 18 s per loader start here, fork 0.5 s.
         loader_options |= {"multiprocessing_context": "fork", "persistent_workers": True}
     val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
-    val_loader = DataLoader(val_set, sampler=val_shard, batch_size=cfg.batch_size, **loader_options)
+    val_loader = DataLoader(val_set, sampler=val_shard, **per_image, **loader_options)
     if cfg.images_per_shard:
         output = job.output.storage_options()
         folder, index = open_shards(job.output.url, output, m, job.split, cfg.images_per_shard)
-        shards = ShardDataset(folder, index, output, train_transform(cfg.image_size), cfg.batch_size, ctx.rank,
+        shards = ShardDataset(folder, index, output, train_tf, cfg.batch_size, ctx.rank,
                               ctx.world_size, cfg.num_workers, job.split.seed, cfg.fetch_timeout_s)
         return ShardLoader(shards, **loader_options), val_loader
-    train_set = dataset(job.split.train, train_transform(cfg.image_size))
+    train_set = dataset(job.split.train, train_tf)
     sampler = DistributedSampler(
         train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=job.split.seed
     )
     # A last batch of one image breaks BatchNorm in training mode; every rank's shard has
     # the same length, so all ranks drop it together and keep the same number of steps.
     drop_single = len(sampler) % cfg.batch_size == 1
-    train_loader = DataLoader(train_set, sampler=sampler, batch_size=cfg.batch_size, drop_last=drop_single,
-                              **loader_options)
+    train_loader = DataLoader(train_set, sampler=sampler, drop_last=drop_single, **per_image, **loader_options)
     return train_loader, val_loader
 
 
@@ -164,6 +173,25 @@ def require_non_daemonic(num_workers: int) -> None:
             "DASK_DISTRIBUTED__WORKER__DAEMON=False (clusters this project creates do), or set "
             "training.num_workers=0."
         )
+
+
+def autocast_dtype(cfg: TrainingConfig, device: torch.device, log: Any) -> torch.dtype | None:
+    """The autocast type, or None for full precision (amp off, or a rank without CUDA)."""
+    if not cfg.amp or device.type != "cuda":
+        return None
+    if cfg.amp_dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        log.warning("training.amp_dtype=bfloat16, but %s has no bfloat16 support (it needs Ampere or "
+                    "newer): using float16 with loss scaling instead.", torch.cuda.get_device_name(device))
+        return torch.float16
+    return getattr(torch, cfg.amp_dtype)
+
+
+def batch_inputs(cfg: TrainingConfig, device: torch.device) -> tuple[ToDevice, ToDevice]:
+    """How train and val batches reach the device: copied as decoded, or decoded and transformed there."""
+    channels_last = cfg.channels_last and device.type == "cuda"
+    on_device = cfg.decode_on == "device"
+    return (ToDevice(device, channels_last, train_transform(cfg.image_size) if on_device else None),
+            ToDevice(device, channels_last, eval_transform(cfg.image_size) if on_device else None))
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig, world_size: int) -> torch.optim.Optimizer:
@@ -247,15 +275,16 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     # Rank 0 speaks for the gang; the others log at debug so the run's log stays readable.
     level = logging.INFO if ctx.is_main else logging.DEBUG
     device = torch.device(ctx.device)
-    use_amp = job.training.amp and device.type == "cuda"
+    amp_dtype = autocast_dtype(job.training, device, log)
+    train_inputs, val_inputs = batch_inputs(job.training, device)
     train_loader, val_loader = make_loaders(ctx, job)
     model = build_model(job.model, len(job.manifest.classes), job.source.storage_options())
     if job.warm_start:
         load_warm_start(model, job.warm_start)
-    model = model.to(device)
+    model = model.to(device, memory_format=train_inputs.memory_format)
     optimizer = build_optimizer(model, job.training, ctx.world_size)
     scheduler = build_scheduler(optimizer, job.training)
-    state = TrainingState(model, optimizer, scheduler, torch.amp.GradScaler(device.type, enabled=use_amp))
+    state = TrainingState(model, optimizer, scheduler, torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16))
     output = job.output.storage_options()
     checkpoint_url = child_url(job.output.url, "checkpoints", CHECKPOINT)
     fingerprint = job_fingerprint(job.manifest.classes, job.split.digest(job.manifest), job.model, job.training)
@@ -274,11 +303,11 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
             started = time.monotonic()
             train_loader.sampler.set_epoch(epoch)
             train_loss, train_correct, train_count = train_one_epoch(
-                ddp_model, train_loader, optimizer, state.scaler, device, use_amp,
+                ddp_model, train_loader, optimizer, state.scaler, train_inputs, amp_dtype,
                 on_step=partial(between_steps, ctx, progress, epoch),
             )
             sync_buffers(model)
-            val_sums = evaluate(model, val_loader, device)
+            val_sums = evaluate(model, val_loader, val_inputs)
             totals = all_reduce_sum([train_loss, train_correct, train_count, *val_sums], device)
             record = epoch_record(epoch, totals, optimizer, time.monotonic() - started)
             local_train_samples.append(int(train_count))

@@ -5,6 +5,7 @@ import torch
 
 from tasks.config import ModelConfig, TrainingConfig
 from tasks.model import build_model
+from tasks.device_batches import ToDevice
 from tasks.training import build_optimizer, evaluate, train_one_epoch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -16,16 +17,18 @@ def tiny_loader(device_batches=3):
 
 @pytest.mark.gpu
 @cuda
-def test_amp_training_step_on_cuda_updates_weights():
+@pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16])
+def test_amp_training_step_on_cuda_updates_weights(amp_dtype):
     device = torch.device("cuda:0")
-    model = build_model(ModelConfig(backbone="resnet18"), 3).to(device)
+    model = build_model(ModelConfig(backbone="resnet18"), 3).to(device, memory_format=torch.channels_last)
     before = model.fc.weight.detach().clone()
     optimizer = build_optimizer(model, TrainingConfig(), world_size=1)
-    scaler = torch.amp.GradScaler("cuda")
-    loss_sum, correct, count = train_one_epoch(model, tiny_loader(), optimizer, scaler, device, use_amp=True)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+    inputs = ToDevice(device, channels_last=True)
+    loss_sum, correct, count = train_one_epoch(model, tiny_loader(), optimizer, scaler, inputs, amp_dtype)
     assert count == 12 and torch.isfinite(torch.tensor(loss_sum))
     assert not torch.equal(before, model.fc.weight.detach())
-    assert evaluate(model, tiny_loader(), device)[2] == 12
+    assert evaluate(model, tiny_loader(), inputs)[2] == 12
 
 
 def test_the_same_loop_runs_on_cpu_without_amp():
@@ -33,5 +36,5 @@ def test_the_same_loop_runs_on_cpu_without_amp():
     model = build_model(ModelConfig(backbone="mobilenet_v3_small"), 3)
     optimizer = build_optimizer(model, TrainingConfig(optimizer="adamw", lr=1e-3), world_size=1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    _, _, count = train_one_epoch(model, tiny_loader(), optimizer, scaler, device, use_amp=False)
+    _, _, count = train_one_epoch(model, tiny_loader(), optimizer, scaler, ToDevice(device), amp_dtype=None)
     assert count == 12

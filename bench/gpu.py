@@ -1,0 +1,162 @@
+"""GPU benchmark (issue 12): does our S3 data path keep one GPU busy?
+
+ResNet-50 training steps (channels-last, bf16 autocast, SGD) on one device, fed three ways
+in the same run:
+- synthetic: random tensors already on the device, the ceiling;
+- S3, decoded on the CPU: S3ImageFolder through bench.s3_front (30 ms per response) with
+  the recipe's train transform in forked DataLoader workers, pinned memory and
+  non-blocking copies, as tasks/training.py makes them;
+- S3, decoded on the device: the loader hands over encoded JPEGs and the rank decodes and
+  augments them on the device (`training.decode_on="device"`, tasks/device_batches.py).
+
+It prints images/s of each and the ratio of each S3 row to the synthetic one (target:
+at least 0.9). Written for the lent GPU machine; `--device cpu` with a small model and
+few images runs the same code here, to check it, not to measure anything.
+
+    .venv/bin/python -m bench.gpu                                     # on a GPU machine
+    .venv/bin/python -m bench.gpu --device cpu --model resnet18 --per-class 8 --steps 4 --batch-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from bench.data_path import BUCKET, Source, machine, photo_dataset, read_ours, write_files
+from bench.s3_endpoints import latency_endpoint
+from tasks.config import ModelConfig, TrainingConfig
+from tasks.dataset import train_transform
+from tasks.device_batches import ToDevice, encoded_collate
+from tasks.model import build_model
+from tasks.training import autocast_dtype, build_optimizer
+
+IMAGE_SIZE = 224
+CLASSES = 3
+log = logging.getLogger("bench.gpu")
+
+
+@dataclass
+class Row:
+    name: str
+    images_per_s: float
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a check of the code).")
+    parser.add_argument("--model", default="resnet50", help="torchvision backbone.")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=30, help="Timed steps per row, after warm-up steps.")
+    parser.add_argument("--per-class", type=int, default=512, help="Photo-sized JPEGs per class (3 classes).")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2),
+                        help="DataLoader workers (default: the machine's cores less two).")
+    parser.add_argument("--latency-ms", type=float, default=30.0, help="The S3 front's wait before each response.")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU; use --device cpu to check the code on this machine.")
+    return args
+
+
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, amp_dtype: torch.dtype | None
+                  ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    criterion = nn.CrossEntropyLoss()
+
+    def step(images: torch.Tensor, labels: torch.Tensor) -> None:
+        with torch.autocast(images.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = criterion(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def timed(name: str, batches: Iterable, inputs: ToDevice, step: Callable, steps: int, batch_size: int) -> Row:
+    """Images/s over `steps` steps, after warm-up steps that fork workers and fill the pipeline."""
+    warmup = 3
+    started = None
+    for done, (images, labels) in enumerate(batches):
+        if done == warmup:
+            synchronize(inputs.device)
+            started = time.perf_counter()
+        step(inputs(images), labels.to(inputs.device, non_blocking=True))
+        if done + 1 == warmup + steps:
+            break
+    else:
+        raise ValueError(f"{name}: the loader ran out after {done + 1} batches; give more --per-class images.")
+    synchronize(inputs.device)
+    return Row(name, steps * batch_size / (time.perf_counter() - started))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synthetic_batches(device: torch.device, batch_size: int) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    images = torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE, device=device)
+    labels = torch.randint(0, CLASSES, (batch_size,), device=device)
+    while True:
+        yield images, labels
+
+
+def s3_loader(source: Source, args: argparse.Namespace, on_device: bool) -> DataLoader:
+    dataset = read_ours(source, fetch_threads=args.batch_size)
+    if on_device:
+        dataset.transform = None  # serve encoded bytes; the rank decodes them
+    options = {"multiprocessing_context": "fork", "persistent_workers": True, "prefetch_factor": 4} if args.workers else {}
+    return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=args.workers,
+                      pin_memory=args.device == "cuda", collate_fn=encoded_collate if on_device else None, **options)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    cfg = TrainingConfig(image_size=IMAGE_SIZE, batch_size=args.batch_size)
+    model = build_model(ModelConfig(backbone=args.model), CLASSES).to(device, memory_format=torch.channels_last)
+    step = training_step(model, build_optimizer(model, cfg, world_size=1), autocast_dtype(cfg, device, log))
+    with ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-gpu-")))
+        write_files(work / "images" / "photo", photo_dataset(args.per_class))
+        front = stack.enter_context(latency_endpoint(work, BUCKET, work / "images", args.latency_ms))
+        source = Source(work / "images" / "photo", "photo", train_transform(IMAGE_SIZE), front.url)
+        rows = [
+            timed("synthetic tensors on the device", synthetic_batches(device, args.batch_size),
+                  ToDevice(device, channels_last=True), step, args.steps, args.batch_size),
+            timed(f"S3 (+{args.latency_ms:g} ms), decoded by {args.workers} loader workers",
+                  s3_loader(source, args, on_device=False), ToDevice(device, channels_last=True),
+                  step, args.steps, args.batch_size),
+            timed(f"S3 (+{args.latency_ms:g} ms), decoded on the device",
+                  s3_loader(source, args, on_device=True),
+                  ToDevice(device, channels_last=True, transform=train_transform(IMAGE_SIZE)),
+                  step, args.steps, args.batch_size),
+        ]
+    report(args, rows)
+
+
+def report(args: argparse.Namespace, rows: list[Row]) -> None:
+    print(f"# GPU data path, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n")
+    print(f"Machine: {machine()}")
+    print(f"Command: {' '.join([os.path.relpath(sys.executable), '-m', 'bench.gpu', *sys.argv[1:]])}")
+    print(f"{args.model}, batch {args.batch_size}, {args.steps} timed steps, channels-last, "
+          f"autocast {autocast_dtype(TrainingConfig(), torch.device(args.device), log) or 'off'}\n")
+    print("| feed | images/s | ratio to synthetic (target >= 0.9) |\n|---|---:|---:|")
+    for row in rows:
+        print(f"| {row.name} | {row.images_per_s:,.1f} | {row.images_per_s / rows[0].images_per_s:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
