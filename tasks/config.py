@@ -117,8 +117,10 @@ class TrainingConfig(_Strict):
         "processes, or in batches on the rank's device (on a GPU, torchvision's nvjpeg decoder: "
         "for when the CPUs cannot keep the GPU fed). Non-JPEG images decode on the CPU either way.",
     )
-    num_workers: int = Field(
-        2, ge=0, le=64, description="DataLoader worker processes per rank (0: load inline)."
+    num_workers: int | None = Field(
+        2, ge=0, le=64, description="DataLoader worker processes per rank (0: load inline; "
+        "empty: one per CPU core the rank has, its host's cores shared among the ranks there, "
+        "less one for the rank itself: what a GPU rank needs to keep fed).",
     )
     fetch_threads: int = Field(
         16, ge=1, le=256, description="Images fetched concurrently per batch."

@@ -137,12 +137,10 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     val_tf = None if on_device else eval_transform(cfg.image_size)
     per_image = {"batch_size": cfg.batch_size, "collate_fn": encoded_collate if on_device else None}
     val_set = dataset(job.split.val, val_tf)
-    loader_options: dict[str, Any] = {
-        "num_workers": cfg.num_workers,
-        "pin_memory": ctx.device.startswith("cuda"),
-    }
-    if cfg.num_workers:
-        require_non_daemonic(cfg.num_workers)
+    workers = loader_workers(cfg)
+    loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": ctx.device.startswith("cuda")}
+    if workers:
+        require_non_daemonic(workers)
         # Dask workers start processes with spawn: 18 s per loader start here, fork 0.5 s.
         loader_options |= {"multiprocessing_context": "fork", "persistent_workers": True}
     val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
@@ -151,7 +149,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
         output = job.output.storage_options()
         folder, index = open_shards(job.output.url, output, m, job.split, cfg.images_per_shard)
         shards = ShardDataset(folder, index, output, train_tf, cfg.batch_size, ctx.rank,
-                              ctx.world_size, cfg.num_workers, job.split.seed, cfg.fetch_timeout_s)
+                              ctx.world_size, workers, job.split.seed, cfg.fetch_timeout_s)
         return ShardLoader(shards, **loader_options), val_loader
     train_set = dataset(job.split.train, train_tf)
     sampler = DistributedSampler(
@@ -162,6 +160,14 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     drop_single = len(sampler) % cfg.batch_size == 1
     train_loader = DataLoader(train_set, sampler=sampler, drop_last=drop_single, **per_image, **loader_options)
     return train_loader, val_loader
+
+
+def loader_workers(cfg: TrainingConfig) -> int:
+    """training.num_workers, or with none given, the rank's share of its host's cores less one.
+
+    The gang sets each rank's torch threads to that share (tasks.gang.rank.limit_threads).
+    """
+    return cfg.num_workers if cfg.num_workers is not None else max(0, torch.get_num_threads() - 1)
 
 
 def require_non_daemonic(num_workers: int) -> None:

@@ -8,7 +8,7 @@ from tasks.config import ModelConfig, TrainingConfig
 from tasks.gang import RankContext
 from tasks.splitting import stratified_split
 from tasks.checkpoints import CheckpointMismatch, TrainingState
-from tasks.training import TrainJob, build_optimizer, build_scheduler, train_classifier
+from tasks.training import TrainJob, build_optimizer, build_scheduler, loader_workers, train_classifier
 from tests.image_folders import local_image_folder
 
 
@@ -130,3 +130,15 @@ def test_training_with_cache_gb_keeps_the_images_in_the_cache_folder(tmp_path, m
     kept = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
     # Every image once, but the ninth training image: a lone last batch is dropped for BatchNorm.
     assert len(kept) == len(job.manifest) - 1
+
+
+def test_loader_workers_default_to_the_ranks_share_of_cores_less_one():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # as limit_threads sets it: the host's cores over the ranks there
+        assert loader_workers(TrainingConfig(num_workers=None)) == 3
+        torch.set_num_threads(1)
+        assert loader_workers(TrainingConfig(num_workers=None)) == 0
+        assert loader_workers(TrainingConfig(num_workers=2)) == 2
+    finally:
+        torch.set_num_threads(threads)
