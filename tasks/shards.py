@@ -65,6 +65,7 @@ from tasks.storage import (
 SHARDS_FOLDER = "shards"
 INDEX = "index.json"
 LABEL_SUFFIX = "cls"
+TAR_BLOCK = 512
 
 
 def require_a_shard_per_rank(shards: int, world_size: int, images_per_shard: int) -> None:
@@ -189,15 +190,27 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 def read_samples(data: bytes) -> Iterator[tuple[bytes, int]]:
-    """(image bytes, label) for each image of a shard, in order."""
-    sample: dict[str, bytes] = {}
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        for member in tar:
-            key, _, extension = member.name.rpartition(".")
-            sample[LABEL_SUFFIX if extension == LABEL_SUFFIX else "image"] = tar.extractfile(member).read()
-            if len(sample) == 2:
-                yield sample["image"], int(sample[LABEL_SUFFIX])
-                sample = {}
+    """(image bytes, label) for each image of a shard that `pack` wrote, in order.
+
+    Parsed here rather than by tarfile, which spent about 45 us on each member's header
+    here, a fifth of what decoding a 64 px JPEG costs. `pack` writes plain USTAR: a 512-byte
+    header per member (name, octal size), the data padded to 512 bytes, zero blocks at the end.
+    """
+    image = b""
+    offset = 0
+    while offset + TAR_BLOCK <= len(data) and data[offset]:
+        header = data[offset : offset + TAR_BLOCK]
+        if header[257:262] != b"ustar" or header[156:157] not in (b"0", b"\0"):
+            raise ValueError(f"Shard member at byte {offset} is not a plain USTAR file: this shard was not "
+                             "written by tasks.shards.pack. Delete the shard set; the next run writes it again.")
+        name = header[:100].rstrip(b"\0")
+        size = int(header[124:136].strip(b"\0 ") or b"0", 8)
+        body = data[offset + TAR_BLOCK : offset + TAR_BLOCK + size]
+        offset += TAR_BLOCK + -(-size // TAR_BLOCK) * TAR_BLOCK
+        if name.endswith(b"." + LABEL_SUFFIX.encode()):
+            yield image, int(body)
+        else:
+            image = body
 
 
 class ShardDataset(IterableDataset):

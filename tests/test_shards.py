@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import tarfile
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +28,16 @@ from tasks.dataset import FetchTimeout
 from tasks.gang.plan import free_port
 from tasks.manifest import Manifest
 from tasks.process_group import process_group
-from tasks.shards import INDEX, ShardDataset, ShardIndex, ShardLoader, open_shards, shard_folder, write_shards
+from tasks.shards import (
+    INDEX,
+    ShardDataset,
+    ShardIndex,
+    ShardLoader,
+    open_shards,
+    read_samples,
+    shard_folder,
+    write_shards,
+)
 from tasks.storage import child_url, read_json
 from tests.conftest import BUCKET
 from tests.faulty_s3 import FaultyS3, faulty_s3
@@ -220,3 +230,13 @@ def test_the_flow_trains_from_the_shards_it_wrote(image_location, dask_cluster, 
         artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]), key=ArtifactFilterKey(any_=["train-shards"])))
     assert "Wrote 6 shards" in artifacts[0].data
+
+
+def test_a_shard_not_written_by_pack_is_refused_with_the_fix():
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("é.jpg")  # a non-ASCII name takes a pax header, which pack never writes
+        tar.addfile(info, io.BytesIO(b""))
+    with pytest.raises(ValueError, match="not a plain USTAR file: this shard was not written by tasks.shards.pack. "
+                                         "Delete the shard set"):
+        list(read_samples(buffer.getvalue()))
