@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
@@ -76,6 +77,20 @@ def require_a_shard_per_rank(shards: int, world_size: int, images_per_shard: int
             f"rank needs at least one shard. Lower training.images_per_shard to at most the training "
             "images divided by the world size, or use fewer ranks."
         )
+
+
+def fewest_loader_workers(workers: int, device: torch.device | str = "cpu") -> int:
+    """The fewest DataLoader workers of any rank (`workers` itself without a process group).
+
+    `ShardDataset.plan` caps each loader worker's images by what that worker holds on
+    every rank, so all ranks must plan with the same number of workers; one sized by its
+    host's cores (training.num_workers empty) could have more than another.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return workers
+    tensor = torch.tensor([workers], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
 
 
 class ShardIndex(BaseModel):
@@ -227,7 +242,8 @@ class ShardDataset(IterableDataset):
         batch_size: images per batch; a worker's last batch may be smaller, never 1 image
             (BatchNorm cannot train on one), which is dropped instead.
         rank, world_size: this rank and the gang's size.
-        loader_workers: the DataLoader's num_workers (0 counts as 1: the main process).
+        loader_workers: the DataLoader's num_workers (0 counts as 1: the main process), the
+            same on every rank (`fewest_loader_workers`).
         seed: with the epoch (`set_epoch`), seeds the shard order and the shuffle buffer.
         fetch_timeout_s: limit for one shard's GET, retries included.
 

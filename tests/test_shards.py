@@ -33,6 +33,7 @@ from tasks.shards import (
     ShardDataset,
     ShardIndex,
     ShardLoader,
+    fewest_loader_workers,
     open_shards,
     read_samples,
     shard_folder,
@@ -136,16 +137,22 @@ def test_the_shuffle_differs_by_epoch_and_repeats_for_the_same_epoch(numbered, r
 
 
 def rank_of_two(rank: int, port: int, folder: str, index: dict, storage_options: dict, results: Path) -> None:
-    """One gloo rank with 2 forked loader workers: a collective after every batch, as DDP's backward."""
-    shards = ShardDataset(folder, ShardIndex.model_validate(index), storage_options, image_number, 2, rank, 2, 2)
+    """One gloo rank: a collective after every batch, as DDP's backward.
+
+    Rank 0 could have 3 loader workers and rank 1 2 (sized by their hosts' cores): both use 2.
+    """
     with process_group(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
                        timeout=timedelta(seconds=30)):
+        workers = fewest_loader_workers(3 - rank)
+        shards = ShardDataset(folder, ShardIndex.model_validate(index), storage_options, image_number, 2, rank, 2,
+                              workers)
         steps, numbers = 0, []
-        for images, _ in ShardLoader(shards, num_workers=2, multiprocessing_context="fork"):
+        for images, _ in ShardLoader(shards, num_workers=workers, multiprocessing_context="fork"):
             dist.all_reduce(torch.ones(1))  # a rank with fewer batches would leave the other waiting here
             steps += 1
             numbers += images.tolist()
-    (results / f"rank{rank}.json").write_text(json.dumps({"steps": steps, "len": len(shards), "numbers": numbers}))
+    (results / f"rank{rank}.json").write_text(json.dumps({"steps": steps, "len": len(shards), "numbers": numbers,
+                                                            "workers": workers}))
 
 
 def test_uneven_shards_give_two_gloo_ranks_the_same_steps(numbered, request, tmp_path):
@@ -159,6 +166,7 @@ def test_uneven_shards_give_two_gloo_ranks_the_same_steps(numbered, request, tmp
     mp.start_processes(rank_of_two, args=(free_port(), folder, index.model_dump(), location.storage_options(), tmp_path),
                        nprocs=2, start_method="fork")
     rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert rank0["workers"] == rank1["workers"] == 2
     assert rank0["steps"] == rank1["steps"] == rank0["len"] == rank1["len"] > 0
     # Worker caps of at least 5 and 3 images, less the lone image a batch of 2 would leave.
     assert len(rank0["numbers"]) == len(rank1["numbers"]) >= 4 + 2
