@@ -14,10 +14,19 @@ Clusters this module creates are set up for training, which Dask's defaults are 
   started for this process: workers not told its URL would each start their own (three
   servers for two workers, "database is locked", rank artifacts lost; DESIGN 9).
 
-Owners of an external cluster (`address=`) must do the same on their workers: start them
-with `--no-nanny` or `DASK_DISTRIBUTED__WORKER__DAEMON=False`, unset
-`MALLOC_TRIM_THRESHOLD_`, set `DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False`, and export
-PREFECT_API_URL.
+Owners of an existing cluster (`address=`) set up their workers the same way; the gang
+checks each worker before any rank starts (tasks/gang/worker_checks.py) and names what
+is missing. A worker set up for training starts as:
+
+    DASK_DISTRIBUTED__WORKER__DAEMON=False \
+    DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON='{"MALLOC_TRIM_THRESHOLD_": None}' \
+    DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False \
+    PREFECT_API_URL=http://<prefect-host>:4200/api dask worker tcp://<scheduler>:8786 --nthreads 1
+
+(`DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON__MALLOC_TRIM_THRESHOLD_=None` does not work:
+Dask lower-cases the last key of an environment variable, and the nanny keeps its own
+upper-case one.) `dask worker --no-nanny` workers are not daemonic and get no
+MALLOC_TRIM_THRESHOLD_ of Dask's; they still need the profiler off.
 """
 
 from __future__ import annotations
@@ -30,10 +39,10 @@ from distributed import LocalCluster
 from distributed.comm import parse_address
 from distributed.comm.addressing import parse_host_port
 from prefect.blocks.core import Block
-from prefect.client.orchestration import get_client
-from prefect.settings import PREFECT_API_URL
 from prefect_dask import DaskTaskRunner
 from pydantic import Field
+
+from tasks.gang.worker_checks import flow_api_url
 
 TRAINING_DASK_CONFIG = {
     "distributed.worker.daemon": False,
@@ -47,10 +56,7 @@ TRAINING_DASK_CONFIG = {
 
 def worker_environment() -> dict[str, str]:
     """Environment that rank processes need from the flow's process: its Prefect API URL."""
-    # Without a configured URL the client's is the temporary server's, which Prefect
-    # starts once per process and reuses.
-    api_url = PREFECT_API_URL.value() or str(get_client(sync_client=True).api_url)
-    return {"PREFECT_API_URL": api_url.rstrip("/")}
+    return {"PREFECT_API_URL": flow_api_url()}
 
 
 def cuda_device_count() -> int:

@@ -24,6 +24,14 @@ def default_backend(cuda_on_every_rank: bool) -> str:
     return "nccl" if cuda_on_every_rank else "gloo"
 
 
+def tcp_init_method(host: str, port: int) -> str:
+    """`tcp://host:port` for init_process_group; an IPv6 host goes in brackets (`tcp://[::1]:29500`).
+
+    Without them `tcp://::1:29500` does not parse as host and port.
+    """
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 @contextmanager
 def process_group(
     *,
@@ -35,6 +43,8 @@ def process_group(
     timeout: timedelta,
 ) -> Iterator[None]:
     """Join the gang's process group for the duration of the block.
+
+    `master_addr` is a bare host name or address, IPv4 or IPv6 (`::1`, no brackets).
 
     The group is destroyed on the way out whatever happens inside; a failure to destroy it
     is logged, never raised over the error that ended the block.
@@ -50,7 +60,7 @@ def process_group(
         )
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        init_method=tcp_init_method(master_addr, master_port),
         rank=rank,
         world_size=world_size,
         timeout=timeout,

@@ -1,25 +1,33 @@
 """Fast unit tests of how a gang is laid out and how a rank's process group behaves alone."""
 
+import socket
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tasks.gang.plan import plan_ranks
+from tasks.gang.plan import free_port, plan_ranks
+from tasks.gang.worker_checks import GangRefused, probe_worker
 from tasks.process_group import (
     all_reduce_sum,
     default_backend,
     process_group,
     sync_buffers,
+    tcp_init_method,
     wrap_ddp,
 )
 
 ADDRESSES = ["tcp://10.0.0.1:4001", "tcp://10.0.0.1:4002", "tcp://10.0.0.2:4001"]
 
 
+def cpu_probes(addresses: list[str]) -> dict[str, dict]:
+    return {a: {"cuda": False, "gpus": [], "cpus": 8} for a in addresses}
+
+
 def test_local_ranks_count_within_each_host():
-    probes = {a: {"cuda": False, "cpus": 8} for a in ADDRESSES}
+    probes = cpu_probes(ADDRESSES)
     ranks = plan_ranks(ADDRESSES, probes, port=29511, attempt=0, output_url=None, init_timeout_s=30)
     assert [(r.rank, r.local_rank, r.local_world_size) for r in ranks] == [(0, 0, 2), (1, 1, 2), (2, 0, 1)]
     assert {(r.master_addr, r.master_port) for r in ranks} == {("10.0.0.1", 29511)}
@@ -30,11 +38,114 @@ def test_local_ranks_count_within_each_host():
     ({"a": True, "b": False}, "gloo", "cpu"),
 ])
 def test_nccl_only_when_every_rank_has_cuda(cuda, backend, device):
-    addresses = ["tcp://h:1", "tcp://h:2"]
-    probes = {addr: {"cuda": cuda[key], "cpus": 4} for addr, key in zip(addresses, "ab")}
+    addresses = ["tcp://h1:1", "tcp://h2:1"]
+    probes = {addr: {"cuda": cuda[key], "gpus": ["GPU-x"] if cuda[key] else [], "cpus": 4}
+              for addr, key in zip(addresses, "ab")}
     ranks = plan_ranks(addresses, probes, 1, 0, None, 30)
     assert {r.backend for r in ranks} == {backend} and {r.device for r in ranks} == {device}
     assert default_backend(True) == "nccl" and default_backend(False) == "gloo"
+
+
+def gpu_probes(seen: dict[str, list[str]]) -> dict[str, dict]:
+    return {address: {"cuda": True, "gpus": gpus, "cpus": 4} for address, gpus in seen.items()}
+
+
+@pytest.mark.parametrize("seen, devices", [
+    # dask-cuda: each worker's CUDA_VISIBLE_DEVICES starts with a GPU of its own, then the rest
+    ({"tcp://h:1": ["A", "B"], "tcp://h:2": ["B", "A"]}, ["cuda:0", "cuda:0"]),
+    # plain `dask worker`s sharing a 4-GPU host: the local rank picks the GPU
+    ({"tcp://h:1": ["A", "B", "C", "D"], "tcp://h:2": ["A", "B", "C", "D"]}, ["cuda:0", "cuda:1"]),
+    # one rank per host: each host's first GPU
+    ({"tcp://h1:1": ["A", "B"], "tcp://h2:1": ["A", "B"]}, ["cuda:0", "cuda:0"]),
+])
+def test_each_rank_gets_a_gpu_of_its_own(seen, devices):
+    ranks = plan_ranks(list(seen), gpu_probes(seen), 1, 0, None, 30)
+    assert [r.device for r in ranks] == devices and {r.backend for r in ranks} == {"nccl"}
+
+
+@pytest.mark.parametrize("seen", [
+    {"tcp://h:1": ["A", "B"], "tcp://h:2": ["A", "B"], "tcp://h:3": ["A", "B"]},  # 3 ranks, 2 GPUs
+    {"tcp://h:1": ["A"], "tcp://h:2": ["A"]},  # two workers on one GPU
+    {"tcp://h:1": ["A", "B"], "tcp://h:2": ["A", "C"]},  # cuda:0 shared, the rest differ
+])
+def test_ranks_that_would_share_a_gpu_are_refused_with_the_fix(seen):
+    with pytest.raises(GangRefused, match=rf"{len(seen)} ranks on host h \(tcp://h:1, .*\) cannot each have a GPU "
+                       r"of their own: their workers see .* GPU\(s\).* dask-cuda .*CUDA_VISIBLE_DEVICES"):
+        plan_ranks(list(seen), gpu_probes(seen), 1, 0, None, 30)
+
+
+@pytest.mark.parametrize("output_url", ["./outputs", "/data/runs/r1", "file:///data/runs/r1"])
+def test_a_local_output_with_ranks_on_several_hosts_is_refused_with_the_fix(output_url):
+    with pytest.raises(GangRefused, match=rf"The output '{output_url}' is a local folder, but the gang's ranks run "
+                       r"on 2 hosts \(10.0.0.1, 10.0.0.2\): each would write its own disk.* s3:// output.*"
+                       r"run_gang\(..., shared_output=True\)"):
+        plan_ranks(ADDRESSES, cpu_probes(ADDRESSES), 1, 0, output_url, 30)
+
+
+@pytest.mark.parametrize("addresses, output_url, shared", [
+    (ADDRESSES, "s3://bucket/runs/r1", False),  # every host reaches the same store
+    (ADDRESSES, "/mnt/nfs/runs/r1", True),  # declared one filesystem on every host
+    (ADDRESSES, None, False),  # the training function writes nothing the gang knows of
+    (ADDRESSES[:2], "./outputs", False),  # one host, one disk
+])
+def test_outputs_every_rank_sees_alike_are_allowed(addresses, output_url, shared):
+    ranks = plan_ranks(addresses, cpu_probes(addresses), 1, 0, output_url, 30, shared_output=shared)
+    assert [r.output_url for r in ranks] == [output_url] * len(addresses)
+
+
+def test_an_ipv6_master_is_the_bare_host_and_its_init_method_has_brackets():
+    addresses = ["tcp://[fd00::1]:4001", "tcp://[fd00::2]:4001"]
+    ranks = plan_ranks(addresses, cpu_probes(addresses), 29500, 0, None, 30)
+    assert {r.master_addr for r in ranks} == {"fd00::1"} and [r.local_rank for r in ranks] == [0, 0]
+    assert tcp_init_method("fd00::1", 29500) == "tcp://[fd00::1]:29500"
+    assert tcp_init_method("10.0.0.1", 29500) == "tcp://10.0.0.1:29500"
+    assert tcp_init_method("node-3", 29500) == "tcp://node-3:29500"
+
+
+IF_INET6 = Path("/proc/net/if_inet6")  # Linux: one line per IPv6 address; ::1 is 000...001
+IPV6_LOOPBACK = socket.has_ipv6 and IF_INET6.exists() and "0" * 31 + "1" in IF_INET6.read_text()
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="Python here was built without IPv6")
+def test_a_free_port_is_free_on_ipv4_and_ipv6_alike():
+    port = free_port()
+    families = [(socket.AF_INET, "127.0.0.1")] + ([(socket.AF_INET6, "::1")] if IPV6_LOOPBACK else [])
+    for family, host in families:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, port))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_ranks_on_this_gpu_host_get_their_local_gpu_or_are_refused():
+    probe = probe_worker()  # the real probe, on a real GPU host
+    assert probe["cuda"] and len(set(probe["gpus"])) == torch.cuda.device_count()
+    addresses = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]  # plain workers that share the host's GPUs
+    probes = dict.fromkeys(addresses, probe)
+    if torch.cuda.device_count() >= 2:
+        assert [r.device for r in plan_ranks(addresses, probes, 1, 0, None, 30)] == ["cuda:0", "cuda:1"]
+    else:
+        with pytest.raises(GangRefused, match="2 ranks on host 127.0.0.1 .* cannot each have a GPU of their own"):
+            plan_ranks(addresses, probes, 1, 0, None, 30)
+    lone = plan_ranks(addresses[:1], probes, 1, 0, None, 30)[0]
+    assert lone.device == "cuda:0" and torch.device(lone.device).index < torch.cuda.device_count()
+
+
+def sum_over_ipv6(rank: int, port: int, out: str) -> None:
+    with process_group(backend="gloo", rank=rank, world_size=2, master_addr="::1", master_port=port,
+                       timeout=timedelta(seconds=60)):
+        total = all_reduce_sum([rank + 1.0])
+    if rank == 0:
+        open(out, "w").write(str(total))
+
+
+@pytest.mark.skipif(not IPV6_LOOPBACK, reason="this machine has no IPv6 loopback (::1 not in /proc/net/if_inet6)")
+def test_two_gloo_ranks_meet_at_an_ipv6_master(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "total"
+    mp.start_processes(sum_over_ipv6, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
+    assert out.read_text() == "[3.0]"
 
 
 def test_world_size_one_needs_no_process_group_and_wrappers_do_nothing():
@@ -48,8 +159,6 @@ def test_world_size_one_needs_no_process_group_and_wrappers_do_nothing():
 
 
 def test_a_second_group_in_one_process_is_refused():
-    from tasks.gang import free_port
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with pytest.raises(RuntimeError, match="already belongs to a process group .* two gangs share a Dask worker"):

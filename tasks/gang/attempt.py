@@ -10,21 +10,23 @@ cluster after the flow had ended.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import dask
 import distributed
+from prefect.settings import PREFECT_API_URL
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from tasks.gang.context import RankContext
 from tasks.gang.errors import GangError
-from tasks.gang.plan import free_port, plan_ranks, probe_worker
+from tasks.gang.plan import free_port, plan_ranks
 from tasks.gang.rank import run_rank
 from tasks.gang.stopping import stop_flag
 from tasks.gang.supervise import Deadline, stop, supervise
 from tasks.gang.trial import TrialLink
+from tasks.gang.worker_checks import check_workers, flow_api_url, probe_worker
 from tasks.reporting import run_logger
 
 
@@ -38,15 +40,19 @@ class GangSpec:
     init_timeout_s: float
     trial: TrialLink | None
     deadline: Deadline
+    needs_child_processes: bool = False
+    shared_output: bool = False
+    warned: set[str] = field(default_factory=set)  # worker-setup warnings already logged
 
 
 def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], attempt: int) -> list[Any]:
     """Run the gang once on `addresses`; each rank's result, or GangError saying what went wrong."""
     client = runner.client
     probes, port = _prepare(client, addresses)
+    check_workers(probes, flow_api_url(), spec.needs_child_processes, spec.warned)
     with stop_flag(client) as flag:
         contexts = plan_ranks(addresses, probes, port, attempt, spec.output_url, spec.init_timeout_s,
-                              spec.trial, stop_flag=flag.name)
+                              spec.trial, stop_flag=flag.name, shared_output=spec.shared_output)
         run_logger().info(
             "Gang attempt %d: %d ranks on %s, backend %s, master %s:%d",
             attempt + 1, len(contexts), addresses, contexts[0].backend, contexts[0].master_addr, port,
@@ -65,7 +71,9 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], at
 def _prepare(client: distributed.Client, addresses: list[str]) -> tuple[dict[str, dict[str, Any]], int]:
     """What each worker has, and a port free on rank 0's worker for the rendezvous."""
     try:
-        probes = client.run(probe_worker, workers=addresses)
+        # The flow's configured API URL travels with each rank's task (prefect_dask ships
+        # the flow's settings); the probe checks the worker reaches it.
+        probes = client.run(probe_worker, PREFECT_API_URL.value(), workers=addresses)
         port = client.run(free_port, workers=[addresses[0]])[addresses[0]]
     except Exception as exc:  # a worker left between choosing and asking: form again
         raise GangError(f"Could not prepare workers {addresses} for a gang: {exc!r}") from exc

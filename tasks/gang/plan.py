@@ -1,8 +1,7 @@
-"""Before a gang forms: which workers exist, what each has, a free port for the master, who is which rank."""
+"""Before a gang forms: which workers exist, a free port for the master, who is which rank on which device."""
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any
 from urllib.parse import urlparse
@@ -11,6 +10,7 @@ import distributed
 
 from tasks.gang.context import RankContext
 from tasks.gang.trial import TrialLink
+from tasks.gang.worker_checks import GangRefused
 from tasks.process_group import default_backend
 
 
@@ -25,25 +25,25 @@ def cluster_workers(client: distributed.Client) -> list[str]:
     return list(client.scheduler_info(n_workers=-1)["workers"])
 
 
-def probe_worker() -> dict[str, Any]:
-    """Run on each worker before a gang forms: what the rank there will have."""
-    import torch
-
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return {"cuda": torch.cuda.is_available(), "cpus": cpus}
-
-
 def free_port() -> int:
-    """A TCP port free right now on this host, for the rank-0 store to listen on."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    """A TCP port free right now on this host, for the rank-0 store to listen on.
+
+    Bound dual-stack where the host has IPv6 (free on IPv4 and IPv6 alike, as torch's
+    TCPStore listens on both), IPv4 where it has no IPv6, IPv6 where it has no IPv4.
+    """
+    if socket.has_dualstack_ipv6():
+        server = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    else:
+        try:
+            server = socket.create_server(("", 0), family=socket.AF_INET)
+        except OSError:  # an IPv6-only host
+            server = socket.create_server(("::", 0), family=socket.AF_INET6)
+    with server:
+        return server.getsockname()[1]
 
 
 def host_of(address: str) -> str:
+    """The bare host of a worker address: `10.0.0.5`, `node-3`, or `::1` (no brackets)."""
     return urlparse(address).hostname or address
 
 
@@ -52,16 +52,79 @@ def by_host(addresses: list[str]) -> list[str]:
     return sorted(addresses, key=lambda a: (host_of(a), a))
 
 
-def plan_ranks(
-    addresses: list[str], probes: dict[str, dict[str, Any]], port: int, attempt: int,
-    output_url: str | None, init_timeout_s: float, trial: TrialLink | None = None,
-    stop_flag: str | None = None,
-) -> list[RankContext]:
-    """One context per address: rank order, local ranks per host, backend and master."""
-    cuda_everywhere = all(probes[a]["cuda"] for a in addresses)
+def hosts(addresses: list[str]) -> dict[str, list[str]]:
+    """The addresses on each host, in the given (rank) order."""
     per_host: dict[str, list[str]] = {}
     for address in addresses:
         per_host.setdefault(host_of(address), []).append(address)
+    return per_host
+
+
+def is_local_url(url: str) -> bool:
+    """A path on the rank's own disk: a plain path or file://, not s3:// or another store."""
+    return urlparse(url).scheme in ("", "file")
+
+
+def refuse_local_output_across_hosts(output_url: str | None, per_host: dict[str, list[str]],
+                                     shared_output: bool) -> None:
+    """Ranks on several hosts writing a local folder would each write their own disk.
+
+    Checkpoints would then exist on one host only, and a re-formed gang would resume from
+    whichever disk its rank 0 lands on. A folder on one filesystem mounted at the same
+    path on every host (NFS, Lustre, a cluster's shared home) is fine, but nothing here
+    can tell it from a local disk, so its owner declares it (`shared_output=True`).
+    """
+    if output_url is None or shared_output or len(per_host) < 2 or not is_local_url(output_url):
+        return
+    raise GangRefused(
+        f"The output {output_url!r} is a local folder, but the gang's ranks run on {len(per_host)} hosts "
+        f"({', '.join(sorted(per_host))}): each would write its own disk, and a resume would read "
+        "whichever one rank 0 lands on. Give an s3:// output (the flow's output.url), or, where that "
+        "path is one shared filesystem mounted on every host (NFS, Lustre), declare it: "
+        "run_gang(..., shared_output=True)."
+    )
+
+
+def gpu_devices(per_host: dict[str, list[str]], probes: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Each rank's CUDA device where every rank has one; GangRefused where ranks would share one.
+
+    dask-cuda starts one worker per GPU and puts that GPU first in the worker's
+    CUDA_VISIBLE_DEVICES, so each worker's cuda:0 is a GPU of its own (it still sees the
+    others, after it). Plain `dask worker`s on a multi-GPU host all see the same GPUs in
+    the same order: there the local rank picks one. GPUs are told apart by UUID.
+    """
+    devices: dict[str, str] = {}
+    for host, workers in per_host.items():
+        seen = [probes[a]["gpus"] for a in workers]
+        if len({gpus[0] for gpus in seen}) == len(workers):  # each has a cuda:0 of its own
+            devices.update((a, "cuda:0") for a in workers)
+        elif all(gpus == seen[0] for gpus in seen) and len(workers) <= len(seen[0]):
+            devices.update((a, f"cuda:{local_rank}") for local_rank, a in enumerate(workers))
+        else:
+            raise GangRefused(
+                f"{len(workers)} ranks on host {host} ({', '.join(workers)}) cannot each have a GPU of "
+                f"their own: their workers see {', '.join(str(len(g)) for g in seen)} GPU(s), not "
+                "one each, nor the same ones in the same order. Start one worker per GPU with "
+                "dask-cuda (`dask cuda worker tcp://<scheduler>:8786`), or give each `dask worker` "
+                "its own GPU (CUDA_VISIBLE_DEVICES=0, 1, ...)."
+            )
+    return devices
+
+
+def plan_ranks(
+    addresses: list[str], probes: dict[str, dict[str, Any]], port: int, attempt: int,
+    output_url: str | None, init_timeout_s: float, trial: TrialLink | None = None,
+    stop_flag: str | None = None, shared_output: bool = False,
+) -> list[RankContext]:
+    """One context per address: rank order, local ranks and devices per host, backend and master.
+
+    Raises GangRefused, before any rank starts, where ranks on several hosts would write
+    a local output folder, or ranks would share a GPU.
+    """
+    per_host = hosts(addresses)
+    refuse_local_output_across_hosts(output_url, per_host, shared_output)
+    cuda_everywhere = all(probes[a]["cuda"] for a in addresses)
+    devices = gpu_devices(per_host, probes) if cuda_everywhere else dict.fromkeys(addresses, "cpu")
     return [
         RankContext(
             rank=rank,
@@ -69,9 +132,10 @@ def plan_ranks(
             world_size=len(addresses),
             local_world_size=len(per_host[host_of(address)]),
             backend=default_backend(cuda_everywhere),
-            # dask-cuda gives each worker one GPU, visible to it as device 0.
-            device="cuda:0" if cuda_everywhere else "cpu",
+            device=devices[address],
             worker_address=address,
+            # The bare host of the worker rank 0 runs on (the one its peers connect to),
+            # never loopback for a worker on another host; process_group adds brackets.
             master_addr=host_of(addresses[0]),
             master_port=port,
             attempt=attempt,

@@ -19,6 +19,7 @@ from tasks.gang.results import COMPLETED, GangAttempt, GangResults
 from tasks.gang.sending import prepare_to_send
 from tasks.gang.supervise import Deadline, wait_for_workers
 from tasks.gang.trial import TrialLink
+from tasks.gang.worker_checks import GangRefused
 from tasks.reporting import run_logger
 
 R = TypeVar("R")
@@ -65,6 +66,8 @@ def run_gang(
     max_restarts: int = 0,
     lease_timeout: timedelta = timedelta(minutes=10),
     trial: TrialLink | None = None,
+    needs_child_processes: bool = False,
+    shared_output: bool = False,
 ) -> GangResults[R]:
     """Run `train_fn(ctx, config)` on `world_size` Dask workers as one DDP world.
 
@@ -85,6 +88,14 @@ def run_gang(
         max_restarts: how often to re-form the gang after a failure.
         lease_timeout: how long to wait for enough workers that no other gang holds.
         trial: the sweep trial this gang trains; `ctx.report` reports to it.
+        needs_child_processes: `train_fn` starts processes (DataLoader workers): daemonic
+            Dask workers, which cannot, are then refused before any rank starts.
+        shared_output: `output_url` is a local path on one filesystem mounted on every
+            worker host; without it a local output with ranks on several hosts is refused.
+
+    Before any rank starts, each worker's setup is checked (worker_checks): settings
+    that break training raise GangRefused naming the fix, slow ones are logged as
+    warnings and shown in a `worker-setup` artifact.
 
     Returns:
         Each rank's return value, in rank order, as a list whose `.attempts` lists every
@@ -99,12 +110,13 @@ def run_gang(
     check_limits(timeout, max_restarts)
     runner = task_runner or current_dask_runner()
     prepare_to_send(runner.client, train_fn, config)
-    spec = GangSpec(train_fn, config, output_url, init_timeout.total_seconds(), trial, Deadline.after(timeout))
+    spec = GangSpec(train_fn, config, output_url, init_timeout.total_seconds(), trial, Deadline.after(timeout),
+                    needs_child_processes, shared_output)
     attempts: list[GangAttempt] = []
     try:
         return GangResults(_until_one_completes(runner, spec, world_size, max_restarts, lease_timeout, attempts), attempts)
     except GangError as error:
-        if not attempts:
+        if not attempts or isinstance(error, GangRefused):  # refused: no rank ever started
             raise
         raise error.after(attempts, max_restarts).with_traceback(error.__traceback__) from error.__cause__
 
@@ -120,7 +132,7 @@ def _until_one_completes(
             try:
                 return _recorded_attempt(runner, spec, addresses, number, attempts)
             except GangError as failure:
-                if isinstance(failure, GangTimeout) or number > max_restarts:
+                if isinstance(failure, (GangTimeout, GangRefused)) or number > max_restarts:
                     raise
                 run_logger().warning("Gang attempt %d failed: %s. Re-forming it.", number, failure)
         wait_for_workers(client, len(addresses))

@@ -1,0 +1,223 @@
+"""Before any rank starts: what each worker has, and what the gang refuses or warns about.
+
+Clusters this project creates are set up for training (blocks/cluster.py). The workers of
+an existing cluster are set up by their owner, with `dask worker` and Dask's defaults,
+which used to show only once a rank ran: a daemonic worker failed in the DataLoader, a
+nanny's `MALLOC_TRIM_THRESHOLD_` and the worker profiler made training quietly slower,
+and a worker that could not reach the flow's Prefect API lost the ranks' task runs.
+`probe_worker` runs on each leased worker (`client.run`) and `check_workers` turns what it
+found into one refusal, naming each setting and its command-line fix, or warnings in the
+run's log and a `worker-setup` artifact.
+
+What is fatal, and why:
+- a daemonic worker, when the training function starts processes (DataLoader workers):
+  multiprocessing forbids it, and nothing in a running worker can change it;
+- a Prefect API a rank would not report to, or cannot reach: its task runs, logs and
+  artifacts would be lost, or land on another server (DESIGN 9).
+What is a warning (the run is right, only slower): the nanny's `MALLOC_TRIM_THRESHOLD_`
+(glibc reads it once, at process start; undoing it inside a running worker would change
+the memory behaviour the owner chose for all their tasks) and the worker profiler.
+
+A worker without PREFECT_API_URL of its own is fine where the flow has one: Prefect ships
+the flow's settings with each task (prefect_dask's `serialize_context`), and a setting
+the flow left unset is read from the worker's environment.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.gang.errors import GangError
+from tasks.reporting import in_prefect_run, markdown_table, markdown_text, run_logger
+
+API_CHECK_TIMEOUT_S = 5.0
+
+# The command line of a worker set up for training; the fixes below quote parts of it.
+TRAINING_WORKER_COMMAND = (
+    "DASK_DISTRIBUTED__WORKER__DAEMON=False "
+    "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON='{\"MALLOC_TRIM_THRESHOLD_\": None}' "
+    "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False "
+    "PREFECT_API_URL=http://<prefect-host>:4200/api dask worker tcp://<scheduler>:8786 --nthreads 1"
+)
+
+
+class GangRefused(GangError):
+    """The chosen workers cannot run this gang as they are set up. Never retried: the fix is
+    on the cluster or in the parameters, and a re-formed gang would meet the same."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem shared by some workers: which setting, what it does, and its fix."""
+
+    setting: str
+    problem: str
+    fix: str
+    fatal: bool
+    workers: tuple[str, ...]
+
+    def message(self) -> str:
+        return f"{self.setting} on {', '.join(self.workers)}: {self.problem} Fix: {self.fix}"
+
+
+def flow_api_url() -> str:
+    """The Prefect API this process records runs on, also when it is a temporary server."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    # Without a configured URL the client's is the temporary server's, which Prefect
+    # starts once per process and reuses.
+    return (PREFECT_API_URL.value() or str(get_client(sync_client=True).api_url)).rstrip("/")
+
+
+def api_error(api_url: str) -> str | None:
+    """Why `api_url` cannot be reached from here, or None when its server answers.
+
+    Any HTTP answer counts: Prefect Cloud answers 401 to a request without the key, and
+    only a connection that cannot be made (refused, no route, timed out) loses task runs.
+    """
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=API_CHECK_TIMEOUT_S) as response:
+            response.read()
+    except urllib.error.HTTPError:
+        return None
+    except OSError as exc:  # URLError, refused, timed out
+        return repr(exc)
+    return None
+
+
+def visible_gpus() -> list[str]:
+    """The UUIDs of the GPUs this process sees, in device order (cuda:0 first)."""
+    import torch
+
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def probe_worker(flow_api: str | None = None) -> dict[str, Any]:
+    """Run on each worker before a gang forms: what a rank there will have.
+
+    `flow_api` is the flow's configured PREFECT_API_URL (None when the flow has none):
+    the URL a rank reports to is that one, else the worker's own, and the probe checks
+    that the worker reaches it.
+    """
+    import dask
+    import torch
+    from prefect.settings import PREFECT_API_URL
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    cuda = torch.cuda.is_available()
+    # The environment first: a nanny sets its `env` after the worker process imported
+    # Prefect, whose settings of this process then lack it; a task's settings read it.
+    own_api = os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value()
+    rank_api = (flow_api or own_api or "").rstrip("/") or None
+    return {
+        "host": socket.gethostname(),
+        "cpus": cpus,
+        "cuda": cuda,
+        "gpus": visible_gpus() if cuda else [],
+        "daemon": multiprocessing.current_process().daemon,
+        "malloc_trim_threshold": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+        "profiler": bool(dask.config.get("distributed.worker.profile.enabled", True)),
+        "prefect_api_url": own_api,
+        "rank_api_url": rank_api,
+        "api_error": api_error(rank_api) if rank_api else None,
+    }
+
+
+def _api_finding(probe: dict[str, Any], flow_api: str) -> tuple[str, str] | None:
+    """(problem, fix) with the Prefect API a rank on this worker would use, or None."""
+    fix = (f"set PREFECT_API_URL, in the flow's environment and the workers', to one Prefect server "
+           f"that the workers reach (e.g. `prefect server start --host 0.0.0.0`), as in: {TRAINING_WORKER_COMMAND}")
+    rank_api = probe["rank_api_url"]
+    if rank_api is None:
+        return (f"neither the flow nor the worker sets it, so each rank would start a temporary Prefect "
+                f"server of its own and its task runs would never reach this flow's ({flow_api}).", fix)
+    if rank_api != flow_api:
+        return (f"ranks there would report to {rank_api}, not to this flow's Prefect API {flow_api}.", fix)
+    if probe["api_error"]:
+        return f"the worker cannot reach {rank_api} ({probe['api_error']}).", fix
+    return None
+
+
+def find_problems(probes: dict[str, dict[str, Any]], flow_api: str, needs_child_processes: bool) -> list[Finding]:
+    """Every setting that some of the workers get wrong, grouped by setting."""
+    found: dict[tuple[str, str, str, bool], list[str]] = {}
+
+    def add(address: str, setting: str, problem: str, fix: str, fatal: bool) -> None:
+        found.setdefault((setting, problem, fix, fatal), []).append(address)
+
+    for address, probe in probes.items():
+        if probe["daemon"]:
+            add(address, "distributed.worker.daemon=True",
+                "its processes are daemonic, so a rank there cannot start DataLoader worker processes"
+                + (" (training.num_workers > 0 asks for them)." if needs_child_processes
+                   else "; this run starts none, but training.num_workers > 0 would fail."),
+                "start the workers with `DASK_DISTRIBUTED__WORKER__DAEMON=False dask worker ...` "
+                "(or `dask worker --no-nanny ...`)", needs_child_processes)
+        if probe["malloc_trim_threshold"] is not None:
+            add(address, f"MALLOC_TRIM_THRESHOLD_={probe['malloc_trim_threshold']}",
+                "Dask's nanny sets it; it made a training loop 1.5x slower here (memory given back "
+                "to the system after every step).",
+                "start the workers with `DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON='{\"MALLOC_TRIM_THRESHOLD_\": "
+                "None}' dask worker ...` and without MALLOC_TRIM_THRESHOLD_ in their shell", False)
+        if probe["profiler"]:
+            add(address, "distributed.worker.profile.enabled=True",
+                "the worker samples every thread's stack every 10 ms: 4 % of a rank's loop here.",
+                "start the workers with `DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False dask worker ...`", False)
+        if (api := _api_finding(probe, flow_api)) is not None:
+            add(address, "PREFECT_API_URL", *api, True)
+    return [Finding(setting, problem, fix, fatal, tuple(workers))
+            for (setting, problem, fix, fatal), workers in found.items()]
+
+
+def setup_table(probes: dict[str, dict[str, Any]]) -> str:
+    """What each worker has, for the `worker-setup` artifact."""
+    header = ["worker", "host", "daemonic", "MALLOC_TRIM_THRESHOLD_", "profiler", "ranks report to", "GPUs", "CPUs"]
+    rows = [[address, p["host"], p["daemon"], p["malloc_trim_threshold"] or "unset", p["profiler"],
+             p["rank_api_url"] or "nowhere", len(p["gpus"]), p["cpus"]] for address, p in probes.items()]
+    return markdown_table(header, rows)
+
+
+def check_workers(probes: dict[str, dict[str, Any]], flow_api: str, needs_child_processes: bool,
+                  warned: set[str]) -> None:
+    """Warn about slow settings and refuse broken ones, before any rank is submitted.
+
+    Warnings go to the run's log once per run_gang call (`warned` remembers them across
+    attempts) and, with what every worker has, to the `worker-setup` markdown artifact.
+    Raises GangRefused listing every fatal setting with its fix.
+    """
+    problems = find_problems(probes, flow_api, needs_child_processes)
+    new = [p for p in problems if p.message() not in warned]
+    if new:
+        warned.update(p.message() for p in new)
+        publish_setup(probes, problems)
+        for problem in new:
+            if not problem.fatal:
+                run_logger().warning("Worker setup: %s", problem.message())
+    fatal = [p.message() for p in problems if p.fatal]
+    if fatal:
+        raise GangRefused("The gang's workers cannot train as they are set up, so no rank was started:\n- "
+                          + "\n- ".join(fatal))
+
+
+def publish_setup(probes: dict[str, dict[str, Any]], problems: list[Finding]) -> None:
+    """The `worker-setup` artifact: what to fix on the workers, and what each has."""
+    from prefect.artifacts import create_markdown_artifact
+
+    if not in_prefect_run():
+        return
+    lines = ["# Worker setup", ""]
+    lines += [f"- **{'fatal' if p.fatal else 'warning'}**: {markdown_text(p.message())}" for p in problems]
+    lines += ["", "A worker set up for training starts as:", "", f"    {TRAINING_WORKER_COMMAND}", "",
+              setup_table(probes)]
+    create_markdown_artifact(key="worker-setup", markdown="\n".join(lines),
+                             description="Settings of the gang's Dask workers that slow or break training")
