@@ -63,18 +63,26 @@ def owner_environment(prefect_home: Path, settings: dict[str, str]) -> dict[str,
     return env | {"PREFECT_HOME": str(prefect_home), "PYTHONPATH": str(REPO)} | settings
 
 
-def stop_process_group(process: subprocess.Popen) -> None:
-    """SIGTERM the session a `dask` command started in (its nanny's worker too), then SIGKILL."""
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+def signal_session(process: subprocess.Popen, sig: signal.Signals) -> None:
+    """Send `sig` to the session a `dask` command started in (its nanny's worker too)."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def stop_all(processes: list[subprocess.Popen], grace_s: float = 10) -> None:
+    """SIGTERM every session at once, then SIGKILL those still running after `grace_s`."""
+    for process in processes:
+        signal_session(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
         try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(wait_s)
-            return
+            process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            continue
+            pass
+        signal_session(process, signal.SIGKILL)  # the session's other processes too
+        process.wait()
 
 
 @contextmanager
@@ -103,8 +111,7 @@ def dask_processes(folder: Path, workers: int, nanny: bool, env: dict[str, str])
             client.wait_for_workers(workers, timeout=90)
         yield address
     finally:
-        for process in reversed(started):
-            stop_process_group(process)
+        stop_all(started)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +174,8 @@ WELL_SET_UP = {"host": "h", "cpus": 2, "cuda": False, "gpus": [], "daemon": Fals
 
 @pytest.mark.parametrize("changes, needs_child_processes, fatal, message", [
     ({"daemon": True}, True, True, r"distributed.worker.daemon=True on tcp://w:1: its processes are daemonic.*"
-     r"training.num_workers > 0 asks for them.*Fix: start the workers with `DASK_DISTRIBUTED__WORKER__DAEMON=False"),
-    ({"daemon": True}, False, False, r"this run starts none, but training.num_workers > 0 would fail"),
+     r"this gang's ranks start them \(training.num_workers > 0\).*Fix: start the workers with `DASK_DISTRIBUTED__WORKER__DAEMON=False"),
+    ({"daemon": True}, False, False, r"this gang's ranks start none, but training.num_workers > 0 would fail"),
     ({"malloc_trim_threshold": "65536"}, False, False, r"MALLOC_TRIM_THRESHOLD_=65536 on tcp://w:1: .*1.5x slower.*"
      r"DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON='\{\"MALLOC_TRIM_THRESHOLD_\": None\}' dask worker"),
     ({"profiler": True}, False, False, r"profile.enabled=True .*DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False"),

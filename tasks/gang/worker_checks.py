@@ -159,13 +159,13 @@ def find_problems(probes: dict[str, dict[str, Any]], flow_api: str, needs_child_
         if probe["daemon"]:
             add(address, "distributed.worker.daemon=True",
                 "its processes are daemonic, so a rank there cannot start DataLoader worker processes"
-                + (" (training.num_workers > 0 asks for them)." if needs_child_processes
-                   else "; this run starts none, but training.num_workers > 0 would fail."),
+                + (", and this gang's ranks start them (training.num_workers > 0)." if needs_child_processes
+                   else "; this gang's ranks start none, but training.num_workers > 0 would fail."),
                 "start the workers with `DASK_DISTRIBUTED__WORKER__DAEMON=False dask worker ...` "
                 "(or `dask worker --no-nanny ...`)", needs_child_processes)
         if probe["malloc_trim_threshold"] is not None:
             add(address, f"MALLOC_TRIM_THRESHOLD_={probe['malloc_trim_threshold']}",
-                "Dask's nanny sets it; it made a training loop 1.5x slower here (memory given back "
+                "Dask's nanny sets it by default; it made a training loop 1.5x slower here (memory given back "
                 "to the system after every step).",
                 "start the workers with `DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON='{\"MALLOC_TRIM_THRESHOLD_\": "
                 "None}' dask worker ...` and without MALLOC_TRIM_THRESHOLD_ in their shell", False)
