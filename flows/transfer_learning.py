@@ -202,6 +202,9 @@ def transfer_learning(
             task_runner=runner,
             world_size=cluster.world_size,
             output_url=out.url,
+            shared_output=output.shared,
+            # Loader processes: 0 starts none; a count or empty (sized per rank) may.
+            needs_child_processes=training.num_workers != 0,
             init_timeout=timedelta(seconds=cluster.init_timeout_s),
             timeout=timedelta(seconds=cluster.gang_timeout_s) if cluster.gang_timeout_s else None,
             max_restarts=cluster.max_restarts,

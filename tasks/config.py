@@ -199,6 +199,11 @@ class OutputConfig(_Strict):
         "replaces it only when its final val accuracy is at least as good. Empty: the "
         "deployment's name; a run outside a deployment keeps none.",
     )
+    shared: bool = Field(
+        False,
+        description="A local url is one filesystem mounted on every worker host (NFS, Lustre). "
+        "Without it, a local url with ranks on several hosts is refused: each would write its own disk.",
+    )
 
 
 M = TypeVar("M", bound=BaseModel)

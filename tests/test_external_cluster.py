@@ -253,6 +253,17 @@ def test_daemonic_workers_are_refused_before_any_rank_when_ranks_start_processes
     assert "**warning**: distributed.worker.profile.enabled=True" in setup
 
 
+def test_the_flow_refuses_daemonic_workers_when_training_uses_loader_processes(default_cluster, prefect_api,
+                                                                              image_location, tmp_path):
+    image_location.save("test-images", overwrite=True)
+    state = run_tiny_flow(tmp_path, {"address": default_cluster}, training={"num_workers": 1})
+    assert state.is_failed(), state
+    with pytest.raises(GangRefused, match=r"DASK_DISTRIBUTED__WORKER__DAEMON=False"):
+        state.result()
+    assert rank_task_runs(state.state_details.flow_run_id, expected=0) == []
+    assert_no_task_run_left_running(state.state_details.flow_run_id)
+
+
 def test_slow_settings_are_warned_about_and_the_gang_still_runs(default_cluster, prefect_api):
     state = one_rank_gang(default_cluster, needs_child_processes=False, return_state=True)
     (result,) = state.result()
