@@ -12,7 +12,7 @@ from flows.sweep import hyperparameter_sweep
 from flows.transfer_learning import transfer_learning
 from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
 from tasks.dataset import S3ImageFolder
-from tasks.gang import GangAttempt, GangError, GangResults, GangStopped, GangTimeout, RankContext, run_gang
+from tasks.gang import GangAttempt, GangError, GangRefused, GangResults, GangStopped, GangTimeout, RankContext, run_gang
 from tasks.process_group import all_reduce_sum
 from tasks.search_space import Dimension
 from tasks.sweep import SweepSettings, sweep
@@ -25,6 +25,7 @@ __all__ = [
     "Dimension",
     "GangAttempt",
     "GangError",
+    "GangRefused",
     "GangResults",
     "GangStopped",
     "GangTimeout",

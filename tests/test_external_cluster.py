@@ -37,8 +37,8 @@ from prefect.client.schemas.filters import (
 from prefect_dask import DaskTaskRunner
 
 from blocks.cluster import DaskCluster
-from tasks.gang import run_gang
-from tasks.gang.worker_checks import GangRefused, api_error, check_workers, find_problems, probe_worker
+from tasks.gang import GangRefused, run_gang
+from tasks.gang.worker_checks import api_error, check_workers, find_problems, probe_worker
 from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
 from tests.flow_runs import run_tiny_flow
 from tests.gang_functions import report_rank

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tasks.gang import GangRefused
 from tasks.gang.plan import free_port, plan_ranks
-from tasks.gang.worker_checks import GangRefused, probe_worker
+from tasks.gang.worker_checks import probe_worker
 from tasks.process_group import (
     all_reduce_sum,
     default_backend,

@@ -38,13 +38,13 @@ comes back), and `run` with `run_gang` at the front.
 """
 
 from tasks.gang.context import RankContext
-from tasks.gang.errors import GangError, GangStopped, GangTimeout
+from tasks.gang.errors import GangError, GangRefused, GangStopped, GangTimeout
 from tasks.gang.plan import free_port
 from tasks.gang.results import GangAttempt, GangResults
 from tasks.gang.run import run_gang
 from tasks.gang.trial import TrialLink
 
 __all__ = [
-    "GangAttempt", "GangError", "GangResults", "GangStopped", "GangTimeout", "RankContext", "TrialLink",
+    "GangAttempt", "GangError", "GangRefused", "GangResults", "GangStopped", "GangTimeout", "RankContext", "TrialLink",
     "free_port", "run_gang",
 ]

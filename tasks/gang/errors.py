@@ -42,3 +42,8 @@ class GangStopped(GangError):
     Let it propagate: the rank then leaves its process group and its task run ends
     Cancelled, which is how the supervisor expects a stopped rank to end.
     """
+
+
+class GangRefused(GangError):
+    """The chosen workers cannot run this gang as they are set up. Never retried: the fix is
+    on the cluster or in the parameters, and a re-formed gang would meet the same."""

@@ -10,7 +10,7 @@ import distributed
 
 from tasks.gang.context import RankContext
 from tasks.gang.trial import TrialLink
-from tasks.gang.worker_checks import GangRefused
+from tasks.gang.errors import GangRefused
 from tasks.process_group import default_backend
 
 

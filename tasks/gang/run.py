@@ -19,7 +19,7 @@ from tasks.gang.results import COMPLETED, GangAttempt, GangResults
 from tasks.gang.sending import prepare_to_send
 from tasks.gang.supervise import Deadline, wait_for_workers
 from tasks.gang.trial import TrialLink
-from tasks.gang.worker_checks import GangRefused
+from tasks.gang.errors import GangRefused
 from tasks.reporting import run_logger
 
 R = TypeVar("R")

@@ -33,7 +33,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.gang.errors import GangError
+from tasks.gang.errors import GangRefused
 from tasks.reporting import in_prefect_run, markdown_table, markdown_text, run_logger
 
 API_CHECK_TIMEOUT_S = 5.0
@@ -45,11 +45,6 @@ TRAINING_WORKER_COMMAND = (
     "DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False "
     "PREFECT_API_URL=http://<prefect-host>:4200/api dask worker tcp://<scheduler>:8786 --nthreads 1"
 )
-
-
-class GangRefused(GangError):
-    """The chosen workers cannot run this gang as they are set up. Never retried: the fix is
-    on the cluster or in the parameters, and a re-formed gang would meet the same."""
 
 
 @dataclass(frozen=True)
