@@ -121,7 +121,13 @@ def hosts(prefect_api: str, s3_endpoint: str, image_location: DataLocation, tmp_
         }
         with distributed.Client(address, timeout=START_TIMEOUT_S) as client:  # retries until the scheduler listens
             client.wait_for_workers(len(WORKERS), timeout=START_TIMEOUT_S)
-        yield Hosts(net, address, nannies, api_url)
+        try:
+            yield Hosts(net, address, nannies, api_url)
+        finally:
+            # Send the logs and events this process still holds for the relayed API before
+            # the relay closes, whether the test passed or not.
+            APILogWorker.drain_all(timeout=5)
+            EventsWorker.drain_all(timeout=5)
 
 
 def worker_pid(hosts: Hosts, name: str) -> int:
@@ -178,9 +184,6 @@ def test_ranks_on_two_hosts_train_meet_at_rank_0s_address_and_survive_a_killed_w
         flow_run_id = state.state_details.flow_run_id
         logged = gang_attempt_lines(flow_run_id)
         assert_no_task_run_left_running(flow_run_id)
-        # Send what this process still has for the relayed API before the relay closes.
-        APILogWorker.drain_all(timeout=5)
-        EventsWorker.drain_all(timeout=5)
 
     worker_hosts = {hosts.net.hosts[name].address for name in WORKERS}
     first, second = summary["attempts"]
