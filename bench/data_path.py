@@ -152,10 +152,15 @@ def read_ours(source: Source, fetch_threads: int, cache: ByteCache | None = None
 
 
 def read_cached(source: Source, fetch_threads: int, cache_folder: Path) -> S3ImageFolder:
-    """Ours with a byte cache, filled by a first epoch's fetches, so what is timed is a later epoch."""
+    """Ours with a byte cache already holding every image, so what is timed is a later epoch.
+
+    Filled from the files the server serves, not by fetching: a fetch here would start
+    obstore in this process, and the DataLoader workers forked after it would read with s3fs
+    (obstore does not survive fork, tasks.storage.fetch_objects).
+    """
     dataset = read_ours(source, fetch_threads, ByteCache(10**12, cache_folder / source.prefix))
-    for start in range(0, len(dataset), BATCH_SIZE):
-        dataset.fetch(range(start, min(start + BATCH_SIZE, len(dataset))))
+    for key, size in zip(dataset.keys, dataset.sizes):
+        dataset.cache.put(f"{dataset.root}/{key}", size, (source.folder / key).read_bytes())
     return dataset
 
 

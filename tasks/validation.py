@@ -129,7 +129,9 @@ def decode_chunk(location: DataLocation, keys: list[str], positions: list[int]) 
     options = object_read_options(location.url, location.storage_options(), FETCH_CONCURRENCY)
     fs, root = filesystem(location.url, options)
     paths = [f"{root}/{key}" for key in keys]
-    fetched = fetch_objects(fs, paths, FETCH_CONCURRENCY, FETCH_ATTEMPTS)
+    # s3fs, not obstore: this Dask worker forks the ranks' DataLoader workers later, and
+    # obstore started here would leave them reading with s3fs (tasks.storage.fetch_objects).
+    fetched = fetch_objects(fs, paths, FETCH_CONCURRENCY, FETCH_ATTEMPTS, keep_fork_safe=True)
     _raise_fetch_failures(location, fetched)
     return [decode_result(position, fetched[path]) for position, path in zip(positions, paths)]
 

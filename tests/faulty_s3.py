@@ -11,6 +11,7 @@ to break:
         assert front.wait_stalled(timeout=10)        # a client is now stuck in a GET
         front.clear()
         front.gets["test-images/shapes/circle/0001.jpg"]   # GETs the front received
+        front.methods                                      # every request, by method
 
 Patterns are shell-style (fnmatch) and match "bucket/key" as the client asked for it,
 unquoted. A rule applies to the next `times` matching GETs (None: all of them, until
@@ -59,6 +60,7 @@ class FaultyS3:
         self.upstream = (upstream.hostname or "127.0.0.1", upstream.port or 80)
         self.endpoint = ""  # set once the server listens
         self.gets: Counter[str] = Counter()
+        self.methods: Counter[str] = Counter()  # every request, by method: a HEAD shows here
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
         self._stalled = threading.Condition(self._lock)
@@ -95,6 +97,7 @@ class FaultyS3:
         """Count a GET of `key` and return the rule it uses up, if any."""
         with self._lock:
             self.gets[key] += 1
+            self.methods["GET"] += 1
             for rule in self._rules:
                 if rule.remaining != 0 and fnmatch.fnmatchcase(key, rule.pattern):
                     if rule.remaining is not None:
@@ -148,7 +151,12 @@ def _handler(front: FaultyS3) -> type[BaseHTTPRequestHandler]:
             finally:
                 upstream.close()
 
-        do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+        def _pass_through(self) -> None:
+            with front._lock:
+                front.methods[self.command] += 1
+            self._forward()
+
+        do_HEAD = do_PUT = do_POST = do_DELETE = _pass_through
 
         def _discard_body(self) -> bytes:
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))

@@ -1,0 +1,246 @@
+"""Image reads through obstore (tasks.storage.fetch_objects on S3), against the session's moto
+server, the fault-injecting front (tests/faulty_s3.py) and a small server that refuses
+every GET.
+
+What is checked: one GET per object and keys as written; fetch_objects' own retries, not
+obstore's, where the location asks for one attempt per request; missing and refused
+objects as the permanent errors (FileNotFoundError, PermissionError) that are not retried,
+with no credential in their text; the options obstore cannot honour left to s3fs; and
+fork: a process forked before obstore started reads with a store of its own, one forked
+after reads with s3fs instead of hanging.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from threading import Thread
+
+import fsspec.asyn
+import pytest
+import s3fs
+
+from blocks.data_location import DataLocation
+from tasks.storage import (
+    PERMANENT_FETCH_ERRORS,
+    fetch_objects,
+    filesystem,
+    object_read_options,
+    obstore_settings,
+)
+from tests.faulty_s3 import FaultyS3, faulty_s3
+from tests.flow_runs import block_copy
+
+# Keys fsspec would expand as patterns, a space, unicode, a plus and a percent sign, plus
+# one obstore cannot name as it is (an empty segment), which s3fs reads.
+ODD_KEYS = ["odd/x[1].jpg", "odd/y*.jpg", "odd/z?.jpg", "odd/with space.jpg", "odd/ünïcode.jpg",
+            "odd/plus+and%20.jpg", "odd/double//slash.jpg"]
+BUCKET = "test-images"
+
+
+@pytest.fixture(scope="module")
+def odd_objects(image_location: DataLocation, s3_fs: s3fs.S3FileSystem) -> dict[str, bytes]:
+    objects = {f"{BUCKET}/{key}": f"bytes of {key}".encode() for key in ODD_KEYS}
+    s3_fs.pipe(objects)
+    return objects
+
+
+@pytest.fixture
+def front(s3_endpoint: str) -> Iterator[FaultyS3]:
+    with faulty_s3(s3_endpoint) as front:
+        yield front
+
+
+def s3fs_calls(fs: s3fs.S3FileSystem) -> list[str]:
+    """The S3 operations `fs`'s own (botocore) client sends from now on: obstore's are not among them."""
+    client = fsspec.asyn.sync(fs.loop, fs.set_session)
+    calls: list[str] = []
+    client.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
+    return calls
+
+
+def read_fs(location: DataLocation) -> s3fs.S3FileSystem:
+    """A filesystem as the dataset makes one: its own (as in a forked loader worker), no HEAD from s3fs."""
+    options = object_read_options(location.url, location.storage_options(), concurrency=4)
+    fs, _ = filesystem(location.url, {**options, "skip_instance_cache": True})
+    return fs
+
+
+def test_keys_load_as_themselves_with_one_get_each_through_obstore(image_location, odd_objects, front):
+    fs = read_fs(block_copy(image_location, endpoint_url=front.endpoint))
+    calls = s3fs_calls(fs)
+    assert fetch_objects(fs, list(odd_objects), batch_size=4) == odd_objects
+    assert front.methods == {"GET": len(odd_objects)}
+    assert all(front.gets[path] == 1 for path in odd_objects)
+    assert calls == ["GetObject"], "only the key obstore cannot name goes through s3fs"
+
+
+def test_a_failed_first_get_is_retried_by_fetch_objects_and_counted(image_location, odd_objects, front):
+    # One attempt per request (DataLocation.max_attempts=1): obstore does not retry, fetch_objects does.
+    fs = read_fs(block_copy(image_location, endpoint_url=front.endpoint, max_attempts=1))
+    paths = list(odd_objects)[:3]
+    for path in paths:
+        front.fail_gets(glob.escape(path), times=1, how="503")
+    assert fetch_objects(fs, paths, batch_size=4, attempts=2) == {path: odd_objects[path] for path in paths}
+    assert [front.gets[path] for path in paths] == [2, 2, 2]
+    front.fail_gets(glob.escape(paths[0]), times=1, how="reset")
+    failed = fetch_objects(fs, paths[:1], batch_size=4, attempts=1)[paths[0]]
+    assert isinstance(failed, Exception) and not isinstance(failed, PERMANENT_FETCH_ERRORS)
+    assert front.gets[paths[0]] == 3
+
+
+def test_attempts_per_request_follow_the_location_as_botocore_s_did(image_location, odd_objects, front):
+    fs = read_fs(block_copy(image_location, endpoint_url=front.endpoint, max_attempts=3))
+    path = list(odd_objects)[0]
+    front.fail_gets(glob.escape(path), times=2, how="503")
+    assert fetch_objects(fs, [path], batch_size=1, attempts=1) == {path: odd_objects[path]}
+    assert front.gets[path] == 3
+
+
+def test_a_missing_object_is_a_file_not_found_error_and_is_not_retried(image_location, front):
+    fs = read_fs(block_copy(image_location, endpoint_url=front.endpoint))
+    path = f"{BUCKET}/odd/gone.jpg"
+    assert isinstance(fetch_objects(fs, [path], batch_size=1, attempts=4)[path], FileNotFoundError)
+    assert front.gets[path] == 1
+
+
+class Refusing(BaseHTTPRequestHandler):
+    """Answers every GET with the status in the server's `status` and S3's error body."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+        self.server.gets += 1
+        self.send_response(self.server.status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def refusing_server() -> Iterator[ThreadingHTTPServer]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    server.daemon_threads = True
+    server.gets = 0
+    thread = Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.parametrize("status", [403, 401])
+def test_a_refused_get_is_a_permission_error_without_the_credentials(refusing_server, status):
+    refusing_server.status = status
+    secret, token = f"secret-{uuid.uuid4().hex}", f"token-{uuid.uuid4().hex}"
+    location = DataLocation(url="s3://private/images", endpoint_url=f"http://127.0.0.1:{refusing_server.server_port}",
+                            region_name="us-east-1", aws_access_key_id="AKIDEXAMPLE",
+                            aws_secret_access_key=secret, aws_session_token=token)
+    fs = read_fs(location)
+    error = fetch_objects(fs, ["private/images/a.jpg"], batch_size=1, attempts=4)["private/images/a.jpg"]
+    assert isinstance(error, PermissionError), repr(error)
+    assert f"{status}" in str(error) and "private/images/a.jpg" in str(error)
+    assert refusing_server.gets == 1, "a refusal comes back the same: not retried"
+    texts = [str(error), repr(error), str(error.__cause__), repr(error.__cause__)]
+    assert not [text for text in texts if secret in text or token in text]
+
+
+def test_every_option_a_data_location_produces_maps_to_obstore(monkeypatch):
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    base = DataLocation(url="s3://b/p", endpoint_url="http://127.0.0.1:9000", region_name="eu-west-1",
+                        aws_access_key_id="AKID", aws_secret_access_key="s3cret", aws_session_token="tok",
+                        max_attempts=2)
+    settings = obstore_settings(base.storage_options())
+    assert settings["config"] == {"endpoint": "http://127.0.0.1:9000", "region": "eu-west-1", "skip_signature": False}
+    assert settings["client_options"]["allow_http"] is True
+    assert settings["retry_config"] == {"max_retries": 1}
+    assert settings["credential_provider"]() == {"access_key_id": "AKID", "secret_access_key": "s3cret",
+                                                 "token": "tok", "expires_at": None}
+    anonymous = obstore_settings(base.model_copy(update={"anonymous": True, "max_attempts": None}).storage_options())
+    assert anonymous["config"]["skip_signature"] is True and anonymous["credential_provider"] is None
+    assert anonymous["retry_config"] == {"max_retries": 4}, "botocore's default: 5 attempts"
+    https = obstore_settings(base.model_copy(update={"endpoint_url": "https://minio.example"}).storage_options())
+    assert https["client_options"]["allow_http"] is False
+    botocore_style = {"anon": True, "endpoint_url": "http://h", "config_kwargs": {"retries": {"max_attempts": 2}}}
+    assert obstore_settings(botocore_style)["retry_config"] == {"max_retries": 2}, "max_attempts counts retries"
+
+
+@pytest.mark.parametrize("options", [
+    {"anon": True, "endpoint_url": "http://h", "profile": "dev"},
+    {"anon": True, "endpoint_url": "http://h", "client_kwargs": {"verify": False}},
+    {"anon": True, "endpoint_url": "http://h", "config_kwargs": {"s3": {"addressing_style": "virtual"}}},
+    {"anon": True},  # AWS, no region known: botocore follows S3's redirect, obstore cannot
+], ids=["profile", "verify", "addressing-style", "no-region"])
+def test_options_obstore_cannot_honour_leave_the_reads_to_s3fs(options, monkeypatch, tmp_path):
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    assert obstore_settings(options) is None
+
+
+def test_no_credentials_anywhere_leaves_the_reads_to_s3fs(monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert obstore_settings({"endpoint_url": "http://h", "client_kwargs": {"region_name": "us-east-1"}}) is None
+
+
+def which_client_reads(location: DataLocation, path: str, expected: bytes, keep_fork_safe: bool = False) -> str:
+    """Fetch `path` in this process: 's3fs' or 'obstore', by whether botocore sent it."""
+    fs = read_fs(location)
+    calls = s3fs_calls(fs)
+    got = fetch_objects(fs, [path], batch_size=1, timeout_s=30, keep_fork_safe=keep_fork_safe)[path]
+    if got != expected:
+        return f"wrong result: {got!r}"
+    return "s3fs" if calls else "obstore"
+
+
+def in_child(method: str, main, *args) -> str:
+    """`main(*args)` in a child process started with `method`; its answer, or why there is none.
+
+    Not a multiprocessing Pool: its processes are daemons, which may not fork children.
+    """
+    context = multiprocessing.get_context(method)
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=answer_to, args=(send, main, *args))
+    child.start()
+    answer = receive.recv() if receive.poll(120) else "no answer within 120 s: the child hangs"
+    child.join(10)
+    if child.is_alive():
+        child.kill()
+    return answer
+
+
+def answer_to(send, main, *args) -> None:
+    send.send(main(*args))
+
+
+def fork_story(location: DataLocation, path: str, expected: bytes) -> list[str]:
+    """Run in a fresh (spawned) process, where obstore has not started yet."""
+    return [
+        which_client_reads(location, path, expected, keep_fork_safe=True),  # does not start obstore
+        in_child("fork", which_client_reads, location, path, expected),  # so this child starts its own
+        which_client_reads(location, path, expected),  # obstore starts here
+        in_child("fork", which_client_reads, location, path, expected),  # and this child must not use it
+        which_client_reads(location, path, expected),  # while the parent still does
+    ]
+
+
+def test_obstore_starts_per_process_and_a_child_forked_after_it_reads_with_s3fs(image_location, odd_objects):
+    path = next(iter(odd_objects))
+    story = in_child("spawn", fork_story, image_location, path, odd_objects[path])
+    assert story == ["s3fs", "obstore", "obstore", "s3fs", "obstore"]
