@@ -443,8 +443,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader workers to try.")
     parser.add_argument("--repeats", type=int, default=2, help="Timed epochs per case; the fastest counts.")
     parser.add_argument("--latency-ms", type=float, default=30.0, help="The front's wait before each response.")
-    parser.add_argument("--fetch-threads", type=int, default=TrainingConfig.model_fields["fetch_threads"].default,
-                        help="Our S3ImageFolder's concurrent fetches per batch (the training default).")
+    parser.add_argument("--fetch-threads", type=int, default=TrainingConfig(batch_size=BATCH_SIZE).fetches_in_flight(),
+                        help="Our S3ImageFolder's concurrent fetches per batch (the training default: the batch).")
     parser.add_argument("--skip-dpd", action="store_true", help="Leave dask-pytorch-ddp out.")
     parser.add_argument("--passes", type=int, default=1,
                         help="Run every row this many times, one pass over all rows after another, and keep "

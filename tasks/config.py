@@ -122,8 +122,9 @@ class TrainingConfig(_Strict):
         "empty: one per CPU core the rank has, its host's cores shared among the ranks there, "
         "less one for the rank itself: what a GPU rank needs to keep fed).",
     )
-    fetch_threads: int = Field(
-        16, ge=1, le=256, description="Images fetched concurrently per batch."
+    fetch_threads: int | None = Field(
+        None, ge=1, le=4096, description="Images fetched concurrently per batch. Empty: the batch "
+        "size, so a batch costs one storage round trip rather than several.",
     )
     cache_gb: float = Field(
         0, ge=0, le=100_000,
@@ -143,6 +144,10 @@ class TrainingConfig(_Strict):
         "rank whose storage stalls longer fails with a TimeoutError naming the images, and the "
         "gang restarts, instead of waiting out the process group's timeout.",
     )
+
+    def fetches_in_flight(self) -> int:
+        """fetch_threads, or the batch size when it is empty."""
+        return self.fetch_threads or self.batch_size
 
 
 class ClusterConfig(_Strict):

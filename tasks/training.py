@@ -126,7 +126,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     def dataset(positions: list[int], transform) -> S3ImageFolder:
         return S3ImageFolder(
             m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions],
-            options, transform, fetch_threads=cfg.fetch_threads, fetch_timeout_s=cfg.fetch_timeout_s,
+            options, transform, fetch_threads=cfg.fetches_in_flight(), fetch_timeout_s=cfg.fetch_timeout_s,
             sizes=[m.sizes[i] for i in positions], cache=cache,
         )
 

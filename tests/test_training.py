@@ -142,3 +142,8 @@ def test_loader_workers_default_to_the_ranks_share_of_cores_less_one():
         assert loader_workers(TrainingConfig(num_workers=2)) == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_batch_is_fetched_in_one_round_trip_unless_fetch_threads_says_otherwise():
+    assert TrainingConfig(batch_size=8).fetches_in_flight() == 8
+    assert TrainingConfig(batch_size=8, fetch_threads=3).fetches_in_flight() == 3
