@@ -152,12 +152,16 @@ def kill_after_first_checkpoint(fs: s3fs.S3FileSystem, prefix: str, pid: int, fl
         time.sleep(0.05)
 
 
-def gang_attempt_lines(flow_run_id) -> dict[int, tuple[list[str], str]]:
-    """What the run's log says of each gang attempt: its workers in rank order and the master host."""
+def run_log(flow_run_id) -> list[str]:
+    """The run's log messages, once the second gang attempt's line is in."""
     with get_client(sync_client=True) as api:
-        logs = all_logs(api, flow_run_id, "Gang attempt 2")
+        return [log.message for log in all_logs(api, flow_run_id, "Gang attempt 2")]
+
+
+def gang_attempts_logged(messages: list[str]) -> dict[int, tuple[list[str], str]]:
+    """What the log says of each gang attempt: its workers in rank order and the master host."""
     return {int(m[1]): ([w.strip(" '") for w in m[2].split(",")], m[3])
-            for log in logs if (m := ATTEMPT_LINE.search(log.message))}
+            for message in messages if (m := ATTEMPT_LINE.search(message))}
 
 
 @pytest.mark.slow
@@ -178,13 +182,16 @@ def test_ranks_on_two_hosts_train_meet_at_rank_0s_address_and_survive_a_killed_w
         finally:
             flow_ended.set()
             killer.join()
-        assert seen.get("killed") == killed_pid, "the first checkpoint never appeared"
-        assert state.is_completed(), state
+        assert state.is_completed(), f"{state.type.value}: {state.message}"
+        assert seen.get("killed") == killed_pid, "the run completed, but no worker was killed after its first checkpoint"
         summary = state.result()
         flow_run_id = state.state_details.flow_run_id
-        logged = gang_attempt_lines(flow_run_id)
+        messages = run_log(flow_run_id)
         assert_no_task_run_left_running(flow_run_id)
+    # The gang's own worker checks found the workers set up as the project's clusters are.
+    assert not [m for m in messages if m.startswith("Worker setup:")]
 
+    logged = gang_attempts_logged(messages)
     worker_hosts = {hosts.net.hosts[name].address for name in WORKERS}
     first, second = summary["attempts"]
     for attempt in (first, second):
