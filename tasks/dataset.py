@@ -12,11 +12,11 @@ stalling the gang. Any fsspec URL works (s3://, file://, local path).
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from fsspec import AbstractFileSystem
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
@@ -25,7 +25,7 @@ from torchvision.transforms import v2
 from tasks.byte_cache import ByteCache
 from tasks.config import TrainingConfig
 from tasks.model import IMAGENET_MEAN, IMAGENET_STD
-from tasks.storage import fetch_objects, filesystem, object_read_options
+from tasks.storage import ProcessFilesystem, fetch_objects, object_read_options
 
 FETCH_ATTEMPTS = 4
 DEFAULT_FETCH_TIMEOUT_S = TrainingConfig.model_fields["fetch_timeout_s"].default
@@ -128,24 +128,14 @@ class S3ImageFolder(Dataset):
         self.fetch_timeout_s = fetch_timeout_s
         self.sizes = list(sizes) if sizes is not None else [None] * len(self.keys)
         self.cache = cache
-        self._fs = None
-        self._root_path = ""
-        self._pid = None
+        self._files = ProcessFilesystem(self.root, self.storage_options)
 
     def __len__(self) -> int:
         return len(self.keys)
 
     @property
-    def fs(self):
-        # Created lazily in each process: a client made before a DataLoader forks would
-        # share its event loop and sockets with the children.
-        if self._fs is None or self._pid != os.getpid():
-            self._fs, self._root_path = filesystem(self.root, self.storage_options)
-            self._pid = os.getpid()
-        return self._fs
-
-    def _path(self, index: int) -> str:
-        return f"{self._root_path}/{self.keys[index]}"
+    def fs(self) -> AbstractFileSystem:
+        return self._files.get()[0]
 
     def fetch(self, indices: Sequence[int]) -> list[bytes]:
         """The bytes of the images at `indices`: from the cache where it has them, else one GET each."""
@@ -163,8 +153,8 @@ class S3ImageFolder(Dataset):
 
     def _get(self, indices: Sequence[int]) -> list[bytes]:
         """The bytes of the images at `indices`, one GET each, retrying transient errors."""
-        fs = self.fs  # first: it sets the root path that `_path` uses
-        paths = [self._path(i) for i in indices]
+        fs, root = self._files.get()
+        paths = [f"{root}/{self.keys[i]}" for i in indices]
         got = fetch_objects(fs, paths, self.fetch_threads, FETCH_ATTEMPTS, self.fetch_timeout_s)
         failed = {path: result for path, result in got.items() if isinstance(result, Exception)}
         if failed:

@@ -32,7 +32,6 @@ import hashlib
 import io
 import math
 import multiprocessing
-import os
 import random
 import tarfile
 from collections import deque
@@ -55,6 +54,7 @@ from tasks.manifest import Manifest
 from tasks.retries import retry_transient
 from tasks.splitting import Split
 from tasks.storage import (
+    ProcessFilesystem,
     child_url,
     fetch_objects,
     filesystem,
@@ -275,9 +275,7 @@ class ShardDataset(IterableDataset):
         self.fetch_timeout_s = fetch_timeout_s
         # Shared memory: persistent loader workers were forked before set_epoch is called.
         self._epoch = multiprocessing.get_context("fork").RawValue("q", 0)
-        self._fs = None
-        self._folder_path = ""
-        self._pid: int | None = None
+        self._files = ProcessFilesystem(folder, self.storage_options)
 
     def set_epoch(self, epoch: int) -> None:
         self._epoch.value = epoch
@@ -316,15 +314,6 @@ class ShardDataset(IterableDataset):
         if batch:
             yield self.collate(batch)
 
-    @property
-    def fs(self):
-        # Created lazily in each process, as S3ImageFolder.fs: a client made before the
-        # DataLoader forks would share its event loop and sockets with the children.
-        if self._fs is None or self._pid != os.getpid():
-            self._fs, self._folder_path = filesystem(self.folder, self.storage_options)
-            self._pid = os.getpid()
-        return self._fs
-
     def _samples(self, shards: list[int], cap: int) -> Iterator[tuple[bytes, int]]:
         """The first `cap` images of `shards`, read in order, the next `self.ahead` shards fetched meanwhile.
 
@@ -339,7 +328,7 @@ class ShardDataset(IterableDataset):
             held += self.index.images[shard]
         if not needed:
             return
-        self.fs  # noqa: B018 - the client is created here, before the fetching threads share it
+        self._files.get()  # the client is made here, before the fetching threads share it
         taken = 0
         with ThreadPoolExecutor(max_workers=self.ahead) as prefetcher:
             fetches = deque(prefetcher.submit(self._fetch, shard) for shard in needed[: self.ahead])
@@ -355,8 +344,8 @@ class ShardDataset(IterableDataset):
 
     def _fetch(self, shard: int) -> bytes:
         """A whole shard, with one GET (retried on transient errors, bounded by fetch_timeout_s)."""
-        fs = self.fs
-        path = f"{self._folder_path}/{self.index.shards[shard]}"
+        fs, folder = self._files.get()
+        path = f"{folder}/{self.index.shards[shard]}"
         result = fetch_objects(fs, [path], 1, FETCH_ATTEMPTS, self.fetch_timeout_s)[path]
         if isinstance(result, TimeoutError):
             raise FetchTimeout(

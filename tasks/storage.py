@@ -67,6 +67,25 @@ def filesystem(url: str, storage_options: dict[str, Any]) -> tuple[AbstractFileS
     return fs, path.rstrip("/")
 
 
+class ProcessFilesystem:
+    """The filesystem of `url`, made again in each process that asks for it.
+
+    Datasets hold one of these instead of a filesystem: a client made before a DataLoader
+    forks would share its event loop and sockets with the children.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+        self.url = url
+        self.storage_options = storage_options
+        self._made: tuple[int, AbstractFileSystem, str] | None = None
+
+    def get(self) -> tuple[AbstractFileSystem, str]:
+        """(filesystem, the path of `url` in it), made in this process."""
+        if self._made is None or self._made[0] != os.getpid():
+            self._made = (os.getpid(), *filesystem(self.url, self.storage_options))
+        return self._made[1], self._made[2]
+
+
 def child_url(base: str, *parts: str) -> str:
     """Join `parts` below `base`, refusing any part that would step outside of it.
 
