@@ -9,6 +9,7 @@ training loop runs unchanged in a unit test, on one worker and on many.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -32,6 +33,31 @@ def tcp_init_method(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def interface_holding(address: str) -> str | None:
+    """The name of this machine's network interface that has `address`, if one has it."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.address.split("%")[0] == address for entry in addresses):
+            return name
+    return None
+
+
+def choose_gloo_interface(own_address: str | None) -> None:
+    """Point gloo at the interface of this rank's own address, unless its owner already did.
+
+    gloo offers its peers the address its host name resolves to. Where that is loopback
+    (Debian's `127.0.1.1` line; `127.0.0.1` on this machine), ranks on other hosts are told
+    to connect to 127.0.0.1 and init fails with "connectFullMesh failed ...
+    remote=[127.0.0.1]". The address the rank's Dask worker listens on is one its peers
+    can reach, so gloo uses that address's interface. gloo reads only the environment.
+    """
+    if own_address and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = interface_holding(own_address)
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
 @contextmanager
 def process_group(
     *,
@@ -41,10 +67,13 @@ def process_group(
     master_addr: str,
     master_port: int,
     timeout: timedelta,
+    own_address: str | None = None,
 ) -> Iterator[None]:
     """Join the gang's process group for the duration of the block.
 
     `master_addr` is a bare host name or address, IPv4 or IPv6 (`::1`, no brackets).
+    `own_address` is the address this rank's peers reach it at (its Dask worker's host):
+    gloo sends from that address's interface (`choose_gloo_interface`).
 
     The group is destroyed on the way out whatever happens inside; a failure to destroy it
     is logged, never raised over the error that ended the block.
@@ -58,6 +87,8 @@ def process_group(
             f"{dist.get_world_size()}), so it cannot join another as rank {rank}: two gangs "
             "share a Dask worker. Give each concurrent gang its own workers."
         )
+    if backend == "gloo":
+        choose_gloo_interface(own_address)
     dist.init_process_group(
         backend=backend,
         init_method=tcp_init_method(master_addr, master_port),

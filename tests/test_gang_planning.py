@@ -1,5 +1,6 @@
 """Fast unit tests of how a gang is laid out and how a rank's process group behaves alone."""
 
+import os
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -13,7 +14,9 @@ from tasks.gang.plan import free_port, plan_ranks
 from tasks.gang.worker_checks import probe_worker
 from tasks.process_group import (
     all_reduce_sum,
+    choose_gloo_interface,
     default_backend,
+    interface_holding,
     process_group,
     sync_buffers,
     tcp_init_method,
@@ -203,3 +206,19 @@ def test_attempts_travel_with_results_and_errors_through_pickling():
     assert type(error) is GangTimeout and error.attempts == [attempt]
     assert str(error) == ("too slow [after 1 attempt(s) of at most 3 (max_restarts=2); this error's .attempts "
                           "lists each one's workers and end]")
+
+
+def test_gloo_sends_from_the_interface_of_the_ranks_own_address():
+    before = os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    try:
+        choose_gloo_interface("203.0.113.9")  # an address no interface here has: left to gloo
+        assert "GLOO_SOCKET_IFNAME" not in os.environ
+        choose_gloo_interface("127.0.0.1")
+        assert os.environ["GLOO_SOCKET_IFNAME"] == interface_holding("127.0.0.1") == "lo"
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth7"  # the cluster owner's choice stands
+        choose_gloo_interface("127.0.0.1")
+        assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        if before is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = before

@@ -45,7 +45,7 @@ from tasks.gang.plan import host_of
 from tests.api_helpers import assert_no_task_run_left_running
 from tests.conftest import BUCKET
 from tests.flow_runs import block_copy, run_tiny_flow
-from tests.netns import HOST_INTERFACE, Network, forward, network, unavailable
+from tests.netns import Network, forward, network, unavailable
 from tests.test_secrets import all_logs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,11 +97,11 @@ def hosts(prefect_api: str, s3_endpoint: str, image_location: DataLocation, tmp_
         env = {k: v for k, v in os.environ.items() if k != "MALLOC_TRIM_THRESHOLD_"} | {
             "DASK_CONFIG": str(dask_config_file(tmp_path)),
             "PREFECT_API_URL": api_url,
-            # This machine's hostname resolves to 127.0.0.1, as Debian's 127.0.1.1 line makes
-            # it on many real hosts; gloo then offers its peers loopback ("connectFullMesh
-            # failed ... remote=[127.0.0.1]"). Real clusters set this too; see the README.
-            "GLOO_SOCKET_IFNAME": HOST_INTERFACE,
         }
+        # No GLOO_SOCKET_IFNAME: this machine's hostname resolves to 127.0.0.1, as Debian's
+        # 127.0.1.1 line makes it on many real hosts, and the ranks must pick the interface of
+        # their worker's address themselves (tasks.process_group.choose_gloo_interface).
+        env.pop("GLOO_SOCKET_IFNAME", None)
         scheduler = net.hosts["scheduler"].address
         net.start("scheduler", [DASK, "scheduler", "--host", scheduler, "--port", str(SCHEDULER_PORT),
                                 "--no-dashboard"], tmp_path / "scheduler.log", env, REPO)

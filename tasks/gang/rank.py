@@ -19,6 +19,7 @@ from prefect.states import Cancelled, State
 
 from tasks.gang.context import RankContext
 from tasks.gang.errors import GangStopped
+from tasks.gang.plan import host_of
 from tasks.gang.stopping import stop_requested
 from tasks.process_group import process_group
 
@@ -59,6 +60,7 @@ def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankCo
         master_addr=ctx.master_addr,
         master_port=ctx.master_port,
         timeout=timedelta(seconds=ctx.init_timeout_s),
+        own_address=host_of(ctx.worker_address),
     ):
         try:
             return train_fn(ctx, config)
