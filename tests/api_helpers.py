@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
 
 def rank_task_runs(flow_run_id, expected: int):
@@ -39,4 +39,14 @@ def assert_no_task_run_left_running(flow_run_id, settle_s: float = 15) -> list:
             return runs
         if time.monotonic() > deadline:
             raise AssertionError(f"task runs left unfinished after the flow ended: {unfinished}")
+        time.sleep(0.5)
+
+
+def all_logs(api, flow_run_id, last_words: str) -> list:
+    """The run's log lines, once the ranks' (shipped from the workers, a moment late) are in."""
+    deadline = time.monotonic() + 30
+    while True:
+        logs = api.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        if any(last_words in log.message for log in logs) or time.monotonic() > deadline:
+            return logs
         time.sleep(0.5)

@@ -42,11 +42,10 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from blocks.cluster import TRAINING_DASK_CONFIG
 from blocks.data_location import DataLocation
 from tasks.gang.plan import host_of
-from tests.api_helpers import assert_no_task_run_left_running
+from tests.api_helpers import all_logs, assert_no_task_run_left_running
 from tests.conftest import BUCKET
 from tests.flow_runs import block_copy, run_tiny_flow
 from tests.netns import Network, forward, network, unavailable
-from tests.test_secrets import all_logs
 
 REPO = Path(__file__).resolve().parent.parent
 DASK = str(Path(sys.executable).with_name("dask"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from pathlib import Path
 
@@ -16,22 +15,11 @@ from prefect.client.schemas.filters import (
     ArtifactFilterFlowRunId,
     FlowRunFilter,
     FlowRunFilterId,
-    LogFilter,
-    LogFilterFlowRunId,
 )
 
 from blocks.data_location import DataLocation
+from tests.api_helpers import all_logs
 from tests.flow_runs import block_copy, run_tiny_flow
-
-
-def all_logs(api, flow_run_id, last_words: str) -> list:
-    """The run's log lines, once the ranks' (shipped from the workers, a moment late) are in."""
-    deadline = time.monotonic() + 30
-    while True:
-        logs = api.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-        if any(last_words in log.message for log in logs) or time.monotonic() > deadline:
-            return logs
-        time.sleep(0.5)
 
 
 def server_records(flow_run_id) -> dict[str, str]:
