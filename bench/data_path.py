@@ -61,7 +61,7 @@ from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
 from deployments.sample_data import CLASSES, draw_shape, shapes_dataset
 from tasks.byte_cache import ByteCache
 from tasks.config import TrainingConfig
-from tasks.dataset import S3ImageFolder, eval_transform
+from tasks.dataset import S3ImageFolder, eval_transform, forked_workers
 from tasks.manifest import Manifest
 from tasks.shards import ShardDataset, ShardIndex, ShardLoader, write_shards
 
@@ -316,7 +316,7 @@ def measure(dataset: Dataset, workers: int, server: S3Endpoint | None, repeats: 
     """
     options: dict[str, Any] = {"num_workers": workers}
     if workers:
-        options |= {"multiprocessing_context": "fork", "persistent_workers": True}
+        options |= {**forked_workers(), "persistent_workers": True}
     if isinstance(dataset, ShardDataset):
         loader, indices = ShardLoader(dataset, **options), None
     else:

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from bench.data_path import BUCKET, Source, machine, photo_dataset, read_ours, write_files
 from bench.s3_endpoints import latency_endpoint
 from tasks.config import ModelConfig, TrainingConfig
-from tasks.dataset import train_transform
+from tasks.dataset import forked_workers, train_transform
 from tasks.device_batches import ToDevice, encoded_collate
 from tasks.model import build_model
 from tasks.training import autocast_dtype, build_optimizer
@@ -117,7 +117,7 @@ def s3_loader(source: Source, args: argparse.Namespace, on_device: bool) -> Data
     dataset = read_ours(source, fetch_threads=args.batch_size)
     if on_device:
         dataset.transform = None  # serve encoded bytes; the rank decodes them
-    options = {"multiprocessing_context": "fork", "persistent_workers": True, "prefetch_factor": 4} if args.workers else {}
+    options = {**forked_workers(), "persistent_workers": True, "prefetch_factor": 4} if args.workers else {}
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=args.workers,
                       pin_memory=args.device == "cuda", collate_fn=encoded_collate if on_device else None, **options)
 

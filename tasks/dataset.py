@@ -12,12 +12,14 @@ stalling the gang. Any fsspec URL works (s3://, file://, local path).
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import thread as executor_threads
 from typing import Any
 
 import numpy as np
-from fsspec import AbstractFileSystem
 import torch
+from fsspec import AbstractFileSystem
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
@@ -77,6 +79,30 @@ def eval_transform(image_size: int) -> Callable:
         v2.ToDtype(torch.float32, scale=True),
         v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
     ])
+
+
+def forget_parent_exit_hooks(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: drop the exit hooks a forked loader worker inherited.
+
+    Prefect registers a threading exit hook for each background service it starts (log and
+    event shipping); a rank's process has them, and a loader worker forked from it inherits
+    the hooks but not the services' threads. At the worker's exit the hook fails, and
+    multiprocessing then ends the worker with code 1 without a word: torch reports
+    "DataLoader worker exited unexpectedly with exit code 1", at the end of an epoch or when
+    the loader is collected. concurrent.futures' hook stays: it stops executors the worker
+    itself started.
+    """
+    hooks = threading._threading_atexits  # type: ignore[attr-defined]
+    hooks[:] = [hook for hook in hooks if hook is executor_threads._python_exit]
+
+
+def forked_workers() -> dict[str, Any]:
+    """DataLoader options for loader processes forked from a rank.
+
+    Fork, not the spawn Dask workers default to: spawn starts Python afresh, 18 s per loader
+    start in a Dask worker here against 0.5 s forked.
+    """
+    return {"multiprocessing_context": "fork", "worker_init_fn": forget_parent_exit_hooks}
 
 
 class FetchTimeout(OSError):

@@ -33,7 +33,7 @@ from blocks.data_location import DataLocation
 from tasks.byte_cache import ByteCache
 from tasks.checkpoints import TrainingState, job_fingerprint, record_attempt
 from tasks.config import ModelConfig, TrainingConfig
-from tasks.dataset import S3ImageFolder, eval_transform, train_transform
+from tasks.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform
 from tasks.device_batches import ToDevice, encoded_collate
 from tasks.gang import RankContext
 from tasks.manifest import Manifest
@@ -143,8 +143,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": ctx.device.startswith("cuda")}
     if workers:
         require_non_daemonic(workers)
-        # Dask workers start processes with spawn: 18 s per loader start here, fork 0.5 s.
-        loader_options |= {"multiprocessing_context": "fork", "persistent_workers": True}
+        loader_options |= {**forked_workers(), "persistent_workers": True}
     val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
     val_loader = DataLoader(val_set, sampler=val_shard, **per_image, **loader_options)
     if cfg.images_per_shard:

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from blocks.data_location import DataLocation
 from tasks.byte_cache import ByteCache
-from tasks.dataset import S3ImageFolder, eval_transform
+from tasks.dataset import S3ImageFolder, eval_transform, forked_workers
 from tests.faulty_s3 import FaultyS3, faulty_s3
 from tests.flow_runs import block_copy
 
@@ -31,13 +31,11 @@ def image_folder(location: DataLocation, s3_fs, cache: ByteCache) -> S3ImageFold
 
 
 def epoch(dataset: S3ImageFolder, num_workers: int) -> torch.Tensor:
-    options = {"multiprocessing_context": "fork"} if num_workers else {}
+    options = forked_workers() if num_workers else {}
     return torch.cat([images for images, _ in DataLoader(dataset, batch_size=5, num_workers=num_workers, **options)])
 
 
-# With 2 forked loader workers a worker exited with code 1 in two clean-clone runs (not
-# reproducible in this checkout); only the single-process case is kept until that is found.
-@pytest.mark.parametrize("num_workers", [0])
+@pytest.mark.parametrize("num_workers", [0, 2])
 def test_later_epochs_read_the_cache_and_send_no_get(image_location, s3_fs, front, tmp_path, num_workers):
     dataset = image_folder(block_copy(image_location, endpoint_url=front.endpoint), s3_fs, ByteCache(10**8, tmp_path))
     first = epoch(dataset, num_workers)

@@ -5,7 +5,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from tasks.dataset import S3ImageFolder, eval_transform
+from tasks.dataset import S3ImageFolder, eval_transform, forked_workers
 from tasks.indexing import build_manifest, list_folder
 from tasks.validation import decode_chunk
 from tests.faulty_s3 import faulty_s3
@@ -108,3 +108,13 @@ def test_the_connection_pool_holds_every_fetch_thread_and_keeps_other_client_set
     config = dataset.fs.s3.meta.config
     assert config.max_pool_connections >= 48
     assert config.retries["total_max_attempts"] == 2
+
+
+def test_loader_workers_forked_from_a_process_running_prefect_services_exit_cleanly(prefect_api):
+    # A rank's process ships its logs through Prefect's APILogWorker; loader workers forked
+    # from it inherited its exit hook and ended with code 1 ("exited unexpectedly").
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.instance()  # started here as in a rank (idempotent: one per process)
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, **forked_workers())
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -31,15 +31,13 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
-    LogFilter,
-    LogFilterFlowRunId,
 )
 from prefect_dask import DaskTaskRunner
 
 from blocks.cluster import DaskCluster
 from tasks.gang import GangRefused, run_gang
 from tasks.gang.worker_checks import api_error, check_workers, find_problems, probe_worker
-from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
+from tests.api_helpers import all_logs, assert_no_task_run_left_running, rank_task_runs
 from tests.flow_runs import run_tiny_flow
 from tests.gang_functions import report_rank
 
@@ -157,12 +155,16 @@ def facts(probes: list[dict]) -> set[tuple]:
     return {(p["daemon"], p["malloc_trim_threshold"], p["profiler"], p["rank_api_url"], p["api_error"]) for p in probes}
 
 
-def run_records(flow_run_id) -> tuple[dict[str, str], list[str]]:
-    """The flow run's artifacts by key, and its log messages."""
+def run_records(flow_run_id, last_words: str = "") -> tuple[dict[str, str], list[str]]:
+    """The flow run's artifacts by key, and its log messages once one holds `last_words`.
+
+    Logs reach the server in batches a moment after the run ends: read too soon, the run's
+    last lines are missing.
+    """
     with get_client(sync_client=True) as api:
         artifacts = api.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-        logs = api.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        logs = all_logs(api, flow_run_id, last_words)
     return {a.key: a.data for a in artifacts}, [log.message for log in logs]
 
 
@@ -270,7 +272,7 @@ def test_slow_settings_are_warned_about_and_the_gang_still_runs(default_cluster,
     assert result["ctx"].world_size == 1 and result["rank_sum"] == 0.0
     flow_run_id = state.state_details.flow_run_id
     assert [run.state.type.value for run in rank_task_runs(flow_run_id, expected=1)] == ["COMPLETED"]
-    artifacts, logs = run_records(flow_run_id)
+    artifacts, logs = run_records(flow_run_id, "Worker setup: distributed.worker.profile.enabled")
     warnings = [line for line in logs if line.startswith("Worker setup: ")]
     assert len(warnings) == 3 and any("MALLOC_TRIM_THRESHOLD_=65536" in line for line in warnings)
     assert "**warning**: distributed.worker.daemon=True" in artifacts["worker-setup"]

@@ -24,7 +24,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
 from blocks.data_location import DataLocation
-from tasks.dataset import FetchTimeout
+from tasks.dataset import FetchTimeout, forked_workers
 from tasks.gang.plan import free_port
 from tasks.manifest import Manifest
 from tasks.process_group import process_group
@@ -91,7 +91,7 @@ def source_gets(front: FaultyS3) -> int:
 
 def read_epoch(dataset: ShardDataset, epoch: int, num_workers: int) -> tuple[list[int], list[int], int]:
     """(image numbers in order, labels, batches) of one epoch through a real DataLoader."""
-    options = {"multiprocessing_context": "fork"} if num_workers else {}
+    options = forked_workers() if num_workers else {}
     loader = ShardLoader(dataset, num_workers=num_workers, **options)
     loader.sampler.set_epoch(epoch)
     numbers, labels, batches = [], [], 0
@@ -147,7 +147,7 @@ def rank_of_two(rank: int, port: int, folder: str, index: dict, storage_options:
         shards = ShardDataset(folder, ShardIndex.model_validate(index), storage_options, image_number, 2, rank, 2,
                               workers)
         steps, numbers = 0, []
-        for images, _ in ShardLoader(shards, num_workers=workers, multiprocessing_context="fork"):
+        for images, _ in ShardLoader(shards, num_workers=workers, **forked_workers()):
             dist.all_reduce(torch.ones(1))  # a rank with fewer batches would leave the other waiting here
             steps += 1
             numbers += images.tolist()
