@@ -24,7 +24,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
 from blocks.data_location import DataLocation
-from tasks.dataset import FetchTimeout, forked_workers
+from tasks.dataset import FetchTimeout, forget_parent_exit_hooks, forked_workers
 from tasks.gang.plan import free_port
 from tasks.manifest import Manifest
 from tasks.process_group import process_group
@@ -140,7 +140,10 @@ def rank_of_two(rank: int, port: int, folder: str, index: dict, storage_options:
     """One gloo rank: a collective after every batch, as DDP's backward.
 
     Rank 0 could have 3 loader workers and rank 1 2 (sized by their hosts' cores): both use 2.
+    Forked from this test process, it drops the Prefect exit hooks it inherited, as a loader
+    worker does (else it ends with code 1 when the session has run a flow before).
     """
+    forget_parent_exit_hooks(rank)
     with process_group(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
                        timeout=timedelta(seconds=30)):
         workers = fewest_loader_workers(3 - rank)
