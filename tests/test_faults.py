@@ -14,23 +14,26 @@ from tests.faulty_s3 import faulty_s3
 from tests.flow_runs import block_copy, run_tiny_flow
 
 FETCH_TIMEOUT_S = 5
-STALL_WINDOW_S = FETCH_TIMEOUT_S + 1
-BATCH = 4  # tests.flow_runs.TINY_TRAINING's batch_size
 
 
 def stall_training_for_a_while(front, seen: dict) -> None:
-    """Once training fetches (an image's second GET: decode-check made the first), hold the
-    next batch of GETs of both ranks, longer than their fetch timeout, so both fail."""
+    """Once training fetches (an image's second GET: decode-check made the first), hold every
+    GET that arrives before the ranks' fetch timeout can end the attempt.
+
+    A held batch fails its rank FETCH_TIMEOUT_S after it was sent, and a rank sends nothing
+    else while it waits, so every GET from the first attempt's last batches arrives inside
+    the window and the re-formed gang's, which cannot start before the timeout, after it.
+    (Counting the GETs to hold instead raced with a batch half sent when the rule began.)
+    """
     deadline = time.monotonic() + 300
     while not any(n > 1 for key, n in list(front.gets.items()) if key.endswith(".jpg")):
         if time.monotonic() > deadline:
             return
         time.sleep(0.01)
-    # Exactly the GETs of the batches both ranks fetch next (batch 4): the re-formed gang's
-    # GETs pass, however soon it starts.
-    front.stall_gets("*", seconds=120, times=2 * BATCH)
-    seen["stalled"] = front.wait_stalled(timeout=STALL_WINDOW_S)
-    time.sleep(STALL_WINDOW_S)
+    window_ends = time.monotonic() + FETCH_TIMEOUT_S - 0.5
+    front.stall_gets("*", seconds=120)
+    seen["stalled"] = front.wait_stalled(timeout=FETCH_TIMEOUT_S - 1)
+    time.sleep(max(0.0, window_ends - time.monotonic()))
     front.clear()
 
 

@@ -33,6 +33,8 @@ FAILURE_GRACE_S = 15.0
 # When one rank raises, its peers fail milliseconds later on the closed connection; wait
 # this long for them so the report names the rank that failed first-hand.
 PEER_FAILURE_WINDOW_S = 5.0
+# Between two reads of the worker set that must both miss a rank's worker to call it gone.
+DEPARTURE_CONFIRM_S = 1.0
 # What a rank reports when a peer, not itself, went wrong (gloo and NCCL wordings).
 PEER_LOSS = re.compile(r"closed by peer|reset by peer|Broken pipe|remote process exited|Connection refused", re.I)
 WORKER_RETURN_TIMEOUT_S = 60.0
@@ -98,13 +100,20 @@ def supervise(
 
 
 def _departures(client: distributed.Client, pending: dict[distributed.Future, RankContext]) -> list[str]:
-    """Why each unfinished rank whose worker left the cluster will never finish."""
-    if not pending:
-        return []
-    alive = set(cluster_workers(client))
+    """Why each unfinished rank whose worker left the cluster will never finish.
+
+    A departure is confirmed by a second read of the worker set: one read came back without
+    live workers here once (while the Prefect server was down), and a worker that really
+    left never comes back at its address (the nanny restarts it at a new one).
+    """
+    gone = [c for c in pending.values() if c.worker_address not in set(cluster_workers(client))]
+    if gone:
+        time.sleep(DEPARTURE_CONFIRM_S)
+        alive = set(cluster_workers(client))
+        gone = [c for c in gone if c.worker_address not in alive]
     return [
         f"Worker {c.worker_address} of rank {c.rank} left the cluster (killed, out of memory or lost) while training"
-        for c in pending.values() if c.worker_address not in alive
+        for c in gone
     ]
 
 
