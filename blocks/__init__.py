@@ -1,6 +1,7 @@
-"""Prefect blocks: where data lives and which Dask cluster runs the ranks."""
+"""Prefect blocks: where data lives, which Dask cluster runs the ranks, where sweeps keep studies."""
 
 from blocks.cluster import DaskCluster
 from blocks.data_location import DataLocation
+from blocks.study_storage import StudyStorage
 
-__all__ = ["DaskCluster", "DataLocation"]
+__all__ = ["DaskCluster", "DataLocation", "StudyStorage"]

@@ -106,14 +106,13 @@ def main(argv: list[str] | None = None) -> dict:
         summary = transfer_learning(**demo_parameters(args.epochs, args.output, model_name="demo"))
         # Ship the last log lines before the server they go to stops.
         APILogWorker.drain_all(timeout=5)
-    print(f"\nValidation accuracy: {summary['final_val_acc']:.3f} "
-          f"(best {summary['best_val_acc']:.3f} at epoch {summary['best_epoch']}; chance is "
-          f"{1 / 3:.3f})")
+    print(f"\nValidation accuracy: {summary['best_val_acc']:.3f} (epoch {summary['best_epoch']}, whose "
+          f"weights the model holds; the last epoch's: {summary['final_val_acc']:.3f}; chance is {1 / 3:.3f})")
     print(f"Model:  {summary['files']['model.pt']}")
     print(f"Report: {summary['files']['report.md']}")
     promotion = summary["promotion"]
-    print(f"Kept model: {'promoted to' if promotion['promoted'] else 'not promoted; still'} "
-          f"{promotion['latest_url']} ({promotion['reason']})")
+    print(f"Kept model: {'promoted' if promotion['promoted'] else 'not promoted'}; {promotion['pointer_url']} "
+          f"points to {promotion['kept_url']} ({promotion['reason']})")
     print(f"To browse the run: prefect server start, then open http://127.0.0.1:4200/runs "
           f"(server logs: {logs})")
     return summary

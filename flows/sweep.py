@@ -13,12 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
+from prefect.runtime import deployment
 from prefect.states import State
 
+from blocks.data_location import DataLocation
 from flows.transfer_learning import cluster_runner, data_location, output_base, transfer_learning
 from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig, with_overrides
 from tasks.gang.trial import TrialLink, training_trial
+from tasks.promotion import POINTER, Promotion, kept_location, promote, read_pointer
 from tasks.search_space import Dimension, with_params
+from tasks.storage import child_url, read_json
 from tasks.sweep import SweepSettings, open_study, run_trials, study_storage, trial_run_name
 from tasks.sweep_report import publish_sweep_report
 
@@ -34,6 +38,7 @@ def trial_outcome(state: State) -> dict[str, Any]:
         return {"state": "failed", "message": state.message}
     summary = state.result()
     return {"state": "completed", "model_url": summary["files"]["model.pt"],
+            "flow_run_id": str(state.state_details.flow_run_id),
             "workers": [rank["worker_address"] for rank in summary["ranks"]]}
 
 
@@ -78,11 +83,11 @@ def hyperparameter_sweep(
     """
     check_space(space)
     data = with_overrides(data or DataConfig.model_construct())
+    out = output_base(output, data_location(data))
+    kept = kept_location(out, promotion_name(settings, output)) if settings.promote else None
     base = {"data": data.model_dump(), "model": model.model_dump(),
             "training": training.model_dump(), "output": output.model_dump()}
-    out = output_base(output, data_location(data))
-    storage = study_storage(settings, out.url)
-    study = open_study(settings, space, storage, max_epochs=training.epochs)
+    study = open_study(settings, space, study_storage(settings, out.url), max_epochs=training.epochs)
     with cluster_runner(cluster) as runner:
         shared = cluster.model_copy(update={
             "address": runner.client.scheduler.address, "block": None,
@@ -93,5 +98,31 @@ def hyperparameter_sweep(
             parameters = with_params(base, trial.params) | {"cluster": shared.model_dump()}
             return transfer_learning_trial(parameters, link, trial_run_name(trial.number, trial.params))
 
-        run_trials(study, space, settings, storage, train_trial)
-    return publish_sweep_report(study, settings, out)
+        run_trials(study, space, settings, runner.client, train_trial)
+    record = publish_sweep_report(study, settings, out)
+    return record | {"promotion": promote_best(record["best"], out, kept).model_dump() if kept else None}
+
+
+def promotion_name(settings: SweepSettings, output: OutputConfig) -> str:
+    """The name the best trial is promoted under: output.model_name, else the deployment's."""
+    name = output.model_name or deployment.get_name()
+    if not name:
+        raise ValueError(
+            f"settings.promote=true keeps the best trial's model under output.model_name or the deployment's "
+            f"name, but this sweep ({settings.name!r}) runs outside a deployment and sets no output.model_name. "
+            "Set output.model_name, run it from a deployment, or set settings.promote=false."
+        )
+    return name
+
+
+def promote_best(best: dict[str, Any] | None, out: DataLocation, kept: DataLocation) -> Promotion:
+    """Promote the sweep's best trial once, as a deployment's run is promoted: only when it
+    is at least as good, by the val accuracy of the epoch its model holds, as the model kept."""
+    if best is None:
+        pointer = read_pointer(kept)
+        return Promotion(promoted=False, reason="no trial completed, so there was nothing to promote",
+                         pointer_url=child_url(kept.url, POINTER), kept_url=pointer["version"] if pointer else None)
+    run_output = out.with_url(best["model_url"].rsplit("/", 1)[0])
+    summary = read_json(child_url(run_output.url, "metrics.json"), run_output.storage_options())
+    run = {"name": best["run"], "flow_run_id": best["flow_run_id"], "deployment": deployment.get_name()}
+    return promote(summary, run_output, kept, run)

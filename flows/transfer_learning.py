@@ -15,7 +15,6 @@ shortcuts (`data_url`, `epochs`, `lr`, ...) change one nested field from the CLI
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ from prefect_dask import DaskTaskRunner
 
 from blocks.cluster import DaskCluster
 from blocks.data_location import DataLocation
+from blocks.saved import load_block
 from tasks.aggregation import aggregate
 from tasks.config import (
     BackboneChoice,
@@ -49,25 +49,14 @@ from tasks.gang.plan import cluster_workers
 from tasks.gang.trial import current_trial
 from tasks.indexing import index_images
 from tasks.model import check_starting_weights
-from tasks.promotion import WarmStart, find_warm_start, latest_location, promote
+from tasks.promotion import WarmStart, find_warm_start, kept_location, promote
 from tasks.report import publish_report
 from tasks.shards import write_train_shards
 from tasks.splitting import split_dataset
 from tasks.run_folder import claim_run_folder, run_folder_name
-from tasks.storage import child_url
+from tasks.storage import absolute_url, child_url
 from tasks.training import TrainJob, train_classifier
 from tasks.validation import validate_dataset, validate_source
-
-
-def load_block(block_class: type, name: str):
-    try:
-        return block_class.load(name)
-    except ValueError as exc:
-        raise ValueError(
-            f"No {block_class.get_block_type_slug()} block named {name!r} on this Prefect "
-            f"server ({exc}). Create it with {block_class.__name__}(...).save({name!r}) or in "
-            "the UI under Blocks."
-        ) from exc
 
 
 def data_location(data: DataConfig) -> DataLocation:
@@ -86,14 +75,12 @@ def output_base(output: OutputConfig, source: DataLocation) -> DataLocation:
         base = source.with_url(output.url)
     else:
         base = DataLocation(url=output.url)
-    if "://" not in base.url:
-        # Ranks run in other processes; make a relative folder mean the flow's folder.
-        base = base.with_url(os.path.abspath(base.url))
-    return base
+    return base.with_url(absolute_url(base.url))
 
 
 def kept_model_name(output: OutputConfig, model: ModelConfig) -> str | None:
-    """Under which name this run's best model is kept: output.model_name, else the deployment's."""
+    """Under which name the best model of this run's kind is kept: output.model_name, else the
+    deployment's (sweep trials inherit their sweep's; they warm-start from it but never promote)."""
     name = output.model_name or deployment.get_name()
     if model.warm_start and not name:
         raise ValueError(
@@ -179,14 +166,14 @@ def transfer_learning(
     run = {"name": flow_run.get_name() or "run", "flow_run_id": flow_run.get_id(),
            "deployment": deployment.get_name()}
     out = base.with_url(child_url(base.url, run_folder_name(run["name"], run["flow_run_id"])))
-    latest = latest_location(base, kept_name) if kept_name else None
+    kept = kept_location(base, kept_name) if kept_name else None
     validate_source(source)
     claim_run_folder(out, run)
     manifest = index_images.with_options(
         cache_expiration=timedelta(minutes=data.index_cache_minutes),
         refresh_cache=data.index_cache_minutes == 0,
     )(source)
-    warm = find_warm_start(latest, model.backbone, manifest.classes) if model.warm_start else None
+    warm = find_warm_start(kept, model.backbone, manifest.classes) if model.warm_start else None
     if not warm:
         check_starting_weights(model, len(manifest.classes), source)
     with cluster_runner(cluster) as runner:
@@ -212,12 +199,14 @@ def transfer_learning(
             trial=current_trial(),
         )
     summary = aggregate(results, manifest, split, out, [asdict(a) for a in results.attempts])
+    in_sweep = current_trial() is not None
     if summary["pruned_at"]:  # a sweep stopped it early: a partial model is kept by no one
-        publish_report(summary, manifest, out, None, warm)
+        publish_report(summary, manifest, out, None, warm, in_sweep)
         return Completed(name="Pruned", message=f"pruned at epoch {summary['pruned_at']}",
                          data=summary | {"promotion": None})
-    promotion = promote(summary, out, latest, run) if latest else None
-    publish_report(summary, manifest, out, promotion, warm)
+    # A sweep's trials never promote on their own: the sweep may promote its best one at its end.
+    promotion = promote(summary, out, kept, run) if kept and not in_sweep else None
+    publish_report(summary, manifest, out, promotion, warm, in_sweep)
     return summary | {"promotion": promotion.model_dump() if promotion else None}
 
 

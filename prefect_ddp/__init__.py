@@ -8,6 +8,7 @@ may change shape between releases, these names will not.
 
 from blocks.cluster import DaskCluster
 from blocks.data_location import DataLocation
+from blocks.study_storage import StudyStorage
 from flows.sweep import hyperparameter_sweep
 from flows.transfer_learning import transfer_learning
 from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
@@ -33,6 +34,7 @@ __all__ = [
     "OutputConfig",
     "RankContext",
     "S3ImageFolder",
+    "StudyStorage",
     "SweepSettings",
     "TrainingConfig",
     "all_reduce_sum",

@@ -43,8 +43,10 @@ def attempt_rows(gang_attempts: list[dict[str, Any]], resumes: list[dict[str, An
 
 def summarize(results: list[dict[str, Any]], split: Split,
               gang_attempts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The run's record. `best_epoch` is the epoch whose weights rank 0 kept in model.pt (by
+    tasks.selection's rule), so the summary, the report and promotion name that model."""
     history = global_history(results)
-    best = max(history, key=lambda h: (h["val_acc"], -h["val_loss"]))
+    best = next(h for h in history if h["epoch"] == results[0]["best_epoch"])
     return {
         "world_size": len(results),
         "ranks": [{"rank": r["rank"], "worker_address": r["worker_address"]} for r in results],
@@ -54,6 +56,7 @@ def summarize(results: list[dict[str, Any]], split: Split,
         "history": history,
         "best_epoch": best["epoch"],
         "best_val_acc": best["val_acc"],
+        "selected_by": results[0]["selected_by"],
         "final_val_acc": history[-1]["val_acc"],
         "final_val_loss": history[-1]["val_loss"],
         "pruned_at": results[0].get("pruned_at"),

@@ -200,9 +200,9 @@ class OutputConfig(_Strict):
     )
     model_name: str | None = Field(
         None,
-        description="Keep the best model of the runs sharing this name in URL/NAME/latest/: a run "
-        "replaces it only when its final val accuracy is at least as good. Empty: the "
-        "deployment's name; a run outside a deployment keeps none.",
+        description="Keep the best model of the runs sharing this name under URL/NAME/ (NAME/latest.json "
+        "names the version kept): a run replaces it only when its model's val accuracy is at least as "
+        "good. Empty: the deployment's name; a run outside a deployment keeps none; sweep trials never promote.",
     )
     shared: bool = Field(
         False,

@@ -1,14 +1,24 @@
 """Keep the best model of a deployment's runs: promote a run's model only when it is no worse.
 
 A scheduled deployment retrains every night on whatever is in the bucket; a bad night (a
-broken upload, an unlucky seed) must not replace a good model. Each run's final val
-accuracy is compared with the model kept under `<output>/<name>/latest/`, and the new one
-takes its place only when it is at least as good. `name` is the deployment's name, or
-`output.model_name`.
+broken upload, an unlucky seed) must not replace a good model. Each run's model is
+compared, by the validation accuracy of the epoch it holds (`best_val_acc`), with the
+model kept under `<output>/<name>/`, and takes its place only when it is at least as good.
+`name` is the deployment's name, or `output.model_name`. Sweep trials never promote; a
+sweep may promote its best trial once, at its end (`SweepSettings.promote`).
 
-`latest/` holds `model.pt`, `model.json` (the card) and `metrics.json`, which names the run
-that made the model. `metrics.json` is written last: it is the commit marker, so a reader
-that finds it finds the model beside it. A later run can warm-start from `latest/`.
+What is kept is versioned, so two runs promoting at once can neither both win nor leave a
+model beside another model's card:
+
+    <output>/<name>/versions/<run folder>/   model.pt, model.json, metrics.json: written
+                                             whole before anything points at them, then
+                                             never changed
+    <output>/<name>/latest.json              the pointer: which version is kept, its metric
+                                             and run; swapped by compare-and-swap
+                                             (tasks.pointer), so the rule is applied to
+                                             the model actually kept, never to a stale read
+
+A reader reads the pointer once and then only the version it names, which never changes.
 """
 
 from __future__ import annotations
@@ -22,11 +32,14 @@ from torch import nn
 
 from blocks.data_location import DataLocation
 from tasks.model import load_backbone_state
+from tasks.pointer import Document, read_json_document, update_json
 from tasks.reporting import run_logger
 from tasks.retries import retry_transient
-from tasks.storage import child_url, exists, load_torch, read_bytes, read_json, safe_segment, write_bytes, write_json
+from tasks.storage import child_url, load_torch, read_bytes, read_json, remove_tree, safe_segment, write_bytes, write_json
 
-METRIC = "final_val_acc"
+METRIC = "best_val_acc"
+POINTER = "latest.json"
+VERSIONS = "versions"
 KEPT_FILES = ("model.pt", "model.json")
 
 
@@ -35,7 +48,8 @@ class Promotion(BaseModel):
 
     promoted: bool
     reason: str
-    latest_url: str
+    pointer_url: str  # NAME/latest.json
+    kept_url: str | None  # the version folder kept now (this run's when promoted)
     previous_run: str | None = None
     previous_metric: float | None = None
 
@@ -43,17 +57,17 @@ class Promotion(BaseModel):
 class WarmStart(BaseModel):
     """The kept model a run starts from: where its weights are and whether its head fits."""
 
-    model: DataLocation  # url: latest/model.pt, with the output's credentials
+    model: DataLocation  # url: versions/RUN/model.pt, with the output's credentials
     with_head: bool
     run: str
 
 
-def latest_location(output_base: DataLocation, name: str) -> DataLocation:
-    """`<output>/<name>/latest`, with the output's credentials; `name` becomes one safe segment."""
-    return output_base.with_url(child_url(output_base.url, safe_segment(name), "latest"))
+def kept_location(output_base: DataLocation, name: str) -> DataLocation:
+    """`<output>/<name>`, with the output's credentials; `name` becomes one safe segment."""
+    return output_base.with_url(child_url(output_base.url, safe_segment(name)))
 
 
-def decide(new_metric: float, current: dict[str, Any] | None) -> tuple[bool, str]:
+def decide(new_metric: float, current: Document | None) -> tuple[bool, str]:
     """The promotion rule: promote when there is no kept model or the new one is as good."""
     if current is None:
         return True, f"first model kept under this name, {METRIC} {new_metric:.4f}"
@@ -64,49 +78,78 @@ def decide(new_metric: float, current: dict[str, Any] | None) -> tuple[bool, str
     return False, f"{METRIC} {new_metric:.4f} is worse than {old:.4f} of {run}, which stays"
 
 
-def read_kept_metrics(latest: DataLocation) -> dict[str, Any] | None:
-    url = child_url(latest.url, "metrics.json")
-    options = latest.storage_options()
-    return read_json(url, options) if exists(url, options) else None
+def read_pointer(kept: DataLocation) -> Document | None:
+    """Which version is kept now (with its metric and run), or None before the first promotion."""
+    return read_json_document(child_url(kept.url, POINTER), kept.storage_options())
+
+
+def write_version(summary: dict[str, Any], run_output: DataLocation, version: DataLocation,
+                  record: dict[str, Any]) -> None:
+    """Copy the run's model and card into its version folder, metrics.json last."""
+    source, target = run_output.storage_options(), version.storage_options()
+    for name in KEPT_FILES:
+        write_bytes(child_url(version.url, name), read_bytes(child_url(run_output.url, name), source), target)
+    kept = {key: summary[key] for key in (METRIC, "best_epoch", "final_val_acc", "final_val_loss", "history")}
+    write_json(child_url(version.url, "metrics.json"), kept | {"run": record}, target)
 
 
 @task(name="promote", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
-def promote(summary: dict[str, Any], run_output: DataLocation, latest: DataLocation,
+def promote(summary: dict[str, Any], run_output: DataLocation, kept: DataLocation,
             run: dict[str, str]) -> Promotion:
-    """Copy this run's model to `latest` when it is at least as good as the one kept there."""
-    current = read_kept_metrics(latest)
-    promoted, reason = decide(summary[METRIC], current)
-    if promoted:
-        source, target = run_output.storage_options(), latest.storage_options()
-        for name in KEPT_FILES:
-            write_bytes(child_url(latest.url, name), read_bytes(child_url(run_output.url, name), source), target)
-        kept = {key: summary[key] for key in (METRIC, "best_val_acc", "best_epoch", "final_val_loss", "history")}
+    """Keep this run's model under `kept` when it is at least as good as the one kept there.
+
+    The decision is taken again inside the pointer's compare-and-swap, against the model
+    kept at that moment: a better model promoted meanwhile by another run stays.
+    """
+    metric = summary[METRIC]
+    version = version_location(kept, run_output)
+    seen = read_pointer(kept)
+    promoted, reason = decide(metric, seen)
+    if promoted:  # write the candidate whole, then point at it if it still wins
         record = run | {"url": run_output.url, "promoted_at": datetime.now(timezone.utc).isoformat()}
-        write_json(child_url(latest.url, "metrics.json"), kept | {"run": record}, target)
+        write_version(summary, run_output, version, record)
+
+        def swap(current: Document | None) -> Document | None:
+            nonlocal promoted, reason, seen
+            seen = current
+            promoted, reason = decide(metric, current)
+            return {METRIC: metric, "version": version.url, "run": record} if promoted else None
+
+        update_json(child_url(kept.url, POINTER), kept.storage_options(), swap)
+        if not promoted:  # overtaken by a better model: nothing ever pointed at this version
+            remove_tree(version.url, version.storage_options())
     run_logger().info("Model %s: %s.", "promoted" if promoted else "not promoted", reason)
     return Promotion(
-        promoted=promoted, reason=reason, latest_url=latest.url,
-        previous_run=current["run"].get("name") if current else None,
-        previous_metric=current[METRIC] if current else None,
+        promoted=promoted, reason=reason, pointer_url=child_url(kept.url, POINTER),
+        kept_url=version.url if promoted else seen["version"],
+        previous_run=seen["run"].get("name") if seen else None,
+        previous_metric=seen[METRIC] if seen else None,
     )
 
 
-def find_warm_start(latest: DataLocation, backbone: str, classes: list[str]) -> WarmStart | None:
+def version_location(kept: DataLocation, run_output: DataLocation) -> DataLocation:
+    """`<kept>/versions/<run folder>`: one per flow run, so no two runs ever share one."""
+    run_folder = run_output.url.rstrip("/").rsplit("/", 1)[-1]
+    return kept.with_url(child_url(kept.url, VERSIONS, safe_segment(run_folder)))
+
+
+def find_warm_start(kept: DataLocation, backbone: str, classes: list[str]) -> WarmStart | None:
     """The kept model to start from, or None when there is none or it is another backbone."""
     log = run_logger()
-    kept = read_kept_metrics(latest)
-    if kept is None:
-        log.info("No model kept at %s yet: training starts from model.weights.", latest.url)
+    pointer = read_pointer(kept)
+    if pointer is None:
+        log.info("No model kept at %s yet: training starts from model.weights.", kept.url)
         return None
-    card = read_json(child_url(latest.url, "model.json"), latest.storage_options())
+    version = kept.with_url(pointer["version"])
+    card = read_json(child_url(version.url, "model.json"), version.storage_options())
     if card["backbone"] != backbone:
         log.warning("The model kept at %s is a %s, not a %s: not warm-starting from it.",
-                    latest.url, card["backbone"], backbone)
+                    version.url, card["backbone"], backbone)
         return None
     return WarmStart(
-        model=latest.with_url(child_url(latest.url, "model.pt")),
+        model=version.with_url(child_url(version.url, "model.pt")),
         with_head=card["classes"] == classes,
-        run=kept["run"]["name"],
+        run=pointer["run"]["name"],
     )
 
 

@@ -20,17 +20,24 @@ from tasks.retries import retry_transient
 from tasks.storage import child_url, write_bytes
 
 
-def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None, pruned_at: int | None = None) -> str:
+def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None, pruned_at: int | None = None,
+                       in_sweep: bool = False) -> str:
     started = f"Warm-started from the kept model of run `{warm.run}`" + (
         " (all weights).\n\n" if warm.with_head else " (backbone only: the classes changed).\n\n"
     ) if warm else ""
     if pruned_at:
         return started + f"**Pruned** by the sweep after epoch {pruned_at}: not promoted.\n"
+    if in_sweep:
+        return started + ("Not promoted: a sweep's trials never promote on their own; the sweep promotes "
+                          "its best trial at its end when its settings ask it to.\n")
     if promotion is None:
         return started + ("Not promoted: the run is outside a deployment and sets no "
                           "output.model_name, so no model is kept for it.\n")
-    verdict = "**Promoted**" if promotion.promoted else "**Not promoted**"
-    return started + f"{verdict} to `{promotion.latest_url}`: {promotion.reason}.\n"
+    if promotion.promoted:
+        return started + (f"**Promoted**: `{promotion.pointer_url}` now points to `{promotion.kept_url}`: "
+                          f"{promotion.reason}.\n")
+    return started + (f"**Not promoted**: `{promotion.pointer_url}` still points to `{promotion.kept_url}`: "
+                      f"{promotion.reason}.\n")
 
 
 def resumed_text(after_epoch: int | None) -> str:
@@ -57,8 +64,9 @@ def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, ou
     workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
     return (
         f"# Transfer learning report\n\n"
-        f"**Final val accuracy {summary['final_val_acc']:.4f}**; best {summary['best_val_acc']:.4f} "
-        f"at epoch {summary['best_epoch']}.\n\n"
+        f"**Model: the weights of epoch {summary['best_epoch']}, val accuracy {summary['best_val_acc']:.4f}** "
+        f"(the epoch with the {summary['selected_by']}); the last epoch's val accuracy was "
+        f"{summary['final_val_acc']:.4f}.\n\n"
         + outcome
         + f"\nData: `{manifest.root}`, {len(manifest.classes)} classes, {summary['train_size']} train / "
         f"{summary['val_size']} val images. World size {summary['world_size']} ({workers}).\n\n"
@@ -73,13 +81,13 @@ def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, ou
 
 @task(name="report", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
 def publish_report(summary: dict[str, Any], manifest: Manifest, output: DataLocation,
-                   promotion: Promotion | None, warm: WarmStart | None) -> str:
+                   promotion: Promotion | None, warm: WarmStart | None, in_sweep: bool = False) -> str:
     """Write `curves.png` and `report.md` beside the model and leave the `training-report` artifact."""
     options = output.storage_options()
     png = training_curves_png(summary["history"])
     write_bytes(child_url(output.url, "curves.png"), png, options)
     report = report_markdown(summary, manifest, markdown_image(png, "loss and accuracy per epoch"),
-                             promotion_markdown(promotion, warm, summary.get("pruned_at")))
+                             promotion_markdown(promotion, warm, summary.get("pruned_at"), in_sweep))
     write_bytes(child_url(output.url, "report.md"), report.encode(), options)
     create_markdown_artifact(key="training-report", markdown=report, description="Final report")
     return report

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from urllib.parse import urlparse
 
 import botocore.session
 import fsspec
@@ -158,8 +159,28 @@ def exists(url: str, storage_options: dict[str, Any]) -> bool:
     return fs.exists(path)
 
 
+def remove_tree(url: str, storage_options: dict[str, Any]) -> None:
+    """Delete `url` and everything below it; nothing to delete is no error."""
+    fs, path = filesystem(url, storage_options)
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
 def is_s3(url: str) -> bool:
     return url.startswith(("s3://", "s3a://"))
+
+
+def absolute_url(url: str) -> str:
+    """A plain local path made absolute (ranks run in other processes, in other folders);
+    URLs (s3://, file://) as they are."""
+    return url if "://" in url else os.path.abspath(url)
+
+
+def is_local_url(url: str) -> bool:
+    """A path on this host's disk: a plain path or file://, not s3:// or another store."""
+    return urlparse(url).scheme in ("", "file")
 
 
 def object_read_options(url: str, storage_options: dict[str, Any], concurrency: int) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """Many trials of one trainable on one cluster: Optuna asks, trials train, Optuna is told.
 
 Optuna is the engine (ask/tell with its samplers and pruners). Each trial's gang reports
-its metric after every epoch through `ctx.report`, which is where the pruner decides and
-where this module reads each trial's curve from afterwards, whatever the trainable. The
-study lives in SQLite under the sweep's output (or an RDB URL), so running a sweep again
-under the same name continues it: finished trials are not trained again, and trials a
-crash left running are tried again with the same parameters.
+its metric after every epoch through `ctx.report`; the report reaches this process
+through the trial's relay (tasks.trial_relay), which records it on the study and asks the
+pruner. Only this process opens the study, so it may live where the cluster cannot reach
+(SQLite on the flow's host: below a local output, or in a private folder of the user's
+for an S3 output), or in a database named by a `study-storage` block (its URL holds a
+password). Running a sweep again under the same name continues it: finished trials are
+not trained again, and trials a crash left running are tried again with the same
+parameters; while a sweep of that name is running, a second one is refused.
 
 Trials run concurrently on a pool of `concurrency` threads, each with a copy of the
 flow's Prefect context; their gangs take disjoint workers of the one cluster through
@@ -16,30 +19,49 @@ with every Dask task started inside it, and a trial's are not meant to travel.)
 from __future__ import annotations
 
 import contextvars
+import hashlib
 import os
+import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
+import distributed
 import optuna
 from optuna.trial import TrialState
 from prefect_dask import DaskTaskRunner
-from pydantic import BaseModel, ConfigDict, Field
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from blocks.data_location import DataLocation
+from blocks.saved import load_block
+from blocks.study_storage import StudyStorage
 from tasks.gang import run_gang
 from tasks.gang.run import current_dask_runner
-from tasks.gang.stopping import stop_all_gangs
+from tasks.gang.stopping import stop_all_gangs, stop_scope
 from tasks.gang.trial import PRUNED_AT, TrialLink
+from tasks.private_folder import private_folder
 from tasks.reporting import run_logger
 from tasks.search_space import Dimension, Value, describe, distributions, grid, grid_size, with_params
-from tasks.storage import child_url, safe_segment
+from tasks.selection import Direction, best_index
+from tasks.storage import absolute_url, child_url, is_local_url, safe_segment
+from tasks.trial_relay import TrialRelay
 
 # Trial outcomes, kept on the Optuna trial as user attributes.
 OUTCOME = "outcome"
 INTERRUPTED = "interrupted"
+# Which sweep runs the study now, kept on the study: {"id", "name", "beat"}.
+OWNER = "running_sweep"
+HEARTBEAT_S = 10.0
+OWNER_STALE_S = 60.0
+CLAIM_SETTLE_S = 1.0
+STUDY_DIR_ENV = "PREFECT_DDP_STUDY_DIR"
 
 
 class SweepSettings(BaseModel):
@@ -67,26 +89,63 @@ class SweepSettings(BaseModel):
         default_factory=list, description="Parameter sets to try first, e.g. a configuration known to work."
     )
     storage: str | None = Field(
-        None, description="Optuna storage URL (postgresql://...); empty: SQLite in the sweep's output folder."
+        None, description="Optuna storage URL without a password (sqlite:///PATH, or a database that needs "
+        "none); a URL with a password belongs in storage_block. Empty: SQLite on the sweep's host, in "
+        "OUTPUT/NAME/study.db for a local output, else in the user's data folder."
+    )
+    storage_block: str | None = Field(
+        None, description="Name of a saved study-storage block: a database URL with its password, kept secret."
     )
     lease_timeout_s: int = Field(
         1800, ge=0, description="How long a trial waits for free workers before it fails."
     )
+    promote: bool = Field(
+        False, description="At the end, keep the best trial's model under output.model_name (or the "
+        "deployment's name) when it is at least as good as the model kept there. Trials never promote on their own."
+    )
+
+    @model_validator(mode="after")
+    def _no_password_in_parameters(self) -> SweepSettings:
+        if self.storage and self.storage_block:
+            raise ValueError(f"settings got both storage={self.storage!r} and storage_block={self.storage_block!r}; "
+                             "give one of them (or neither, for SQLite on the sweep's host).")
+        if self.storage and urlsplit(self.storage).password:
+            raise ValueError(
+                "settings.storage holds a password: as a parameter it would be shown in the UI and stored with "
+                "every run. Save the URL in a study-storage block (StudyStorage(url=...).save('NAME')) and set "
+                "settings.storage_block='NAME' instead."
+            )
+        return self
 
 
 def study_storage(settings: SweepSettings, output_url: str) -> str:
-    """Where the study lives: the given URL, or SQLite in `<output>/<name>/` (a local folder)."""
+    """Where the study lives: the block's or the given URL, else SQLite on this host.
+
+    With a local output that is `<output>/<name>/study.db`, beside the sweep's report; with
+    an S3 output, a private folder of the user's keyed by the output URL
+    ($PREFECT_DDP_STUDY_DIR, else the XDG data folder), so running the sweep again from
+    this host continues it.
+    """
+    if settings.storage_block:
+        return load_block(StudyStorage, settings.storage_block).url.get_secret_value()
     if settings.storage:
         return settings.storage
-    if "://" in output_url and not output_url.startswith("file://"):
-        raise ValueError(
-            f"The sweep keeps its Optuna study in SQLite under output.url, which must then be a "
-            f"local folder; got {output_url!r}. Set settings.storage to a database URL "
-            "(postgresql://...), or use a local output folder."
-        )
-    folder = child_url(os.path.abspath(output_url.removeprefix("file://")), safe_segment(settings.name))
-    os.makedirs(folder, exist_ok=True)
+    if not is_local_url(output_url):
+        digest = hashlib.sha256(output_url.encode()).hexdigest()[:16]
+        folder = private_folder(study_root() / digest / safe_segment(settings.name))
+    else:
+        folder = child_url(os.path.abspath(output_url.removeprefix("file://")), safe_segment(settings.name))
+        os.makedirs(folder, exist_ok=True)
+    run_logger().info("Sweep %r keeps its study in %s/study.db.", settings.name, folder)
     return f"sqlite:///{folder}/study.db"
+
+
+def study_root() -> Path:
+    """The user's folder of studies for sweeps whose output is not a local folder."""
+    if os.environ.get(STUDY_DIR_ENV):
+        return Path(os.environ[STUDY_DIR_ENV])
+    data_home = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return Path(data_home) / "prefect-ddp" / "studies"
 
 
 class AskTellGridSampler(optuna.samplers.GridSampler):
@@ -137,45 +196,104 @@ def trials_left(study: Any, settings: SweepSettings, space: dict[str, Dimension]
     return max(0, wanted - len(done))
 
 
+class SweepAlreadyRunning(RuntimeError):
+    """Another sweep of the same name is running now: a second one would break the first."""
+
+
+def owner_of(study: optuna.Study) -> dict[str, Any] | None:
+    """The sweep that holds the study now: one whose heartbeat is fresh, else None."""
+    owner = study.user_attrs.get(OWNER)
+    return owner if owner and time.time() - owner["beat"] < OWNER_STALE_S else None
+
+
+def refuse_if_held(study: optuna.Study, me: dict[str, Any]) -> None:
+    owner = owner_of(study)
+    if owner and owner["id"] != me["id"]:
+        raise SweepAlreadyRunning(
+            f"Sweep {study.study_name!r} is running now in {owner['name']} (seen {time.time() - owner['beat']:.0f} s "
+            "ago): a second sweep of the same name would mark its running trials failed and break it. Wait "
+            "for it to end or cancel it, or give this sweep another settings.name."
+        )
+
+
+@contextmanager
+def sole_sweep(study: optuna.Study) -> Iterator[None]:
+    """Hold `study` for this sweep while the block runs: a heartbeat on the study says so.
+
+    A sweep that finds a fresh heartbeat of another refuses to start; one whose holder
+    crashed (no beat for OWNER_STALE_S) takes over and retries the trials it left running.
+    Two sweeps that claim at once both write, wait, and read again: the one overwritten leaves.
+    """
+    me = {"id": str(flow_run.get_id() or uuid.uuid4()), "name": f"flow run {flow_run.get_name() or '(none)'}"}
+    refuse_if_held(study, me)
+    study.set_user_attr(OWNER, me | {"beat": time.time()})
+    time.sleep(CLAIM_SETTLE_S)
+    refuse_if_held(study, me)
+    stopped = threading.Event()
+
+    def beat() -> None:
+        while not stopped.wait(HEARTBEAT_S):
+            study.set_user_attr(OWNER, me | {"beat": time.time()})
+
+    heart = threading.Thread(target=beat, name="sweep-heartbeat", daemon=True)
+    heart.start()
+    try:
+        yield
+    finally:
+        stopped.set()
+        heart.join()
+        study.set_user_attr(OWNER, None)
+
+
 def run_trials(
-    study: Any, space: dict[str, Dimension], settings: SweepSettings, storage: str,
+    study: optuna.Study, space: dict[str, Dimension], settings: SweepSettings, client: distributed.Client,
     train_trial: Callable[[Any, TrialLink], dict[str, Any]],
 ) -> None:
     """Ask for trials, `concurrency` at a time, until the study has `n_trials` finished ones.
 
     `train_trial(trial, link)` trains one trial and returns its outcome (state, message,
-    run, model_url); it runs in a thread of its own.
+    run, model_url); it runs in a thread of its own, while a relay takes its gang's
+    reports into the study. Raises SweepAlreadyRunning while another sweep of this name runs.
     """
-    to_run = trials_left(study, settings, space)
-    log = run_logger()
-    log.info("Sweep %r: %d trial(s) to train, %d at a time.", settings.name, to_run, settings.concurrency)
-    with ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="trial") as pool:
-        try:
-            _ask_and_tell(study, space, settings, storage, train_trial, to_run, pool)
-        except BaseException:
-            # Cancel, SIGTERM or Ctrl-C reach this thread only: stop the trials' gangs too,
-            # or their ranks would train on after this process is gone.
-            stop_all_gangs()
-            raise
+    with sole_sweep(study):
+        to_run = trials_left(study, settings, space)
+        log = run_logger()
+        log.info("Sweep %r: %d trial(s) to train, %d at a time.", settings.name, to_run, settings.concurrency)
+        with stop_scope() as stopping, ThreadPoolExecutor(max_workers=settings.concurrency,
+                                                          thread_name_prefix="trial") as pool:
+            try:
+                _ask_and_tell(study, space, settings, client, train_trial, to_run, pool)
+            except BaseException:
+                # Cancel, SIGTERM or Ctrl-C reach this thread only: stop the trials' gangs,
+                # and keep them from forming again (a stop is never a failure to retry),
+                # or their ranks would train on while this process waits for them.
+                stopping.set()
+                stop_all_gangs()
+                raise
 
 
-def _ask_and_tell(study: Any, space: dict[str, Dimension], settings: SweepSettings, storage: str,
-                  train_trial: Callable[[Any, TrialLink], dict[str, Any]], to_run: int,
-                  pool: ThreadPoolExecutor) -> None:
+def _ask_and_tell(study: optuna.Study, space: dict[str, Dimension], settings: SweepSettings,
+                  client: distributed.Client, train_trial: Callable[[Any, TrialLink], dict[str, Any]],
+                  to_run: int, pool: ThreadPoolExecutor) -> None:
     pending: dict[Future, tuple[Any, float]] = {}
     while to_run or pending:
         while to_run and len(pending) < settings.concurrency:
             trial = study.ask(distributions(space))
-            link = TrialLink(storage=storage, study_name=study.study_name, trial_id=trial._trial_id,
-                             metric=settings.metric, pruner=study.pruner)
+            relay = TrialRelay(client, study, trial, settings.metric, settings.direction)
             # Each thread gets the flow's context, so its runs are this flow run's children.
-            future = pool.submit(contextvars.copy_context().run, train_trial, trial, link)
+            future = pool.submit(contextvars.copy_context().run, relayed, train_trial, trial, relay)
             pending[future] = (trial, time.monotonic())
             to_run -= 1
         done, _ = wait(pending, return_when=FIRST_COMPLETED)
         for future in done:
             trial, started = pending.pop(future)
             tell(study, trial, outcome_of(future) | {"seconds": round(time.monotonic() - started, 1)})
+
+
+def relayed(train_trial: Callable[[Any, TrialLink], dict[str, Any]], trial: Any, relay: TrialRelay) -> dict[str, Any]:
+    """Train `trial` while its relay serves the reports of its gang."""
+    with relay:
+        return train_trial(trial, relay.link)
 
 
 def outcome_of(future: Future) -> dict[str, Any]:
@@ -189,17 +307,22 @@ def tell(study: Any, trial: Any, outcome: dict[str, Any]) -> None:
     """Record a finished trial: its outcome, and its value (best reported) or its state."""
     trial.set_user_attr(OUTCOME, outcome)
     (recorded,) = [t for t in study.get_trials(deepcopy=False) if t.number == trial.number]
-    values = list(recorded.intermediate_values.values())
+    values = [value for _, value in sorted(recorded.intermediate_values.items())]
     log = run_logger()
     if PRUNED_AT in recorded.user_attrs:
         study.tell(trial, state=TrialState.PRUNED)
     elif outcome["state"] == "completed" and values:
-        study.tell(trial, max(values) if study.direction.name == "MAXIMIZE" else min(values))
+        # The best epoch's value (tasks.selection): the epoch whose weights the trial kept.
+        study.tell(trial, values[best_index(values, direction_of(study))])
     else:
         reason = outcome.get("message") or "it reported no metric: call ctx.report(epoch, metrics) every epoch"
         log.warning("Trial %d failed: %s", trial.number, reason)
         study.tell(trial, state=TrialState.FAIL)
     log.info("Trial %d: %s.", trial.number, study.get_trials(deepcopy=False)[trial.number].state.name.lower())
+
+
+def direction_of(study: optuna.Study) -> Direction:
+    return "maximize" if study.direction == optuna.study.StudyDirection.MAXIMIZE else "minimize"
 
 
 def trial_run_name(number: int, params: dict[str, Any]) -> str:
@@ -242,7 +365,9 @@ def sweep(
         space: per dotted key of `config`, how to draw it (a `Dimension` or its dict).
         settings: trials, concurrency, metric and direction, sampler, pruner, name.
         task_runner: the DaskTaskRunner; default: the current flow's.
-        output: where the study (SQLite), `sweep.json` and the plots go.
+        output: where `sweep.json`, the plots and the trials' folders go: a local folder
+            (relative to the working directory) or an s3:// URL (a `DataLocation` for its
+            credentials); see `study_storage` for where the study goes.
 
     Returns:
         What `sweep.json` holds: every trial (best first), the best one, importances.
@@ -257,13 +382,12 @@ def sweep(
     settings = settings or SweepSettings()
     space = {path: Dimension.model_validate(dimension) for path, dimension in space.items()}
     runner = task_runner or current_dask_runner()
-    output = output if isinstance(output, DataLocation) else DataLocation(url=os.path.abspath(output))
-    storage = study_storage(settings, output.url)
-    study = open_study(settings, space, storage, max_epochs=config.get("epochs", "auto"))
+    output = output if isinstance(output, DataLocation) else DataLocation(url=absolute_url(output))
+    study = open_study(settings, space, study_storage(settings, output.url), max_epochs=config.get("epochs", "auto"))
 
     def train_trial(trial: Any, link: TrialLink) -> dict[str, Any]:
         folder = child_url(output.url, safe_segment(settings.name), f"trial-{trial.number}")
         return gang_trial(train_fn, with_params(config, trial.params), link, settings, runner, folder)
 
-    run_trials(study, space, settings, storage, train_trial)
+    run_trials(study, space, settings, runner.client, train_trial)
     return publish_sweep_report(study, settings, output)

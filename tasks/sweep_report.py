@@ -21,7 +21,8 @@ from tasks.plots import markdown_image, png_bytes
 from tasks.reporting import markdown_table, run_logger
 from tasks.search_space import describe
 from tasks.storage import child_url, safe_segment, write_bytes, write_json
-from tasks.sweep import INTERRUPTED, OUTCOME, SweepSettings
+from tasks.selection import best_index
+from tasks.sweep import INTERRUPTED, OUTCOME, SweepSettings, direction_of
 
 MIN_TRIALS_FOR_IMPORTANCE = 3
 
@@ -35,7 +36,8 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             continue
         curve = sorted(trial.intermediate_values.items())
         outcome = trial.user_attrs.get(OUTCOME, {})
-        best_epoch = (max if maximize else min)(curve, key=lambda p: p[1])[0] if curve else None
+        # The epoch whose weights the trial kept (tasks.selection): the one its model holds.
+        best_epoch = curve[best_index([v for _, v in curve], direction_of(study))][0] if curve else None
         start = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
         rows.append({
             "trial": trial.number,
@@ -46,6 +48,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             "seconds": outcome.get("seconds"),
             "run": outcome.get("run"),
             "model_url": outcome.get("model_url"),
+            "flow_run_id": outcome.get("flow_run_id"),
             "workers": outcome.get("workers"),
             "curve": [{"epoch": e, "value": v, "elapsed_s": trial.user_attrs.get(f"{REPORTED_AT}{e}", start) - start}
                       for e, v in curve],

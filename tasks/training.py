@@ -7,7 +7,8 @@ there is no process group and the wrappers do nothing.
 
 Rank 0 writes a checkpoint (a plain dict: model, optimizer, lr_scheduler, scaler, epoch,
 history, with the job's fingerprint: tasks.checkpoints) after every epoch; a re-formed gang
-resumes from it, and only from its own job's.
+resumes from it, and only from its own job's. `model.pt` holds the best epoch's weights
+(tasks.selection), not the last epoch's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tasks.model import build_model, model_card
 from tasks.process_group import all_reduce_sum, sync_buffers, wrap_ddp
 from tasks.promotion import WarmStart, load_warm_start
 from tasks.reporting import EPOCH_COLUMNS, BackgroundPublisher, in_prefect_run, markdown_table, run_logger
+from tasks.selection import Selection, best_index, is_better
 from tasks.shards import ShardDataset, ShardLoader, fewest_loader_workers, open_shards
 from tasks.splitting import Split
 from tasks.storage import child_url, save_torch, write_json
@@ -270,6 +272,50 @@ class ProgressReporter:
             self.publisher.close(PROGRESS_CLOSE_TIMEOUT_S)
 
 
+class BestWeights:
+    """Rank 0's `model.pt`: the weights of the best epoch so far (tasks.selection), with its card.
+
+    Written after the epoch's checkpoint, whenever an epoch beats the best before it, so the
+    model a run ships, a sweep points at and promotion compares is the epoch the reports
+    call best, also when later epochs got worse or a sweep pruned the run. A crash between
+    the checkpoint and model.pt would leave model.pt one best behind: a resume from a
+    checkpoint whose own epoch is the best writes it again (`after_resume`).
+    """
+
+    def __init__(self, ctx: RankContext, job: TrainJob, selection: Selection) -> None:
+        self.enabled = ctx.is_main
+        self.job = job
+        self.selection = selection
+        self.options = job.output.storage_options()
+        self.best: float | None = None
+        self.epoch: int | None = None  # the epoch model.pt holds, counted from 1
+
+    def after_resume(self, model: nn.Module, history: list[dict[str, Any]]) -> None:
+        if not history:
+            return
+        values = [h[self.selection.metric] for h in history]
+        best = best_index(values, self.selection.direction)
+        self.best, self.epoch = values[best], history[best]["epoch"]
+        if best == len(history) - 1:
+            self._write(model)
+
+    def after_epoch(self, model: nn.Module, record: dict[str, Any]) -> None:
+        value = record[self.selection.metric]
+        if not is_better(value, self.best, self.selection.direction):
+            return
+        self.best, self.epoch = value, record["epoch"]
+        self._write(model)
+
+    def _write(self, model: nn.Module) -> None:
+        if not self.enabled:
+            return
+        job = self.job
+        save_torch(child_url(job.output.url, "model.pt"), model.state_dict(), self.options)
+        card = model_card(job.model, job.manifest.classes, job.training.image_size)
+        write_json(child_url(job.output.url, "model.json"),
+                   card | {"epoch": self.epoch, "selected_by": self.selection.describe()}, self.options)
+
+
 def between_steps(ctx: RankContext, progress: ProgressReporter, epoch: int, done: int, total: int) -> None:
     """After every optimizer step: leave if the gang is being stopped, else move the progress bar."""
     ctx.check_stop()
@@ -277,7 +323,7 @@ def between_steps(ctx: RankContext, progress: ProgressReporter, epoch: int, done
 
 
 def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
-    """Per-rank entry point: train, validate, checkpoint; rank 0 saves the model."""
+    """Per-rank entry point: train, validate, checkpoint; rank 0 keeps the best epoch's model."""
     log = run_logger()
     # Rank 0 speaks for the gang; the others log at debug so the run's log stays readable.
     level = logging.INFO if ctx.is_main else logging.DEBUG
@@ -298,6 +344,8 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     start_epoch, history = state.resume(checkpoint_url, output, fingerprint, ctx.world_size,
                                         job.training.scale_lr_by_world_size, device)
     ddp_model = wrap_ddp(model, device)
+    kept = BestWeights(ctx, job, ctx.trial.selection if ctx.trial else Selection())
+    kept.after_resume(model, history)
     if start_epoch:
         log.log(level, "Rank %d resumed from %s after epoch %d", ctx.rank, checkpoint_url, start_epoch)
     attempts = record_attempt(child_url(job.output.url, "checkpoints", ATTEMPTS), output, ctx.attempt + 1,
@@ -324,22 +372,21 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
             if ctx.is_main:
                 state.save(checkpoint_url, output, epoch, history, fingerprint, ctx.world_size)
                 progress.epoch_done(history)
+            kept.after_epoch(model, record)
             if ctx.report(record["epoch"], record):  # a sweep's pruner stops every rank here
                 pruned_at = record["epoch"]
                 log.log(level, "Pruned by the sweep after epoch %d", pruned_at)
                 break
     finally:
         progress.close()
-    if ctx.is_main:
-        save_torch(child_url(job.output.url, "model.pt"), model.state_dict(), output)
-        write_json(child_url(job.output.url, "model.json"),
-                   model_card(job.model, job.manifest.classes, job.training.image_size), output)
     return {
         "rank": ctx.rank,
         "worker_address": ctx.worker_address,
         "split_digest": job.split.digest(job.manifest),
         "local_train_samples": local_train_samples,
         "history": history,
+        "best_epoch": kept.epoch,
+        "selected_by": kept.selection.describe(),
         "pruned_at": pruned_at,
         "attempts": attempts,
     }

@@ -74,7 +74,7 @@ def loop_until_stopped(ctx: RankContext, config: dict) -> NoReturn:
     marks = Path(config["marks"])
     if config.get("cancel_own_future") and ctx.rank == ctx.world_size - 1:
         cancel_own_dask_future()
-    name = f"{ctx.rank}-trial-{ctx.trial.trial_id}" if ctx.trial else f"{ctx.rank}"
+    name = f"{ctx.rank}-trial-{ctx.trial.number}" if ctx.trial else f"{ctx.rank}"
     (marks / f"running-{name}").write_text(flow_run.get_id() or "")
     try:
         while True:

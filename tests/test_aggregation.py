@@ -9,15 +9,16 @@ def history(*val_accs):
              "train_samples": 10, "val_samples": 4, "lr": 0.1, "seconds": 1.0} for i, acc in enumerate(val_accs)]
 
 
-def rank(r, hist, local=(5, 5)):
+def rank(r, hist, local=(5, 5), best_epoch=1):
     return {"rank": r, "worker_address": f"tcp://h:{r}", "split_digest": "abc", "history": hist,
-            "local_train_samples": list(local)}
+            "local_train_samples": list(local), "best_epoch": best_epoch, "selected_by": "highest val_acc"}
 
 
-def test_best_epoch_and_final_metrics_over_the_gang():
-    summary = summarize([rank(0, history(0.5, 0.9, 0.8)), rank(1, history(0.5, 0.9, 0.8))],
+def test_the_best_epoch_is_the_one_whose_weights_rank_0_kept_and_the_final_metrics_the_last():
+    summary = summarize([rank(0, history(0.5, 0.9, 0.8), best_epoch=2), rank(1, history(0.5, 0.9, 0.8), best_epoch=2)],
                         Split(train=list(range(10)), val=[10, 11, 12, 13], seed=0, val_fraction=0.3))
     assert (summary["best_epoch"], summary["best_val_acc"], summary["final_val_acc"]) == (2, 0.9, 0.8)
+    assert summary["selected_by"] == "highest val_acc"
     assert summary["world_size"] == 2 and summary["split_digests"] == ["abc"]
 
 

@@ -1,8 +1,10 @@
-"""The promotion rule and warm start, on real files: a worse run never replaces the kept model."""
+"""Promotion and warm start, on real files and moto's S3: a worse run never replaces the kept
+model, and runs promoting at once leave the better model kept, whole."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -10,31 +12,35 @@ import torch
 
 from blocks.data_location import DataLocation
 from tasks.config import ModelConfig
+from tasks.dataset import forget_parent_exit_hooks
 from tasks.model import build_model, model_card
-from tasks.promotion import find_warm_start, latest_location, load_warm_start, promote
-from tasks.storage import save_torch, write_json
+from tasks.pointer import read_json_document
+from tasks.promotion import find_warm_start, kept_location, load_warm_start, promote, read_pointer
+from tasks.storage import read_bytes, save_torch, write_bytes, write_json
 
 CLASSES = ["circle", "square", "triangle"]
 
 
-def finished_run(tmp_path, name: str, final_val_acc: float, classes=CLASSES) -> tuple[dict, DataLocation]:
+def summary_of(acc: float) -> dict:
+    history = [{"epoch": 1, "val_acc": acc, "val_loss": 1 - acc}]
+    return {"best_val_acc": acc, "final_val_acc": acc, "best_epoch": 1, "final_val_loss": 1 - acc, "history": history}
+
+
+def finished_run(tmp_path, name: str, best_val_acc: float, classes=CLASSES) -> tuple[dict, DataLocation]:
     """A run's summary and its folder as the flow leaves it: model.pt, model.json."""
     run = DataLocation(url=str(tmp_path / name))
     config = ModelConfig(backbone="mobilenet_v3_small")
     save_torch(f"{run.url}/model.pt", build_model(config, len(classes)).state_dict(), {})
     write_json(f"{run.url}/model.json", model_card(config, classes, 32), {})
-    history = [{"epoch": 1, "val_acc": final_val_acc, "val_loss": 1 - final_val_acc}]
-    summary = {"final_val_acc": final_val_acc, "best_val_acc": final_val_acc, "best_epoch": 1,
-               "final_val_loss": 1 - final_val_acc, "history": history}
-    return summary, run
+    return summary_of(best_val_acc), run
 
 
-def kept(latest: DataLocation) -> dict:
-    return json.loads(Path(latest.url, "metrics.json").read_text())
+def kept_version(kept: DataLocation) -> Path:
+    return Path(read_pointer(kept)["version"])
 
 
-def test_a_worse_run_does_not_replace_latest_and_a_better_one_does(tmp_path):
-    latest = latest_location(DataLocation(url=str(tmp_path)), "nightly")
+def test_a_worse_run_does_not_replace_the_kept_model_and_a_better_one_does(tmp_path):
+    kept = kept_location(DataLocation(url=str(tmp_path)), "nightly")
     for name, acc, expect_promoted, expect_kept in [
         ("first", 0.80, True, "first"),
         ("worse", 0.70, False, "first"),
@@ -42,32 +48,89 @@ def test_a_worse_run_does_not_replace_latest_and_a_better_one_does(tmp_path):
         ("tie", 0.90, True, "tie"),  # "at least as good" keeps the newer model
     ]:
         summary, run = finished_run(tmp_path, name, acc)
-        promotion = promote.fn(summary, run, latest, {"name": name, "flow_run_id": "id-" + name})
+        promotion = promote.fn(summary, run, kept, {"name": name, "flow_run_id": "id-" + name})
         assert promotion.promoted is expect_promoted, promotion.reason
-        assert kept(latest)["run"]["name"] == expect_kept
-    assert kept(latest)["run"]["url"] == str(tmp_path / "tie") and kept(latest)["final_val_acc"] == 0.90
-    assert sorted(p.name for p in (tmp_path / "nightly" / "latest").iterdir()) == ["metrics.json", "model.json", "model.pt"]
+        assert read_pointer(kept)["run"]["name"] == expect_kept
+    pointer = read_pointer(kept)
+    assert pointer["run"]["url"] == str(tmp_path / "tie") and pointer["best_val_acc"] == 0.90
+    # Every promoted model keeps its own version; the one not promoted left none.
+    assert sorted(p.name for p in (tmp_path / "nightly" / "versions").iterdir()) == ["better", "first", "tie"]
+    version = kept_version(kept)
+    assert sorted(p.name for p in version.iterdir()) == ["metrics.json", "model.json", "model.pt"]
+    assert (version / "model.pt").read_bytes() == (tmp_path / "tie" / "model.pt").read_bytes()
 
 
 def test_the_reason_says_what_was_compared(tmp_path):
-    latest = latest_location(DataLocation(url=str(tmp_path)), "nightly")
-    promote.fn(*finished_run(tmp_path, "good", 0.8), latest, {"name": "good", "flow_run_id": "1"})
-    promotion = promote.fn(*finished_run(tmp_path, "bad", 0.5), latest, {"name": "bad", "flow_run_id": "2"})
-    assert promotion.reason == "final_val_acc 0.5000 is worse than 0.8000 of good, which stays"
+    kept = kept_location(DataLocation(url=str(tmp_path)), "nightly")
+    promote.fn(*finished_run(tmp_path, "good", 0.8), kept, {"name": "good", "flow_run_id": "1"})
+    promotion = promote.fn(*finished_run(tmp_path, "bad", 0.5), kept, {"name": "bad", "flow_run_id": "2"})
+    assert promotion.reason == "best_val_acc 0.5000 is worse than 0.8000 of good, which stays"
     assert (promotion.previous_run, promotion.previous_metric) == ("good", 0.8)
+    assert promotion.kept_url == str(tmp_path / "nightly" / "versions" / "good")
 
 
-def test_a_deployment_name_cannot_escape_the_output_prefix(tmp_path):
-    latest = latest_location(DataLocation(url="s3://bucket/out"), "../../etc")
-    assert latest.url == "s3://bucket/out/etc/latest"
+def test_a_deployment_name_cannot_escape_the_output_prefix():
+    assert kept_location(DataLocation(url="s3://bucket/out"), "../../etc").url == "s3://bucket/out/etc"
+
+
+def promote_at_once(kept: DataLocation, run: DataLocation, acc: float, barrier) -> None:
+    """One of several processes promoting at the same moment (a forked process's target)."""
+    forget_parent_exit_hooks(0)  # this test process runs Prefect's services: tasks.dataset says why
+    barrier.wait()
+    promote.fn(summary_of(acc), run, kept, {"name": run.url.rsplit("/", 1)[-1], "flow_run_id": str(acc)})
+
+
+def run_with_model(location: DataLocation, name: str, acc: float) -> DataLocation:
+    """A run folder whose model.pt and model.json both name the run, so a mixed pair shows."""
+    run = location.with_url(f"{location.url}/{name}")
+    options = run.storage_options()
+    write_bytes(f"{run.url}/model.pt", f"weights of {name} ".encode() * 20_000, options)
+    write_json(f"{run.url}/model.json", {"backbone": "resnet18", "classes": CLASSES, "run": name}, options)
+    return run
+
+
+@pytest.fixture(params=["local", "s3"])
+def output(request, tmp_path, s3_endpoint) -> DataLocation:
+    if request.param == "local":
+        return DataLocation(url=str(tmp_path / "out"))
+    from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, create_bucket
+
+    create_bucket(s3_endpoint, "promotions")
+    return DataLocation(url=f"s3://promotions/{tmp_path.name}", endpoint_url=s3_endpoint, region_name=MOTO_REGION,
+                        **MOTO_CREDENTIALS)
+
+
+def test_concurrent_promotions_keep_the_better_model_whole(output):
+    """Four runs promote at once, three times over: the best always stays, its files together."""
+    scores = [0.60, 0.95, 0.70, 0.80]
+    context = multiprocessing.get_context("fork")
+    for round_ in range(3):
+        kept = kept_location(output.with_url(f"{output.url}/round-{round_}"), "nightly")
+        runs = {acc: run_with_model(output, f"r{round_}-run-{i}", acc) for i, acc in enumerate(scores)}
+        barrier = context.Barrier(len(scores))
+        processes = [context.Process(target=promote_at_once, args=(kept, run, acc, barrier)) for acc, run in runs.items()]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(120)
+        assert [p.exitcode for p in processes] == [0] * len(scores)
+        pointer = read_json_document(f"{kept.url}/latest.json", kept.storage_options())
+        best = runs[max(scores)].url.rsplit("/", 1)[-1]
+        assert (pointer["best_val_acc"], pointer["run"]["name"]) == (max(scores), best), pointer
+        options = kept.storage_options()
+        version = pointer["version"]
+        assert json.loads(read_bytes(f"{version}/model.json", options))["run"] == best
+        assert read_bytes(f"{version}/model.pt", options) == f"weights of {best} ".encode() * 20_000
+        assert json.loads(read_bytes(f"{version}/metrics.json", options))["run"]["name"] == best
 
 
 def test_warm_start_loads_every_weight_when_the_classes_match(tmp_path):
-    latest = latest_location(DataLocation(url=str(tmp_path)), "nightly")
+    kept = kept_location(DataLocation(url=str(tmp_path)), "nightly")
     summary, run = finished_run(tmp_path, "kept", 0.9)
-    promote.fn(summary, run, latest, {"name": "kept", "flow_run_id": "1"})
-    warm = find_warm_start(latest, "mobilenet_v3_small", CLASSES)
+    promote.fn(summary, run, kept, {"name": "kept", "flow_run_id": "1"})
+    warm = find_warm_start(kept, "mobilenet_v3_small", CLASSES)
     assert warm is not None and warm.with_head and warm.run == "kept"
+    assert warm.model.url == str(tmp_path / "nightly" / "versions" / "kept" / "model.pt")
     model = build_model(ModelConfig(backbone="mobilenet_v3_small"), len(CLASSES))
     load_warm_start(model, warm)
     saved = torch.load(tmp_path / "kept" / "model.pt", weights_only=True)
@@ -75,11 +138,11 @@ def test_warm_start_loads_every_weight_when_the_classes_match(tmp_path):
 
 
 def test_warm_start_keeps_a_fresh_head_when_the_classes_changed(tmp_path):
-    latest = latest_location(DataLocation(url=str(tmp_path)), "nightly")
+    kept = kept_location(DataLocation(url=str(tmp_path)), "nightly")
     summary, run = finished_run(tmp_path, "kept", 0.9)
-    promote.fn(summary, run, latest, {"name": "kept", "flow_run_id": "1"})
+    promote.fn(summary, run, kept, {"name": "kept", "flow_run_id": "1"})
     classes = CLASSES + ["star"]
-    warm = find_warm_start(latest, "mobilenet_v3_small", classes)
+    warm = find_warm_start(kept, "mobilenet_v3_small", classes)
     assert warm is not None and not warm.with_head
     model = build_model(ModelConfig(backbone="mobilenet_v3_small"), len(classes))
     load_warm_start(model, warm)
@@ -90,7 +153,7 @@ def test_warm_start_keeps_a_fresh_head_when_the_classes_changed(tmp_path):
 
 @pytest.mark.parametrize("backbone, promoted", [("mobilenet_v3_small", False), ("resnet18", True)])
 def test_no_warm_start_without_a_kept_model_of_that_backbone(tmp_path, backbone, promoted):
-    latest = latest_location(DataLocation(url=str(tmp_path)), "nightly")
+    kept = kept_location(DataLocation(url=str(tmp_path)), "nightly")
     if promoted:
-        promote.fn(*finished_run(tmp_path, "kept", 0.9), latest, {"name": "kept", "flow_run_id": "1"})
-    assert find_warm_start(latest, backbone, CLASSES) is None
+        promote.fn(*finished_run(tmp_path, "kept", 0.9), kept, {"name": "kept", "flow_run_id": "1"})
+    assert find_warm_start(kept, backbone, CLASSES) is None

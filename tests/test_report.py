@@ -29,18 +29,21 @@ def test_curves_are_a_png_that_renders_inline():
 
 def test_the_report_shows_curves_and_says_whether_the_model_was_promoted():
     summary = {"history": HISTORY, "final_val_acc": 0.75, "best_val_acc": 0.75, "best_epoch": 3,
-               "train_size": 30, "val_size": 9, "world_size": 2,
+               "selected_by": "highest val_acc", "train_size": 30, "val_size": 9, "world_size": 2,
                "ranks": [{"rank": 0, "worker_address": "tcp://a:1"}, {"rank": 1, "worker_address": "tcp://b:1"}],
                "files": {"model.pt": "s3://b/out/run/model.pt"}}
     manifest = Manifest(root="s3://b/images", classes=["a", "b", "c"], paths=["a/1.jpg"], labels=[0], sizes=[1])
-    refused = Promotion(promoted=False, reason="final_val_acc 0.7500 is worse than 0.8000 of owl, which stays",
-                        latest_url="s3://b/out/nightly/latest")
+    refused = Promotion(promoted=False, reason="best_val_acc 0.7500 is worse than 0.8000 of owl, which stays",
+                        pointer_url="s3://b/out/nightly/latest.json", kept_url="s3://b/out/nightly/versions/owl-1")
     report = report_markdown(summary, manifest, markdown_image(training_curves_png(HISTORY), "curves"),
                              promotion_markdown(refused, None))
     assert "![curves](data:image/png;base64," in report
-    assert "**Not promoted** to `s3://b/out/nightly/latest`: final_val_acc 0.7500 is worse than 0.8000 of owl" in report
+    assert "**Model: the weights of epoch 3, val accuracy 0.7500** (the epoch with the highest val_acc)" in report
+    assert ("**Not promoted**: `s3://b/out/nightly/latest.json` still points to `s3://b/out/nightly/versions/owl-1`: "
+            "best_val_acc 0.7500 is worse than 0.8000 of owl") in report
     assert "| 3 | 0.3333 | 0.9 | 0.4 | 0.75 | 0.01 | 1.5 |" in report
     assert "outside a deployment" in promotion_markdown(None, None)
+    assert "trials never promote on their own" in promotion_markdown(None, None, in_sweep=True)
 
 
 def test_table_cells_keep_angle_brackets_and_pipes_visible():

@@ -12,6 +12,7 @@ from tasks.gang.context import RankContext
 from tasks.gang.trial import TrialLink
 from tasks.gang.errors import GangRefused
 from tasks.process_group import default_backend
+from tasks.storage import is_local_url
 
 
 def cluster_workers(client: distributed.Client) -> list[str]:
@@ -58,11 +59,6 @@ def hosts(addresses: list[str]) -> dict[str, list[str]]:
     for address in addresses:
         per_host.setdefault(host_of(address), []).append(address)
     return per_host
-
-
-def is_local_url(url: str) -> bool:
-    """A path on the rank's own disk: a plain path or file://, not s3:// or another store."""
-    return urlparse(url).scheme in ("", "file")
 
 
 def refuse_local_output_across_hosts(output_url: str | None, per_host: dict[str, list[str]],

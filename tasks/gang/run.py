@@ -13,10 +13,11 @@ from prefect_dask import DaskTaskRunner
 
 from tasks.gang.attempt import GangSpec, run_attempt
 from tasks.gang.context import RankContext
-from tasks.gang.errors import GangError, GangTimeout
+from tasks.gang.errors import GangError, GangStopped, GangTimeout
 from tasks.gang.lease import leased_workers
 from tasks.gang.results import COMPLETED, GangAttempt, GangResults
 from tasks.gang.sending import prepare_to_send
+from tasks.gang.stopping import scope_stopped
 from tasks.gang.supervise import Deadline, wait_for_workers
 from tasks.gang.trial import TrialLink
 from tasks.gang.errors import GangRefused
@@ -128,10 +129,12 @@ def _until_one_completes(
     """Form the gang until an attempt completes, appending each attempt to `attempts`."""
     client = runner.client
     for number in range(1, max_restarts + 2):
+        refuse_when_stopped(f"attempt {number} was not formed")
         with leased_workers(client, world_size, lease_holder(), lease_timeout.total_seconds()) as addresses:
             try:
                 return _recorded_attempt(runner, spec, addresses, number, attempts)
             except GangError as failure:
+                refuse_when_stopped(f"attempt {number} ended ({failure}) and is not formed again")
                 if isinstance(failure, (GangTimeout, GangRefused)) or number > max_restarts:
                     raise
                 run_logger().warning("Gang attempt %d failed: %s. Re-forming it.", number, failure)
@@ -139,6 +142,12 @@ def _until_one_completes(
         if spec.deadline.passed():
             raise spec.deadline.exceeded(f"it passed before attempt {number + 1} could start")
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def refuse_when_stopped(what: str) -> None:
+    """GangStopped once the sweep running this gang is being stopped: a stop is never retried."""
+    if scope_stopped():
+        raise GangStopped(f"The gang was stopped for good, as the run that started it is being stopped: {what}.")
 
 
 def _recorded_attempt(

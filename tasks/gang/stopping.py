@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import distributed
 
@@ -90,6 +91,34 @@ def stop_all_gangs() -> None:
             flag.set()
         except Exception:  # the others still need their flag set
             run_logger().exception("Could not set the gang's stop flag %s", flag.name)
+
+
+# Set by a sweep whose own flow run is being stopped; its trials' threads inherit it with
+# the context they are started in.
+_scope: ContextVar[threading.Event | None] = ContextVar("gang_stop_scope", default=None)
+
+
+@contextmanager
+def stop_scope() -> Iterator[threading.Event]:
+    """Gangs run in this context (and in threads started with a copy of it) stop for good
+    once the event is set: no attempt is formed again, and none formed anew.
+
+    Without it a sweep's cancelled trials came back: their ranks left on the stop flag, the
+    supervisor took that for a failure, and `max_restarts` re-formed each gang with a fresh
+    flag nobody would set, training on while the sweep's process waited for it.
+    """
+    event = threading.Event()
+    token = _scope.set(event)
+    try:
+        yield event
+    finally:
+        _scope.reset(token)
+
+
+def scope_stopped() -> bool:
+    """Whether the gangs of this context were told to stop for good."""
+    event = _scope.get()
+    return event is not None and event.is_set()
 
 
 @contextmanager

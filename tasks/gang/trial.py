@@ -1,9 +1,11 @@
 """A gang's link to the sweep trial it trains: report each epoch, learn whether to stop.
 
-The Optuna study lives in storage that rank 0 can open (the sweep's SQLite file, or an
-RDB URL). Rank 0 reports the metric and asks the pruner; the answer is broadcast, so every
-rank ends at the same epoch boundary and no collective is left waiting for a rank that
-stopped.
+The study (Optuna's) is the sweep's: only the sweep's process opens it, so a sweep works on
+a cluster that shares no disk with it, and one database engine serves every report. Rank 0
+sends each epoch's metric to the sweep through a queue in the Dask scheduler and waits for
+the pruner's answer on another (the sweep's end is `tasks.trial_relay.TrialRelay`); the
+answer is broadcast, so every rank ends at the same epoch boundary and no collective is
+left waiting for a rank that stopped.
 """
 
 from __future__ import annotations
@@ -15,45 +17,87 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.process_group import broadcast_flag
+import distributed
 
+from tasks.process_group import broadcast_flag
+from tasks.selection import Direction, Selection
 
 REPORTED_AT = "reported_at:"
 PRUNED_AT = "pruned_at"
+# How long rank 0 waits for the sweep's answer to one report before it gives up on the sweep.
+ANSWER_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
 class TrialLink:
-    """Where a trial's reports go: the study's storage, its name, the trial, the metric, and
-    the sweep's pruner (Optuna keeps no pruner with a study: loaded without one, it would
-    judge by its default)."""
+    """Where a trial's reports go (the name of its queues in the Dask scheduler), and the
+    metric the sweep optimises, which also picks the epoch whose weights the trial keeps."""
 
-    storage: str
-    study_name: str
-    trial_id: int
+    channel: str
+    number: int
     metric: str
-    pruner: Any = None
+    direction: Direction = "maximize"
+
+    @property
+    def selection(self) -> Selection:
+        return Selection(self.metric, self.direction)
+
+    @property
+    def reports(self) -> str:
+        return f"{self.channel}:reports"
+
+    @property
+    def answers(self) -> str:
+        return f"{self.channel}:answers"
 
     def report(self, step: int, metrics: dict[str, Any], *, is_main: bool, device: str) -> bool:
         stop = False
         if is_main:
-            import optuna
-
             if self.metric not in metrics:
                 raise KeyError(
                     f"The sweep optimises {self.metric!r} but the training function reported "
                     f"{sorted(metrics)}: report it with ctx.report(step, {{{self.metric!r}: value}}), "
                     "or set the sweep's metric to one of those."
                 )
-            study = optuna.load_study(study_name=self.study_name, storage=self.storage, pruner=self.pruner)
-            trial = optuna.trial.Trial(study, self.trial_id)
-            trial.report(float(metrics[self.metric]), step)
-            # When, so the sweep can plot the metric against wall time.
-            trial.set_user_attr(f"{REPORTED_AT}{step}", time.time())
-            stop = trial.should_prune()
-            if stop:
-                trial.set_user_attr(PRUNED_AT, step)
+            stop = self._ask(step, float(metrics[self.metric]))
         return broadcast_flag(stop, device)
+
+    def _ask(self, step: int, value: float) -> bool:
+        """Send one report to the sweep; its pruner's answer: whether to stop now."""
+        client = rank_client()
+        with scheduler_queue(self.reports, client) as reports, scheduler_queue(self.answers, client) as answers:
+            reports.put({"step": step, "value": value, "at": time.time()})
+            try:
+                answer = answers.get(timeout=ANSWER_TIMEOUT_S)
+            except (TimeoutError, distributed.TimeoutError) as exc:
+                # Not the builtin TimeoutError: Prefect would record the rank as TimedOut.
+                raise RuntimeError(
+                    f"Trial {self.number}'s sweep did not answer its report of epoch {step} within "
+                    f"{ANSWER_TIMEOUT_S:.0f} s: the sweep's process has stopped or cannot reach the "
+                    "Dask scheduler."
+                ) from exc
+        if isinstance(answer, str):  # the sweep could not record the report
+            raise RuntimeError(f"Trial {self.number}: {answer}")
+        return bool(answer)
+
+
+def rank_client() -> distributed.Client:
+    """The Dask client of the worker this rank runs on (or this process's, outside a worker)."""
+    try:
+        return distributed.get_worker().client
+    except ValueError:
+        return distributed.get_client()
+
+
+@contextmanager
+def scheduler_queue(name: str, client: distributed.Client) -> Iterator[distributed.Queue]:
+    """A queue in the scheduler, released when the block ends: the scheduler drops a queue
+    once every holder released it, so trials leave nothing behind there."""
+    queue = distributed.Queue(name, client=client)
+    try:
+        yield queue
+    finally:
+        queue.close()
 
 
 # The trial a flow run trains, set by the sweep around a trial's child flow run, so the
