@@ -5,69 +5,217 @@ epoch, and the latency of object storage. The cache keeps the bytes as fetched (
 decoded tensors: those are larger than the JPEGs, and augmentation differs per epoch) in
 a folder on local disk that every rank and loader worker on the host shares.
 
-- Keyed on the object's URL and its size from the manifest: an object rewritten under the
-  same key with another size is fetched again; one rewritten with the same size is not
-  (the listing holds no checksum), so clear the folder after rewriting images in place.
-- Bounded: it fills up to `max_bytes` and then stops adding (no eviction: a training set
-  that does not fit is read from S3 in the part that did not fit). Each process counts
-  what it finds at start plus what it writes, so concurrent writers can overshoot by about
-  one batch each.
-- Written atomically (a temporary file renamed into place), so a reader never sees a
-  partial file, whichever process wrote it.
+- Private: the user's own cache folder (`default_folder`), created with mode 0700. A folder
+  that another user owns, or that group or others may write to, is not used: whoever can
+  write there could plant images that training would take for the bucket's. The cache is
+  then off in that process, with a warning that names the folder and the fix.
+- Keyed on the storage endpoint, the object's URL, its size from the manifest and its ETag
+  where the caller knows one: the same bucket and key on another endpoint (a MinIO beside
+  AWS) is another object. An object rewritten in place with the same size, where no ETag
+  is given, is not fetched again (the listing holds no checksum), so delete the folder
+  after rewriting images in place (the whole folder: its total goes with it).
+- Bounded per host: the folder holds at most `max_bytes` of images, whichever processes
+  wrote them. Writers keep the total in a ledger file in the folder and update it under an
+  exclusive `flock`, so no two of them can take the same room; reads take no lock. It
+  fills up and then stops adding (no eviction: a training set that does not fit is read
+  from S3 in the part that did not fit).
+- Never a failure: any error of the cache (a read-only folder, a full disk, a permission
+  error) is a miss. `put` then returns False, leaves no temporary file behind and logs one
+  warning per process. Entries are written to a temporary file renamed into place, so a
+  reader never sees a partial file; an entry of another size than its key's (cut short by
+  a crash before the disk had it) is a miss too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import json
+import logging
 import os
+import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-DEFAULT_FOLDER = Path(tempfile.gettempdir()) / "prefect-ddp-cache"
 FOLDER_ENV = "PREFECT_DDP_CACHE_DIR"
+# The folder's running total of entry bytes. At the top of the folder, where no entry is
+# (entries live one folder down), so counting the entries never counts it.
+LEDGER = "used-bytes"
+LEDGER_DIGITS = 20  # fixed width: one pwrite replaces the whole number
+OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+logger = logging.getLogger(__name__)
+_warned: set[tuple[Path, str]] = set()  # (folder, kind of trouble) already logged by this process
 
 
 def default_folder() -> Path:
-    """Where the cache lives on each worker host: $PREFECT_DDP_CACHE_DIR, else the temp folder."""
-    return Path(os.environ.get(FOLDER_ENV) or DEFAULT_FOLDER)
+    """The user's own cache folder on this host: $PREFECT_DDP_CACHE_DIR, else
+    $XDG_CACHE_HOME/prefect-ddp/images, else ~/.cache/prefect-ddp/images.
+
+    Not the temp folder: there every user shares one folder under a name anyone can guess,
+    so a second user cannot write to it and any user can plant images in it.
+    """
+    if os.environ.get(FOLDER_ENV):
+        return Path(os.environ[FOLDER_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefect-ddp" / "images"
 
 
 class ByteCache:
-    """Image bytes by (URL, size) below `folder`, up to about `max_bytes` in all."""
+    """Image bytes by (endpoint, URL, size, ETag) below `folder`, at most `max_bytes` in all.
 
-    def __init__(self, max_bytes: int, folder: Path | str | None = None) -> None:
+    Args:
+        max_bytes: what the folder may hold, whichever processes of the host wrote it.
+        folder: where; `default_folder()` when not given.
+        endpoint: the storage endpoint the objects come from, part of every key;
+            `for_storage` sets it from a dataset's storage options.
+
+    >>> cache = ByteCache(10**6, tempfile.mkdtemp())
+    >>> cache.put("s3://bucket/a.jpg", 3, b"abc"), cache.get("s3://bucket/a.jpg", 3)
+    (True, b'abc')
+    """
+
+    def __init__(self, max_bytes: int, folder: Path | str | None = None, endpoint: str = "") -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive; got {max_bytes}. Use no cache instead of an empty one.")
         self.folder = Path(folder) if folder else default_folder()
         self.max_bytes = max_bytes
-        self._used: int | None = None  # counted on first write, in the process that writes
+        self.endpoint = endpoint
+        self._private: bool | None = None  # whether the folder is the user's alone: checked on first use
 
-    def _path(self, url: str, size: int | None) -> Path:
-        digest = hashlib.sha256(f"{url}|{size}".encode()).hexdigest()
-        return self.folder / digest[:2] / digest
+    def for_storage(self, storage_options: dict[str, Any]) -> ByteCache:
+        """This cache keyed on the endpoint `storage_options` name: `endpoint_url` at the top
+        or under `client_kwargs`, as s3fs takes either; none (AWS, a local path) keys as ""."""
+        client_kwargs = storage_options.get("client_kwargs") or {}
+        endpoint = storage_options.get("endpoint_url") or client_kwargs.get("endpoint_url") or ""
+        return ByteCache(self.max_bytes, self.folder, endpoint)
 
-    def get(self, url: str, size: int | None) -> bytes | None:
+    def get(self, url: str, size: int | None, etag: str | None = None) -> bytes | None:
+        """The kept bytes, or None where they are not kept or cannot be read: a miss, never an error."""
+        if not self._usable():
+            return None
         try:
-            return self._path(url, size).read_bytes()
+            data = self._path(url, size, etag).read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as error:
+            self._warn_once("read", f"Could not read the image cache in {self.folder} ({error}); such images "
+                            f"are fetched from storage instead. Make the folder readable, or set {FOLDER_ENV} "
+                            "to another folder of your own.")
+            return None
+        return data if size is None or len(data) == size else None
 
-    def put(self, url: str, size: int | None, data: bytes) -> bool:
-        """Keep `data` unless that would pass the budget; returns whether it was kept."""
-        if self._used is None:
-            self._used = self.bytes_on_disk()
-        if self._used + len(data) > self.max_bytes:
+    def put(self, url: str, size: int | None, data: bytes, etag: str | None = None) -> bool:
+        """Keep `data` unless that would pass the budget or the cache cannot be written;
+        returns whether it is kept. Bytes of another size than `size` are not kept: the
+        object changed after it was listed, and the key would name the old one."""
+        if not self._usable() or (size is not None and len(data) != size):
             return False
-        path = self._path(url, size)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
-            tmp.write(data)
-        os.replace(tmp.name, path)
-        self._used += len(data)
-        return True
+        try:
+            with self._ledger() as ledger:
+                return self._add(ledger, self._path(url, size, etag), data)
+        except OSError as error:
+            self._warn_once("write", f"Could not add images to the cache in {self.folder} ({error}); images "
+                            "not cached are fetched from storage every epoch. Free space there or make it "
+                            f"writable, set {FOLDER_ENV} to another folder of your own, or set "
+                            "training.cache_gb=0 to turn the cache off.")
+            return False
 
     def bytes_on_disk(self) -> int:
+        """What the entries take on disk, counted file by file (the ledger keeps this total
+        without counting; a folder without a ledger is counted once)."""
         if not self.folder.exists():
             return 0
         return sum(entry.stat().st_size for sub in os.scandir(self.folder) if sub.is_dir()
                    for entry in os.scandir(sub.path) if entry.is_file())
+
+    def _path(self, url: str, size: int | None, etag: str | None) -> Path:
+        digest = hashlib.sha256(json.dumps([self.endpoint, url, size, etag]).encode()).hexdigest()
+        return self.folder / digest[:2] / digest
+
+    def _usable(self) -> bool:
+        if self._private is None:
+            self._private = self._claim_folder()
+        return self._private
+
+    def _claim_folder(self) -> bool:
+        """Create the folder (mode 0700), or check that the one there is the user's and
+        writable by no one else; warn and return False where it is not."""
+        try:
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = self.folder.stat()
+        except OSError as error:
+            self._warn_once("folder", f"Not caching images: could not create the cache folder {self.folder} "
+                            f"({error}). Set {FOLDER_ENV} to a folder of your own on local disk, or set "
+                            "training.cache_gb=0 to turn the cache off.")
+            return False
+        if info.st_uid != os.geteuid() or info.st_mode & OTHERS_WRITE:
+            self._warn_once("folder", f"Not caching images in {self.folder}: it is owned by uid {info.st_uid} "
+                            f"with mode {oct(stat.S_IMODE(info.st_mode))}, and the cache may only use a folder "
+                            f"of its user's (uid {os.geteuid()}) that no one else can write to: another user "
+                            f"could plant images there. Fix: chmod 700 {self.folder} as its owner, or set "
+                            f"{FOLDER_ENV} to a folder of your own.")
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def _ledger(self) -> Iterator[int]:
+        """The ledger's file descriptor, locked against every other writer on the host
+        (flock: the lock goes with the open file, so it also holds between two caches of
+        one process)."""
+        ledger = os.open(self.folder / LEDGER, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(ledger, fcntl.LOCK_EX)
+            yield ledger
+        finally:
+            os.close(ledger)  # and with it the lock
+
+    def _add(self, ledger: int, path: Path, data: bytes) -> bool:
+        """Write the entry if it fits the ledger's total, holding the ledger's lock."""
+        if path.exists():  # another process fetched it meanwhile
+            return True
+        used = self._total(ledger)
+        if used + len(data) > self.max_bytes:
+            return False
+        # Counted before it is written: a process killed mid-write leaves the total high, never low.
+        _set_total(ledger, used + len(data))
+        try:
+            _write_entry(path, data)
+        except OSError:
+            _set_total(ledger, used)
+            raise
+        return True
+
+    def _total(self, ledger: int) -> int:
+        """The ledger's total; counted from the disk where it holds none yet (a new folder,
+        or one an earlier version filled) or not a number."""
+        text = os.pread(ledger, LEDGER_DIGITS, 0)
+        return int(text) if len(text) == LEDGER_DIGITS and text.isdigit() else self.bytes_on_disk()
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        """Log `message` the first time this process meets this kind of trouble with this
+        folder: once, not once per image."""
+        if (self.folder, kind) not in _warned:
+            _warned.add((self.folder, kind))
+            logger.warning(message)
+
+
+def _set_total(ledger: int, total: int) -> None:
+    os.pwrite(ledger, f"{total:0{LEDGER_DIGITS}d}".encode(), 0)
+
+
+def _write_entry(path: Path, data: bytes) -> None:
+    """Write a temporary sibling and rename it into place: readers see the whole entry or
+    none, and a write that fails (a full disk) leaves nothing behind."""
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

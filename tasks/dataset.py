@@ -126,7 +126,8 @@ class S3ImageFolder(Dataset):
         fetch_timeout_s: limit for fetching one batch, retries included; past it the batch
             fails with a FetchTimeout naming its images.
         sizes: each image's size from the manifest, part of its key in `cache`.
-        cache: keeps fetched bytes on local disk, so later epochs read them from there.
+        cache: keeps fetched bytes on local disk, so later epochs read them from there;
+            its entries are keyed on the endpoint `storage_options` name as well.
 
     >>> from tasks.dataset import S3ImageFolder, eval_transform
     >>> dataset = S3ImageFolder("s3://bucket/flowers", ["daisy/1.jpg"], [0], {}, eval_transform(224))
@@ -153,7 +154,7 @@ class S3ImageFolder(Dataset):
         self.fetch_threads = fetch_threads
         self.fetch_timeout_s = fetch_timeout_s
         self.sizes = list(sizes) if sizes is not None else [None] * len(self.keys)
-        self.cache = cache
+        self.cache = cache.for_storage(self.storage_options) if cache else None
         self._files = ProcessFilesystem(self.root, self.storage_options)
 
     def __len__(self) -> int:

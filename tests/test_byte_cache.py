@@ -1,17 +1,30 @@
-"""The local byte cache: later epochs send no GET, the budget holds, and a rewritten object
-of another size is fetched again. Real S3 (moto) behind the counting front."""
+"""The local byte cache: later epochs send no GET, the budget holds across the processes of
+a host, a rewritten object of another size or from another endpoint is fetched again, a
+folder that is read-only, full or not the user's own is a miss, never a failure. Real S3
+(moto) behind the counting front, real processes and real (tmpfs) mounts."""
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import multiprocessing
+import multiprocessing.synchronize
+import os
+import re
+import stat
+import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from blocks.data_location import DataLocation
-from tasks.byte_cache import ByteCache
-from tasks.dataset import S3ImageFolder, eval_transform, forked_workers
+from tasks.byte_cache import LEDGER, ByteCache, default_folder
+from tasks.dataset import S3ImageFolder, eval_transform, forget_parent_exit_hooks, forked_workers
 from tests.faulty_s3 import FaultyS3, faulty_s3
 from tests.flow_runs import block_copy
 
@@ -66,3 +79,191 @@ def test_an_object_rewritten_with_another_size_is_fetched_again(tmp_path):
 def test_an_empty_budget_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="max_bytes must be positive; got 0. Use no cache"):
         ByteCache(0)
+
+
+# --- The budget holds per host, any cache error is a miss, the folder is private, the key
+# names the endpoint (issue 18, item 8).
+
+ENTRY = 1_000
+BUDGET = 10 * ENTRY
+
+
+def put_after_the_others_started(folder: Path, process: int, barrier: multiprocessing.synchronize.Barrier) -> None:
+    """One writer of the shared-budget test: an entry, then, once all four have one, 19 more.
+
+    Forked from this test process, it drops the Prefect exit hooks it inherited, as a loader
+    worker does (else it ends with code 1 when the session has run a flow before).
+    """
+    forget_parent_exit_hooks(process)
+    cache = ByteCache(BUDGET, folder)
+    cache.put(f"s3://b/{process}/0.jpg", ENTRY, bytes(ENTRY))
+    barrier.wait(timeout=60)
+    for n in range(1, 20):
+        cache.put(f"s3://b/{process}/{n}.jpg", ENTRY, bytes(ENTRY))
+
+
+def test_four_processes_on_one_host_keep_to_one_budget(tmp_path):
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(4)
+    writers = [context.Process(target=put_after_the_others_started, args=(tmp_path / "cache", n, barrier))
+               for n in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=60)
+    assert [writer.exitcode for writer in writers] == [0] * 4
+    # The budget fits ten entries exactly: all of it is used, and not a byte more.
+    assert ByteCache(BUDGET, tmp_path / "cache").bytes_on_disk() == BUDGET
+
+
+def test_a_hit_takes_no_lock_and_a_write_waits_for_it(tmp_path):
+    cache = ByteCache(BUDGET, tmp_path)
+    cache.put("s3://b/kept.jpg", 4, b"kept")
+    with ThreadPoolExecutor(2) as pool, open(tmp_path / LEDGER) as ledger:
+        fcntl.flock(ledger, fcntl.LOCK_EX)  # as a writer in another process holds it
+        assert pool.submit(ByteCache(BUDGET, tmp_path).get, "s3://b/kept.jpg", 4).result(timeout=5) == b"kept"
+        write = pool.submit(ByteCache(BUDGET, tmp_path).put, "s3://b/new.jpg", 3, b"new")
+        assert wait([write], timeout=0.5).not_done
+        fcntl.flock(ledger, fcntl.LOCK_UN)
+        assert write.result(timeout=10) is True
+
+
+def test_an_entry_cut_short_is_a_miss(tmp_path):
+    cache = ByteCache(BUDGET, tmp_path)
+    cache.put("s3://b/a.jpg", 4, b"full")
+    [entry] = tmp_path.glob("*/*")
+    entry.write_bytes(b"fu")  # as a crash can leave a file renamed before its bytes reached the disk
+    assert cache.get("s3://b/a.jpg", 4) is None
+
+
+@contextmanager
+def tmpfs(folder: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs mounted at `folder` (root only), unmounted on the way out."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"Could not mount a tmpfs at {folder} ({mounted.stderr.strip()}); this test needs one.")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.fixture
+def cache_folder(tmp_path: Path) -> Iterator[Path]:
+    """An empty cache folder of the user's, on a filesystem of its own where root can mount one."""
+    if os.geteuid() != 0:
+        yield tmp_path / "cache"
+        return
+    with tmpfs(tmp_path / "cache", "size=1m,mode=0700") as folder:
+        yield folder
+
+
+def make_read_only(folder: Path) -> None:
+    """Remount the folder read-only as root (chmod does not stop root); as anyone else,
+    take away the write permission of it and of everything in it."""
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        return
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o222)
+
+
+def stray_files(folder: Path) -> list[Path]:
+    """Files in the cache's entry folders that are not entries: temporary files left behind."""
+    return [path for path in folder.glob("*/*") if not re.fullmatch(r"[0-9a-f]{64}", path.name)]
+
+
+def test_a_read_only_folder_serves_what_it_holds_and_adds_nothing(cache_folder, caplog):
+    ByteCache(BUDGET, cache_folder).put("s3://b/kept.jpg", 4, b"kept")
+    make_read_only(cache_folder)
+    cache = ByteCache(BUDGET, cache_folder)
+    with caplog.at_level(logging.WARNING, logger="tasks.byte_cache"):
+        assert cache.get("s3://b/kept.jpg", 4) == b"kept"
+        assert cache.put("s3://b/new.jpg", 3, b"new") is False
+        assert cache.put("s3://b/other.jpg", 5, b"other") is False
+        assert cache.get("s3://b/new.jpg", 3) is None
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings  # once per process, not once per image
+    assert str(cache_folder) in warnings[0] and "PREFECT_DDP_CACHE_DIR" in warnings[0]
+    assert stray_files(cache_folder) == []
+
+
+def test_a_full_disk_ends_adding_without_a_failure_or_a_partial_file(tmp_path, caplog):
+    if os.geteuid() != 0:
+        pytest.skip("Filling a disk needs a tiny tmpfs, and only root can mount one.")
+    images = {f"s3://b/{n}.jpg": bytes([n]) * 8_000 for n in range(20)}  # 160 kB into 64 kB
+    with tmpfs(tmp_path / "cache", "size=64k,mode=0700") as folder, \
+            caplog.at_level(logging.WARNING, logger="tasks.byte_cache"):
+        cache = ByteCache(10**6, folder)
+        kept = [cache.put(url, len(data), data) for url, data in images.items()]
+        assert True in kept and kept[-1] is False
+        assert stray_files(folder) == []
+        assert [cache.get(url, len(data)) for url, data in images.items()] == \
+            [data if was_kept else None for (url, data), was_kept in zip(images.items(), kept)]
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+
+
+def test_the_default_folder_is_the_users_own_cache_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("PREFECT_DDP_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_folder() == tmp_path / "home" / ".cache" / "prefect-ddp" / "images"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_folder() == tmp_path / "xdg" / "prefect-ddp" / "images"
+    monkeypatch.setenv("PREFECT_DDP_CACHE_DIR", str(tmp_path / "chosen"))
+    assert default_folder() == tmp_path / "chosen"
+
+    assert ByteCache(BUDGET).put("s3://b/a.jpg", 1, b"a") is True
+    assert stat.S_IMODE((tmp_path / "chosen").stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1733])
+def test_a_folder_others_can_write_to_is_not_used(tmp_path, caplog, mode):
+    folder = tmp_path / "cache"
+    ByteCache(BUDGET, folder).put("s3://b/a.jpg", 7, b"planted")  # as another user could have
+    folder.chmod(mode)
+    cache = ByteCache(BUDGET, folder)
+    with caplog.at_level(logging.WARNING, logger="tasks.byte_cache"):
+        assert cache.get("s3://b/a.jpg", 7) is None
+        assert cache.put("s3://b/b.jpg", 1, b"b") is False
+    assert cache.bytes_on_disk() == 7
+    assert re.search(rf"{re.escape(str(folder))}: it is owned by uid {os.geteuid()} with mode {oct(mode)}.*"
+                     rf"Fix: chmod 700 {re.escape(str(folder))}", caplog.text)
+
+
+def test_a_folder_of_another_user_is_not_used(tmp_path, caplog):
+    if os.geteuid() != 0:
+        pytest.skip("Only root can give a folder to another user.")
+    folder = tmp_path / "cache"
+    ByteCache(BUDGET, folder).put("s3://b/a.jpg", 7, b"planted")
+    os.chown(folder, 65534, 65534)
+    cache = ByteCache(BUDGET, folder)
+    with caplog.at_level(logging.WARNING, logger="tasks.byte_cache"):
+        assert cache.get("s3://b/a.jpg", 7) is None
+        assert cache.put("s3://b/b.jpg", 1, b"b") is False
+    assert re.search(rf"{re.escape(str(folder))}: it is owned by uid 65534 .*set PREFECT_DDP_CACHE_DIR", caplog.text)
+
+
+def test_the_same_url_and_size_from_two_endpoints_are_two_entries(tmp_path):
+    first = ByteCache(BUDGET, tmp_path).for_storage({"endpoint_url": "http://first:9000"})
+    second = ByteCache(BUDGET, tmp_path).for_storage({"client_kwargs": {"endpoint_url": "http://second:9000"}})
+    first.put("s3://b/a.jpg", 5, b"first")
+    assert second.get("s3://b/a.jpg", 5) is None
+    second.put("s3://b/a.jpg", 5, b"other")
+    assert (first.get("s3://b/a.jpg", 5), second.get("s3://b/a.jpg", 5)) == (b"first", b"other")
+
+
+def test_an_etag_where_known_is_part_of_the_key(tmp_path):
+    cache = ByteCache(BUDGET, tmp_path)
+    cache.put("s3://b/a.jpg", 3, b"old", etag='"1"')
+    assert cache.get("s3://b/a.jpg", 3, etag='"1"') == b"old"
+    assert cache.get("s3://b/a.jpg", 3, etag='"2"') is None
+
+
+def test_a_dataset_on_another_endpoint_does_not_read_the_first_ones_images(image_location, s3_fs, front, tmp_path):
+    epoch(image_folder(image_location, s3_fs, ByteCache(10**8, tmp_path)), 0)
+    epoch(image_folder(block_copy(image_location, endpoint_url=front.endpoint), s3_fs, ByteCache(10**8, tmp_path)), 0)
+    assert sum(front.gets.values()) >= len(KEYS)
