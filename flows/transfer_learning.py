@@ -182,7 +182,7 @@ def transfer_learning(
         split = split_dataset(manifest, data.val_fraction, data.seed)
         require_a_batch_per_rank(split, world_size)
         if training.images_per_shard:
-            write_train_shards(manifest, split, source, base, training.images_per_shard, world_size,
+            write_train_shards(manifest, split, source, base, training.images_per_shard,
                                training.fetches_in_flight(), training.fetch_timeout_s)
         results = run_gang(
             train_classifier, training_job(source, out, manifest, split, model, training, warm),

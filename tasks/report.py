@@ -59,6 +59,22 @@ def attempts_markdown(attempts: list[dict[str, Any]]) -> str:
     )
 
 
+def trained_images_text(history: list[dict[str, Any]], train_size: int) -> str:
+    """Images trained per epoch beside the training set's size, so that a shortfall shows.
+
+    Ranks take equal steps, so an epoch may train on a few images fewer (shard mode: fewer
+    than world size x batch size, README: training.images_per_shard) or repeat a few
+    (per-image mode pads the ranks); a range shows when epochs differ (a gang re-formed on
+    fewer ranks).
+
+    >>> trained_images_text([{"train_samples": 1008}, {"train_samples": 1006}], 1010)
+    'Images trained per epoch: 1,006 to 1,008 of 1,010 training images.'
+    """
+    fewest, most = min(h["train_samples"] for h in history), max(h["train_samples"] for h in history)
+    trained = f"{fewest:,}" if fewest == most else f"{fewest:,} to {most:,}"
+    return f"Images trained per epoch: {trained} of {train_size:,} training images."
+
+
 def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, outcome: str) -> str:
     rows = [[h[k] for k in EPOCH_COLUMNS] for h in summary["history"]]
     workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
@@ -70,6 +86,7 @@ def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, ou
         + outcome
         + f"\nData: `{manifest.root}`, {len(manifest.classes)} classes, {summary['train_size']} train / "
         f"{summary['val_size']} val images. World size {summary['world_size']} ({workers}).\n\n"
+        + trained_images_text(summary["history"], summary["train_size"]) + "\n\n"
         + attempts_markdown(summary.get("attempts", []))
         + "## Curves\n\n" + curves + "\n\n"
         "## Per epoch (all ranks)\n\n"

@@ -6,8 +6,9 @@ packs the training images into tar shards once and reads those instead:
 
     write:  manifest + split.train --(one GET per image, concurrently)--> shard-000000.tar ...
             + index.json, written LAST, below OUTPUT/shards/KEY/
-    read:   each loader worker GETs its shards whole, one after the other (the next ones
-            are fetched while the current one is decoded) and shuffles through a buffer.
+    read:   each loader worker GETs the shards its part of the epoch overlaps, whole, one
+            after the other (the next ones are fetched while the current one is decoded),
+            and shuffles its images through a buffer.
 
 - Members follow webdataset's layout: `<key>.<ext>` (the image's bytes as stored) and
   `<key>.cls` (its class index, decimal). Keys are sample numbers, never user-given names,
@@ -17,11 +18,18 @@ packs the training images into tar shards once and reads those instead:
   changed image (another size) or another split gets new ones. A set without its index, or
   whose index does not match its folder or its shards, is written again.
 - Equal steps on every rank: DDP hangs in a collective when one rank runs out of batches
-  before the others. Shards go to rank r as `shards[r::world]`, then to loader worker w as
-  `[w::workers]`; worker w of every rank stops at the same number of images, the least any
-  rank's worker w holds, so every rank yields the same batches (see `ShardDataset.plan`).
-  The images past that cap (at most about one shard per rank, and different ones every
-  epoch, as the shard order is reshuffled) are not seen that epoch.
+  before the others. So samples, not shards, are split between ranks (as MosaicML
+  Streaming does): each epoch's shard order, reshuffled and the same on every rank, lays
+  the N training images out in one sequence; rank r takes its positions [r*q, (r+1)*q),
+  q = N // world less one where a batch of one would be left (`epoch_quota`), and hands
+  its batches to its loader workers in contiguous runs (`worker_spans`). Every rank yields
+  ceil(q / batch) batches whatever the shard sizes and its loader workers.
+- Left out each epoch: the sequence's last N - world*q images, that is N mod world, plus
+  world where a rank's share would end in a batch of one image: at most 2*world - 1, fewer
+  than world x batch size (world - 1 at batch size 1); they change as the shard order is
+  reshuffled.
+- A shard that straddles two workers' parts is fetched whole by both, each skipping the
+  members outside its part: at most world x loader workers - 1 extra GETs an epoch.
 - Memory: a loader worker holds the shard it reads, the next 1-4 (at most 64 MB of them,
   at least one) and a shuffle buffer of `images_per_shard` images, all as encoded bytes.
 """
@@ -37,10 +45,10 @@ import tarfile
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
@@ -72,28 +80,53 @@ MAX_AHEAD = 4
 AHEAD_BYTES = 64 * 2**20
 
 
-def require_a_shard_per_rank(shards: int, world_size: int, images_per_shard: int) -> None:
-    """Shards are a rank's unit of work: a rank without one would take no step."""
-    if shards < world_size:
-        raise ValueError(
-            f"{shards} shard(s) of up to {images_per_shard} training images for {world_size} ranks; every "
-            f"rank needs at least one shard. Lower training.images_per_shard to at most the training "
-            "images divided by the world size, or use fewer ranks."
-        )
+def epoch_quota(images: int, world_size: int, batch_size: int) -> int:
+    """The images each rank trains on per epoch: an equal share, never ending in a batch of one.
 
+    BatchNorm cannot train on a batch of one image, so a share that would end in one is one
+    image shorter (at batch size 1 every batch is one image, and none is taken off).
 
-def fewest_loader_workers(workers: int, device: torch.device | str = "cpu") -> int:
-    """The fewest DataLoader workers of any rank (`workers` itself without a process group).
-
-    `ShardDataset.plan` caps each loader worker's images by what that worker holds on
-    every rank, so all ranks must plan with the same number of workers; one sized by its
-    host's cores (training.num_workers empty) could have more than another.
+    >>> epoch_quota(1010, 2, 32), epoch_quota(23, 2, 2), epoch_quota(21, 5, 1)
+    (505, 10, 4)
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        return workers
-    tensor = torch.tensor([workers], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return int(tensor.item())
+    quota = images // world_size
+    return quota - 1 if batch_size > 1 and quota % batch_size == 1 else quota
+
+
+def worker_spans(images: int, world_size: int, rank: int, loader_workers: int, batch_size: int) -> list[range]:
+    """Each of `rank`'s loader workers' positions in an epoch's sequence of `images` images.
+
+    The rank's `epoch_quota` positions are cut into batches, and the workers take them in
+    contiguous runs, as even as whole batches allow: only the rank's last batch may be
+    short, and a worker reads no more shards than its run overlaps.
+
+    >>> worker_spans(23, 2, 1, 2, 2)
+    [range(10, 14), range(14, 20)]
+    """
+    quota = epoch_quota(images, world_size, batch_size)
+    batches = math.ceil(quota / batch_size)
+    edges = [rank * quota + min(quota, batch_size * (batches * worker // loader_workers))
+             for worker in range(loader_workers + 1)]
+    return [range(start, stop) for start, stop in zip(edges, edges[1:])]
+
+
+def shard_pieces(images: Sequence[int], order: Sequence[int], span: range) -> list[tuple[int, int, int]]:
+    """(shard, first member, end member) of each shard that `span` overlaps, in `order`.
+
+    `span` is a range of positions in the sequence that the shards' images make when laid
+    out in `order`; `images[i]` is how many shard i holds.
+
+    >>> shard_pieces([500, 500, 10], [2, 0, 1], range(5, 515))
+    [(2, 5, 10), (0, 0, 500), (1, 0, 5)]
+    """
+    pieces, start = [], 0
+    for shard in order:
+        stop = start + images[shard]
+        first, end = max(span.start, start), min(span.stop, stop)
+        if first < end:
+            pieces.append((shard, first - start, end - start))
+        start = stop
+    return pieces
 
 
 class ShardIndex(BaseModel):
@@ -242,11 +275,11 @@ class ShardDataset(IterableDataset):
         storage_options: fsspec options for the folder.
         transform: applied to each decoded 8-bit RGB PIL image; None yields encoded images
             for a rank that decodes on its device (tasks.device_batches).
-        batch_size: images per batch; a worker's last batch may be smaller, never 1 image
-            (BatchNorm cannot train on one), which is dropped instead.
+        batch_size: images per batch; the rank's last batch may be smaller, never 1 image
+            (BatchNorm cannot train on one: `epoch_quota`).
         rank, world_size: this rank and the gang's size.
-        loader_workers: the DataLoader's num_workers (0 counts as 1: the main process), the
-            same on every rank (`fewest_loader_workers`).
+        loader_workers: the DataLoader's num_workers (0 counts as 1: the main process); ranks
+            may differ, as their batches do not depend on it.
         seed: with the epoch (`set_epoch`), seeds the shard order and the shuffle buffer.
         fetch_timeout_s: limit for one shard's GET, retries included.
 
@@ -258,7 +291,7 @@ class ShardDataset(IterableDataset):
         batch_size: int, rank: int, world_size: int, loader_workers: int, seed: int = 0,
         fetch_timeout_s: float = 60,
     ) -> None:
-        require_a_shard_per_rank(len(index.shards), world_size, index.images_per_shard)
+        require_images_for_every_rank(index, world_size, batch_size)
         self.folder = folder
         self.index = index
         self.storage_options = {**object_read_options(folder, storage_options, 1), "skip_instance_cache": True}
@@ -280,33 +313,27 @@ class ShardDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self._epoch.value = epoch
 
-    def plan(self, epoch: int) -> list[tuple[list[int], int]]:
-        """(shards, images to yield) for each loader worker of this rank, in `epoch`.
+    def plan(self, epoch: int) -> list[list[tuple[int, int, int]]]:
+        """(shard, first member, end member) pieces that each of this rank's loader workers reads in `epoch`.
 
-        The shard order is reshuffled every epoch (same on every rank: same seed); rank r
-        takes order[r::world], its worker w takes [w::workers]. Worker w's cap is the least
-        that worker w holds on any rank, less one image when a batch of one would be left.
+        The shard order is reshuffled every epoch, the same on every rank (same seed), and
+        lays out the sequence of images that `worker_spans` splits.
         """
         order = list(range(len(self.index.shards)))
         random.Random(f"{self.seed}-{epoch}").shuffle(order)
-        plan = []
-        for worker in range(self.loader_workers):
-            held = [order[rank :: self.world_size][worker :: self.loader_workers] for rank in range(self.world_size)]
-            cap = min(sum(self.index.images[i] for i in shards) for shards in held)
-            plan.append((held[self.rank], cap - 1 if cap % self.batch_size == 1 else cap))
-        return plan
+        spans = worker_spans(sum(self.index.images), self.world_size, self.rank, self.loader_workers, self.batch_size)
+        return [shard_pieces(self.index.images, order, span) for span in spans]
 
     def __len__(self) -> int:
-        return sum(math.ceil(cap / self.batch_size) for _, cap in self.plan(self._epoch.value))
+        return math.ceil(epoch_quota(sum(self.index.images), self.world_size, self.batch_size) / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
         worker = info.id if info else 0
         epoch = self._epoch.value
-        shards, cap = self.plan(epoch)[worker]
         rng = random.Random(f"{self.seed}-{epoch}-{self.rank}-{worker}")
         batch = []
-        for data, label in shuffled(self._samples(shards, cap), self.index.images_per_shard, rng):
+        for data, label in shuffled(self._samples(self.plan(epoch)[worker]), self.index.images_per_shard, rng):
             batch.append(prepare(data, label, self.transform))
             if len(batch) == self.batch_size:
                 yield self.collate(batch)
@@ -314,33 +341,18 @@ class ShardDataset(IterableDataset):
         if batch:
             yield self.collate(batch)
 
-    def _samples(self, shards: list[int], cap: int) -> Iterator[tuple[bytes, int]]:
-        """The first `cap` images of `shards`, read in order, the next `self.ahead` shards fetched meanwhile.
-
-        Only the shards that hold the first `cap` images are fetched, so none is left in
-        flight when the cap is reached.
-        """
-        needed, held = [], 0
-        for shard in shards:
-            if held >= cap:
-                break
-            needed.append(shard)
-            held += self.index.images[shard]
-        if not needed:
+    def _samples(self, pieces: list[tuple[int, int, int]]) -> Iterator[tuple[bytes, int]]:
+        """The images of `pieces` (`plan`), in order, the next `self.ahead` shards fetched meanwhile."""
+        if not pieces:
             return
         self._files.get()  # the client is made here, before the fetching threads share it
-        taken = 0
         with ThreadPoolExecutor(max_workers=self.ahead) as prefetcher:
-            fetches = deque(prefetcher.submit(self._fetch, shard) for shard in needed[: self.ahead])
-            for position in range(len(needed)):
+            fetches = deque(prefetcher.submit(self._fetch, shard) for shard, _, _ in pieces[: self.ahead])
+            for position, (_, first, end) in enumerate(pieces):
                 data = fetches.popleft().result()
-                if position + self.ahead < len(needed):
-                    fetches.append(prefetcher.submit(self._fetch, needed[position + self.ahead]))
-                for sample in read_samples(data):
-                    yield sample
-                    taken += 1
-                    if taken == cap:
-                        return
+                if position + self.ahead < len(pieces):
+                    fetches.append(prefetcher.submit(self._fetch, pieces[position + self.ahead][0]))
+                yield from islice(read_samples(data), first, end)
 
     def _fetch(self, shard: int) -> bytes:
         """A whole shard, with one GET (retried on transient errors, bounded by fetch_timeout_s)."""
@@ -357,6 +369,16 @@ class ShardDataset(IterableDataset):
             raise OSError(f"Could not fetch shard {path} after {FETCH_ATTEMPTS} attempts: {result!r}. "
                           "If the shard set was deleted, the next run's write-shards step writes it again.")
         return result
+
+
+def require_images_for_every_rank(index: ShardIndex, world_size: int, batch_size: int) -> None:
+    """A rank with no image would take no step; ranks share shards, so only the images count."""
+    if epoch_quota(sum(index.images), world_size, batch_size) < 1:
+        raise ValueError(
+            f"{sum(index.images)} training images in {len(index.shards)} shard(s) for {world_size} ranks at batch "
+            f"size {batch_size}: a rank would have none to train on. Every rank needs at least 2 images (1 at "
+            "batch size 1): add images or use fewer ranks."
+        )
 
 
 def shuffled(samples: Iterator[Any], buffer_size: int, rng: random.Random) -> Iterator[Any]:
@@ -431,15 +453,13 @@ def open_shards(
 @task(name="write-shards", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
 def write_train_shards(
     manifest: Manifest, split: Split, source: DataLocation, output_base: DataLocation, images_per_shard: int,
-    world_size: int, fetch_threads: int, fetch_timeout_s: float,
+    fetch_threads: int, fetch_timeout_s: float,
 ) -> ShardIndex:
     """Write (or reuse) the training images' shards, and say which in a markdown artifact.
 
     Retried twice: a fetch or write that failed on a transient error is worth another
     pass, and the pass after a crash rewrites the set, whose index was never written.
-    Too few shards for the ranks fail at once (a ValueError is not retried).
     """
-    require_a_shard_per_rank(math.ceil(len(split.train) / images_per_shard), world_size, images_per_shard)
     index, reused = write_shards(
         manifest, split.train, source.storage_options(), output_base.url, output_base.storage_options(),
         images_per_shard, split.digest(manifest), split.seed, fetch_threads, fetch_timeout_s,

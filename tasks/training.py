@@ -43,7 +43,7 @@ from tasks.process_group import all_reduce_sum, sync_buffers, wrap_ddp
 from tasks.promotion import WarmStart, load_warm_start
 from tasks.reporting import EPOCH_COLUMNS, BackgroundPublisher, in_prefect_run, markdown_table, run_logger
 from tasks.selection import Selection, best_index, is_better
-from tasks.shards import ShardDataset, ShardLoader, fewest_loader_workers, open_shards
+from tasks.shards import ShardDataset, ShardLoader, open_shards
 from tasks.splitting import Split
 from tasks.storage import child_url, save_torch, write_json
 
@@ -140,8 +140,6 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     per_image = {"batch_size": cfg.batch_size, "collate_fn": encoded_collate if on_device else None}
     val_set = dataset(job.split.val, val_tf)
     workers = loader_workers(cfg)
-    if cfg.images_per_shard:  # shards are planned per loader worker, alike on every rank
-        workers = fewest_loader_workers(workers, ctx.device)
     loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": ctx.device.startswith("cuda")}
     if workers:
         require_non_daemonic(workers)

@@ -11,11 +11,11 @@ from PIL import Image
 from tasks.manifest import Manifest
 from tasks.plots import markdown_image, training_curves_png
 from tasks.promotion import Promotion
-from tasks.report import promotion_markdown, report_markdown
+from tasks.report import promotion_markdown, report_markdown, trained_images_text
 from tasks.reporting import markdown_table
 
 HISTORY = [{"epoch": e, "train_loss": 1.0 / e, "train_acc": 0.3 * e, "val_loss": 1.2 / e, "val_acc": 0.25 * e,
-            "lr": 0.01, "seconds": 1.5} for e in (1, 2, 3)]
+            "lr": 0.01, "seconds": 1.5, "train_samples": 28} for e in (1, 2, 3)]
 
 
 def test_curves_are_a_png_that_renders_inline():
@@ -42,8 +42,17 @@ def test_the_report_shows_curves_and_says_whether_the_model_was_promoted():
     assert ("**Not promoted**: `s3://b/out/nightly/latest.json` still points to `s3://b/out/nightly/versions/owl-1`: "
             "best_val_acc 0.7500 is worse than 0.8000 of owl") in report
     assert "| 3 | 0.3333 | 0.9 | 0.4 | 0.75 | 0.01 | 1.5 |" in report
+    assert "Images trained per epoch: 28 of 30 training images." in report
     assert "outside a deployment" in promotion_markdown(None, None)
     assert "trials never promote on their own" in promotion_markdown(None, None, in_sweep=True)
+
+
+def test_images_trained_per_epoch_show_beside_the_training_set_size():
+    assert trained_images_text([{"train_samples": 1008}] * 3, 1010) == (
+        "Images trained per epoch: 1,008 of 1,010 training images.")
+    resumed_on_fewer_ranks = [{"train_samples": 1008}, {"train_samples": 1009}, {"train_samples": 1009}]
+    assert trained_images_text(resumed_on_fewer_ranks, 1010) == (
+        "Images trained per epoch: 1,008 to 1,009 of 1,010 training images.")
 
 
 def test_table_cells_keep_angle_brackets_and_pipes_visible():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import tarfile
 from collections.abc import Iterator
 from datetime import timedelta
@@ -33,7 +34,6 @@ from tasks.shards import (
     ShardDataset,
     ShardIndex,
     ShardLoader,
-    fewest_loader_workers,
     open_shards,
     read_samples,
     shard_folder,
@@ -109,6 +109,52 @@ def dataset(location: DataLocation, output: str, manifest: Manifest, index, rank
     return ShardDataset(folder, index, location.storage_options(), image_number, batch, rank, world, workers)
 
 
+def index_of(images: list[int]) -> ShardIndex:
+    """The index of a shard set with these images per shard; its shards are never read."""
+    return ShardIndex(key="k", split_digest="d", classes=CLASSES, images_per_shard=max(images), images=images,
+                      shards=[f"shard-{n:06d}.tar" for n in range(len(images))], bytes=[1] * len(images))
+
+
+def planned(dataset: ShardDataset, epoch: int) -> list[list[tuple[int, int]]]:
+    """(shard, member) of every image each of the rank's loader workers reads in `epoch`, from its plan."""
+    return [[(shard, member) for shard, first, end in pieces for member in range(first, end)]
+            for pieces in dataset.plan(epoch)]
+
+
+MIXES = [  # shard sizes, world size, each rank's loader workers, batch size
+    ([500, 500, 10], 2, [2, 2], 32),  # issue 18's case
+    ([500, 500, 10], 2, [2, 2], 2),
+    ([3, 2, 3, 1, 3], 2, [1, 3], 4),  # every shard smaller than a batch
+    ([7, 40], 3, [2, 2, 2], 8),  # more ranks than shards
+    ([1, 60, 2, 33, 5, 17], 4, [4, 1, 2, 3], 3),
+    ([100], 2, [8, 8], 2),  # one shard, more loader workers than batches
+    ([9, 9, 5], 2, [2, 2], 2),  # 11 images a rank would end in a batch of one
+    ([4, 4, 4, 4, 4, 1], 5, [2, 2, 2, 2, 2], 1),  # batch size 1: every batch is one image
+]
+
+
+@pytest.mark.parametrize(("images", "world", "workers", "batch"), MIXES)
+def test_the_plan_trains_every_image_but_fewer_than_world_times_batch(images, world, workers, batch):
+    total = sum(images)
+    ranks = [ShardDataset("s3://never-read/shards", index_of(images), {}, None, batch, rank, world, workers[rank])
+             for rank in range(world)]
+    for epoch in range(3):
+        for rank in ranks:
+            rank.set_epoch(epoch)
+        steps = [len(rank) for rank in ranks]
+        assert len(set(steps)) == 1, f"ranks take {steps} steps"
+        assert world * steps[0] * batch > total - world * batch, f"{steps[0]} steps of {batch} for {total} images"
+        trained = []
+        for rank in ranks:
+            workers_images = planned(rank, epoch)
+            assert sum(math.ceil(len(held) / batch) for held in workers_images) == len(rank)
+            assert batch == 1 or all(len(held) % batch != 1 for held in workers_images)  # no batch of one
+            trained += [image for held in workers_images for image in held]
+        assert len(set(trained)) == len(trained) and all(member < images[shard] for shard, member in trained)
+        # Left out: total mod world, plus world where a rank's share would end in a batch of one.
+        assert total - world * min(batch, 2) < len(trained) <= total, f"trained {len(trained)} of {total} images"
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_every_image_once_per_epoch_across_ranks_and_workers(numbered, request, num_workers):
     location, manifest = numbered
@@ -136,44 +182,54 @@ def test_the_shuffle_differs_by_epoch_and_repeats_for_the_same_epoch(numbered, r
     assert orders[1] == orders[2]
 
 
-def rank_of_two(rank: int, port: int, folder: str, index: dict, storage_options: dict, results: Path) -> None:
-    """One gloo rank: a collective after every batch, as DDP's backward.
+EPOCHS = 3
 
-    Rank 0 could have 3 loader workers and rank 1 2 (sized by their hosts' cores): both use 2.
-    Forked from this test process, it drops the Prefect exit hooks it inherited, as a loader
-    worker does (else it ends with code 1 when the session has run a flow before).
+
+def rank_of_two(rank: int, port: int, folder: str, index: dict, storage_options: dict, results: Path) -> None:
+    """One gloo rank, EPOCHS epochs: a collective after every batch, as DDP's backward.
+
+    Rank 0 has 2 persistent loader workers and rank 1 has 3, as hosts with other core counts
+    would (training.num_workers empty): the ranks' batches must not depend on them. Forked
+    from this test process, it drops the Prefect exit hooks it inherited, as a loader worker
+    does (else it ends with code 1 when the session has run a flow before).
     """
     forget_parent_exit_hooks(rank)
     with process_group(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
                        timeout=timedelta(seconds=30)):
-        workers = fewest_loader_workers(3 - rank)
+        workers = 2 + rank
         shards = ShardDataset(folder, ShardIndex.model_validate(index), storage_options, image_number, 2, rank, 2,
                               workers)
-        steps, numbers = 0, []
-        for images, _ in ShardLoader(shards, num_workers=workers, **forked_workers()):
-            dist.all_reduce(torch.ones(1))  # a rank with fewer batches would leave the other waiting here
-            steps += 1
-            numbers += images.tolist()
-    (results / f"rank{rank}.json").write_text(json.dumps({"steps": steps, "len": len(shards), "numbers": numbers,
-                                                            "workers": workers}))
+        loader = ShardLoader(shards, num_workers=workers, persistent_workers=True, **forked_workers())
+        epochs = []
+        for epoch in range(EPOCHS):
+            loader.sampler.set_epoch(epoch)
+            steps, numbers = 0, []
+            for images, _ in loader:
+                dist.all_reduce(torch.ones(1))  # a rank with fewer batches would leave the other waiting here
+                steps += 1
+                numbers += images.tolist()
+            epochs.append({"steps": steps, "len": len(loader), "numbers": numbers})
+    (results / f"rank{rank}.json").write_text(json.dumps(epochs))
 
 
-def test_uneven_shards_give_two_gloo_ranks_the_same_steps(numbered, request, tmp_path):
+def test_uneven_shards_train_every_image_but_fewer_than_world_times_batch_each_epoch(numbered, request, tmp_path):
     location, manifest = numbered
     output = output_url(request)
-    train = list(range(23))  # 5 shards of 5, 5, 5, 5, 3: one rank gets 3 shards, the other 2
-    index, _ = write(location, manifest, output, per_shard=5, positions=train)
-    assert index.images == [5, 5, 5, 5, 3]
-    folder = shard_folder(output, manifest, train, 5)
+    train = list(range(23))  # shards of 9, 9 and 5 images: no split of whole shards evens out 2 ranks
+    index, _ = write(location, manifest, output, per_shard=9, positions=train)
+    assert index.images == [9, 9, 5]
+    folder = shard_folder(output, manifest, train, 9)
     # fork, not spawn: a spawned child imports torch and this module again (50 s here, 4 s forked).
     mp.start_processes(rank_of_two, args=(free_port(), folder, index.model_dump(), location.storage_options(), tmp_path),
                        nprocs=2, start_method="fork")
     rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
-    assert rank0["workers"] == rank1["workers"] == 2
-    assert rank0["steps"] == rank1["steps"] == rank0["len"] == rank1["len"] > 0
-    # Worker caps of at least 5 and 3 images, less the lone image a batch of 2 would leave.
-    assert len(rank0["numbers"]) == len(rank1["numbers"]) >= 4 + 2
-    assert len(set(rank0["numbers"] + rank1["numbers"])) == len(rank0["numbers"] + rank1["numbers"])
+    for epoch0, epoch1 in zip(rank0, rank1, strict=True):
+        assert epoch0["steps"] == epoch1["steps"] == epoch0["len"] == epoch1["len"]
+        trained = epoch0["numbers"] + epoch1["numbers"]
+        assert len(set(trained)) == len(trained) and set(trained) <= set(train)
+        # 11 images a rank would end in a batch of one: each rank trains 10, and 3 of 23 sit out (< 2 x 2).
+        assert len(trained) == 20, f"trained {len(trained)} of {len(train)} images"
+    assert len({tuple(sorted(epoch["numbers"])) for epoch in rank0}) > 1  # a different part each epoch
 
 
 def test_a_complete_set_is_reused_and_a_half_written_one_rewritten(numbered, request, s3_fs, front):
@@ -204,12 +260,11 @@ def test_reading_a_set_that_was_never_written_names_the_folder_and_the_fix(numbe
         open_shards(f"s3://{BUCKET}/never-written/run-1", location.storage_options(), manifest, split, 6)
 
 
-def test_too_few_shards_for_the_ranks_are_refused_with_the_fix(numbered, request):
-    location, manifest = numbered
-    index, _ = write(location, manifest, output_url(request), per_shard=12)
-    with pytest.raises(ValueError, match="2 shard.* for 3 ranks; every rank needs at least one shard. Lower "
-                                         "training.images_per_shard"):
-        dataset(location, output_url(request), manifest, index, 0, 3, 0)
+def test_too_few_images_for_the_ranks_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"3 training images in 1 shard\(s\) for 2 ranks at batch size 4: a rank "
+                                         r"would have none to train on. Every rank needs at least 2 images \(1 at "
+                                         r"batch size 1\): add images or use fewer ranks."):
+        ShardDataset("s3://never-read/shards", index_of([3]), {}, None, 4, 0, 2, 1)
 
 
 def test_a_stalled_shard_fetch_fails_with_fetch_timeout(numbered, request, front):
