@@ -34,18 +34,18 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tasks.private_folder import private_folder
 
 FOLDER_ENV = "PREFECT_DDP_CACHE_DIR"
 # The folder's running total of entry bytes. At the top of the folder, where no entry is
 # (entries live one folder down), so counting the entries never counts it.
 LEDGER = "used-bytes"
 LEDGER_DIGITS = 20  # fixed width: one pwrite replaces the whole number
-OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 logger = logging.getLogger(__name__)
 _warned: set[tuple[Path, str]] = set()  # (folder, kind of trouble) already logged by this process
@@ -144,19 +144,10 @@ class ByteCache:
         """Create the folder (mode 0700), or check that the one there is the user's and
         writable by no one else; warn and return False where it is not."""
         try:
-            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            info = self.folder.stat()
+            private_folder(self.folder, fix=f"set {FOLDER_ENV} to a folder of your own, or set "
+                           "training.cache_gb=0 to turn the cache off")
         except OSError as error:
-            self._warn_once("folder", f"Not caching images: could not create the cache folder {self.folder} "
-                            f"({error}). Set {FOLDER_ENV} to a folder of your own on local disk, or set "
-                            "training.cache_gb=0 to turn the cache off.")
-            return False
-        if info.st_uid != os.geteuid() or info.st_mode & OTHERS_WRITE:
-            self._warn_once("folder", f"Not caching images in {self.folder}: it is owned by uid {info.st_uid} "
-                            f"with mode {oct(stat.S_IMODE(info.st_mode))}, and the cache may only use a folder "
-                            f"of its user's (uid {os.geteuid()}) that no one else can write to: another user "
-                            f"could plant images there. Fix: chmod 700 {self.folder} as its owner, or set "
-                            f"{FOLDER_ENV} to a folder of your own.")
+            self._warn_once("folder", f"Not caching images: {error}")
             return False
         return True
 

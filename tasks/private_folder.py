@@ -11,19 +11,19 @@ import stat
 from pathlib import Path
 
 
-def private_folder(path: Path | str) -> Path:
+def private_folder(path: Path | str, fix: str) -> Path:
     """`path` as a folder only this user can use: made with mode 0700 where it is new.
 
-    Raises PermissionError naming the folder, its owner and mode, and the fix, when it
-    exists but belongs to another user or others may write to it.
+    Raises PermissionError naming the folder, its owner and mode, and `fix` (what the
+    caller's user can do instead), when it belongs to another user or others may write to it.
     """
     path = Path(path)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = path.stat()
-    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise PermissionError(
-            f"{path} is owned by uid {info.st_uid} with mode {stat.filemode(info.st_mode)}; this process "
-            f"(uid {os.getuid()}) keeps its files only in a folder of its own that no one else may write. "
-            f"Remove it, or chmod 700 it if it is yours, or point the setting that chose it elsewhere."
+            f"{path} is owned by uid {info.st_uid} with mode {oct(stat.S_IMODE(info.st_mode))}, but only a folder "
+            f"of this user's (uid {os.geteuid()}) that no one else can write to may be used: another user could "
+            f"read or plant files there. Fix: chmod 700 {path} as its owner, or {fix}."
         )
     return path

@@ -132,7 +132,8 @@ def study_storage(settings: SweepSettings, output_url: str) -> str:
         return settings.storage
     if not is_local_url(output_url):
         digest = hashlib.sha256(output_url.encode()).hexdigest()[:16]
-        folder = private_folder(study_root() / digest / safe_segment(settings.name))
+        folder = private_folder(study_root() / digest / safe_segment(settings.name),
+                                fix=f"set {STUDY_DIR_ENV} to a folder of your own")
     else:
         folder = child_url(os.path.abspath(output_url.removeprefix("file://")), safe_segment(settings.name))
         os.makedirs(folder, exist_ok=True)

@@ -230,7 +230,7 @@ def test_a_folder_others_can_write_to_is_not_used(tmp_path, caplog, mode):
         assert cache.get("s3://b/a.jpg", 7) is None
         assert cache.put("s3://b/b.jpg", 1, b"b") is False
     assert cache.bytes_on_disk() == 7
-    assert re.search(rf"{re.escape(str(folder))}: it is owned by uid {os.geteuid()} with mode {oct(mode)}.*"
+    assert re.search(rf"{re.escape(str(folder))} is owned by uid {os.geteuid()} with mode {oct(mode)}.*"
                      rf"Fix: chmod 700 {re.escape(str(folder))}", caplog.text)
 
 
@@ -244,7 +244,7 @@ def test_a_folder_of_another_user_is_not_used(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="tasks.byte_cache"):
         assert cache.get("s3://b/a.jpg", 7) is None
         assert cache.put("s3://b/b.jpg", 1, b"b") is False
-    assert re.search(rf"{re.escape(str(folder))}: it is owned by uid 65534 .*set PREFECT_DDP_CACHE_DIR", caplog.text)
+    assert re.search(rf"{re.escape(str(folder))} is owned by uid 65534 .*set PREFECT_DDP_CACHE_DIR", caplog.text)
 
 
 def test_the_same_url_and_size_from_two_endpoints_are_two_entries(tmp_path):
