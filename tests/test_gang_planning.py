@@ -78,25 +78,6 @@ def test_ranks_that_would_share_a_gpu_are_refused_with_the_fix(seen):
         plan_ranks(list(seen), gpu_probes(seen), 1, 0, None, 30)
 
 
-@pytest.mark.parametrize("output_url", ["./outputs", "/data/runs/r1", "file:///data/runs/r1"])
-def test_a_local_output_with_ranks_on_several_hosts_is_refused_with_the_fix(output_url):
-    with pytest.raises(GangRefused, match=rf"The output '{output_url}' is a local folder, but the gang's ranks run "
-                       r"on 2 hosts \(10.0.0.1, 10.0.0.2\): each would write its own disk.* s3:// output.*"
-                       r"run_gang\(..., shared_output=True\)"):
-        plan_ranks(ADDRESSES, cpu_probes(ADDRESSES), 1, 0, output_url, 30)
-
-
-@pytest.mark.parametrize("addresses, output_url, shared", [
-    (ADDRESSES, "s3://bucket/runs/r1", False),  # every host reaches the same store
-    (ADDRESSES, "/mnt/nfs/runs/r1", True),  # declared one filesystem on every host
-    (ADDRESSES, None, False),  # the training function writes nothing the gang knows of
-    (ADDRESSES[:2], "./outputs", False),  # one host, one disk
-])
-def test_outputs_every_rank_sees_alike_are_allowed(addresses, output_url, shared):
-    ranks = plan_ranks(addresses, cpu_probes(addresses), 1, 0, output_url, 30, shared_output=shared)
-    assert [r.output_url for r in ranks] == [output_url] * len(addresses)
-
-
 def test_an_ipv6_master_is_the_bare_host_and_its_init_method_has_brackets():
     addresses = ["tcp://[fd00::1]:4001", "tcp://[fd00::2]:4001"]
     ranks = plan_ranks(addresses, cpu_probes(addresses), 29500, 0, None, 30)

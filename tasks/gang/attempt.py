@@ -26,7 +26,7 @@ from tasks.gang.rank import run_rank
 from tasks.gang.stopping import stop_flag
 from tasks.gang.supervise import Deadline, stop, supervise
 from tasks.gang.trial import TrialLink
-from tasks.gang.worker_checks import check_workers, flow_api_url, probe_worker
+from tasks.gang.worker_checks import check_workers, flow_api_url, output_marker, probe_worker
 from tasks.reporting import run_logger
 
 
@@ -48,11 +48,11 @@ class GangSpec:
 def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], attempt: int) -> list[Any]:
     """Run the gang once on `addresses`; each rank's result, or GangError saying what went wrong."""
     client = runner.client
-    probes, port = _prepare(client, addresses)
+    probes, port = _prepare(client, addresses, spec)
     check_workers(probes, flow_api_url(), spec.needs_child_processes, spec.warned)
     with stop_flag(client) as flag:
         contexts = plan_ranks(addresses, probes, port, attempt, spec.output_url, spec.init_timeout_s,
-                              spec.trial, stop_flag=flag.name, shared_output=spec.shared_output)
+                              spec.trial, stop_flag=flag.name)
         run_logger().info(
             "Gang attempt %d: %d ranks on %s, backend %s, master %s:%d",
             attempt + 1, len(contexts), addresses, contexts[0].backend, contexts[0].master_addr, port,
@@ -68,12 +68,14 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], at
             raise
 
 
-def _prepare(client: distributed.Client, addresses: list[str]) -> tuple[dict[str, dict[str, Any]], int]:
-    """What each worker has, and a port free on rank 0's worker for the rendezvous."""
+def _prepare(client: distributed.Client, addresses: list[str], spec: GangSpec) -> tuple[dict[str, dict[str, Any]], int]:
+    """What each worker has (and whether it sees a local output), and a port free on rank 0's
+    worker for the rendezvous."""
     try:
         # The flow's configured API URL travels with each rank's task (prefect_dask ships
         # the flow's settings); the probe checks the worker reaches it.
-        probes = client.run(probe_worker, PREFECT_API_URL.value(), workers=addresses)
+        with output_marker(spec.output_url, spec.shared_output) as marker:
+            probes = client.run(probe_worker, PREFECT_API_URL.value(), marker, workers=addresses)
         port = client.run(free_port, workers=[addresses[0]])[addresses[0]]
     except Exception as exc:  # a worker left between choosing and asking: form again
         raise GangError(f"Could not prepare workers {addresses} for a gang: {exc!r}") from exc

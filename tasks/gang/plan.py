@@ -12,7 +12,6 @@ from tasks.gang.context import RankContext
 from tasks.gang.trial import TrialLink
 from tasks.gang.errors import GangRefused
 from tasks.process_group import default_backend
-from tasks.storage import is_local_url
 
 
 def cluster_workers(client: distributed.Client) -> list[str]:
@@ -61,26 +60,6 @@ def hosts(addresses: list[str]) -> dict[str, list[str]]:
     return per_host
 
 
-def refuse_local_output_across_hosts(output_url: str | None, per_host: dict[str, list[str]],
-                                     shared_output: bool) -> None:
-    """Ranks on several hosts writing a local folder would each write their own disk.
-
-    Checkpoints would then exist on one host only, and a re-formed gang would resume from
-    whichever disk its rank 0 lands on. A folder on one filesystem mounted at the same
-    path on every host (NFS, Lustre, a cluster's shared home) is fine, but nothing here
-    can tell it from a local disk, so its owner declares it (`shared_output=True`).
-    """
-    if output_url is None or shared_output or len(per_host) < 2 or not is_local_url(output_url):
-        return
-    raise GangRefused(
-        f"The output {output_url!r} is a local folder, but the gang's ranks run on {len(per_host)} hosts "
-        f"({', '.join(sorted(per_host))}): each would write its own disk, and a resume would read "
-        "whichever one rank 0 lands on. Give an s3:// output (the flow's output.url), or, where that "
-        "path is one shared filesystem mounted on every host (NFS, Lustre), declare it: "
-        "run_gang(..., shared_output=True)."
-    )
-
-
 def gpu_devices(per_host: dict[str, list[str]], probes: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Each rank's CUDA device where every rank has one; GangRefused where ranks would share one.
 
@@ -110,15 +89,13 @@ def gpu_devices(per_host: dict[str, list[str]], probes: dict[str, dict[str, Any]
 def plan_ranks(
     addresses: list[str], probes: dict[str, dict[str, Any]], port: int, attempt: int,
     output_url: str | None, init_timeout_s: float, trial: TrialLink | None = None,
-    stop_flag: str | None = None, shared_output: bool = False,
+    stop_flag: str | None = None,
 ) -> list[RankContext]:
     """One context per address: rank order, local ranks and devices per host, backend and master.
 
-    Raises GangRefused, before any rank starts, where ranks on several hosts would write
-    a local output folder, or ranks would share a GPU.
+    Raises GangRefused, before any rank starts, where ranks would share a GPU.
     """
     per_host = hosts(addresses)
-    refuse_local_output_across_hosts(output_url, per_host, shared_output)
     cuda_everywhere = all(probes[a]["cuda"] for a in addresses)
     devices = gpu_devices(per_host, probes) if cuda_everywhere else dict.fromkeys(addresses, "cpu")
     return [

@@ -92,7 +92,8 @@ def run_gang(
         needs_child_processes: `train_fn` starts processes (DataLoader workers): daemonic
             Dask workers, which cannot, are then refused before any rank starts.
         shared_output: `output_url` is a local path on one filesystem mounted on every
-            worker host; without it a local output with ranks on several hosts is refused.
+            worker host. Without it a local output that some rank's worker cannot see
+            (another host's disk, a container's) is refused before any rank starts.
 
     Before any rank starts, each worker's setup is checked (worker_checks): settings
     that break training raise GangRefused naming the fix, slow ones are logged as

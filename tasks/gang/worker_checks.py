@@ -14,6 +14,13 @@ What is fatal, and why:
   multiprocessing forbids it, and nothing in a running worker can change it;
 - a Prefect API a rank would not report to, or cannot reach: its task runs, logs and
   artifacts would be lost, or land on another server (DESIGN 9).
+- a local output folder (a plain path or file://) that a rank's worker cannot see: it runs
+  on another host, or in a container with a filesystem of its own. Its rank 0 would write
+  checkpoints and the model to its own disk, and the flow would find no model after the
+  whole training. The flow's process writes a marker file with a random token into the
+  folder and each worker must read it back, so ranks on several hosts pass only where one
+  filesystem really is mounted at that path on all of them (unless declared shared, which
+  skips the check: a shared mount's directory cache may hide a new file for a while);
 What is a warning (the run is right, only slower): the nanny's `MALLOC_TRIM_THRESHOLD_`
 (glibc reads it once, at process start; undoing it inside a running worker would change
 the memory behaviour the owner chose for all their tasks) and the worker profiler.
@@ -30,11 +37,15 @@ import os
 import socket
 import urllib.error
 import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from tasks.gang.errors import GangRefused
 from tasks.reporting import in_prefect_run, markdown_table, markdown_text, run_logger
+from tasks.storage import is_local_url
 
 API_CHECK_TIMEOUT_S = 5.0
 
@@ -94,12 +105,48 @@ def visible_gpus() -> list[str]:
     return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
 
 
-def probe_worker(flow_api: str | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class OutputMarker:
+    """A file the flow's process wrote into a local output folder, and what it holds."""
+
+    folder: str
+    path: str
+    token: str
+
+    def seen_here(self) -> bool:
+        try:
+            with open(self.path) as file:
+                return file.read() == self.token
+        except OSError:
+            return False
+
+
+@contextmanager
+def output_marker(output_url: str | None, shared: bool) -> Iterator[OutputMarker | None]:
+    """A marker in the local output folder for the workers to read back, removed after the
+    block; None where there is nothing to check (no output, not a local folder, or one its
+    owner declared shared)."""
+    if output_url is None or shared or not is_local_url(output_url):
+        yield None
+        return
+    folder = output_url.removeprefix("file://")
+    os.makedirs(folder, exist_ok=True)
+    marker = OutputMarker(output_url, os.path.join(folder, f".gang-output-check-{uuid.uuid4().hex}"), uuid.uuid4().hex)
+    with open(marker.path, "w") as file:
+        file.write(marker.token)
+    try:
+        yield marker
+    finally:
+        os.remove(marker.path)
+
+
+def probe_worker(flow_api: str | None = None, marker: OutputMarker | None = None) -> dict[str, Any]:
     """Run on each worker before a gang forms: what a rank there will have.
 
     `flow_api` is the flow's configured PREFECT_API_URL (None when the flow has none):
     the URL a rank reports to is that one, else the worker's own, and the probe checks
-    that the worker reaches it.
+    that the worker reaches it. `marker`: the flow's marker in a local output folder,
+    which the worker must see (None: nothing to check).
     """
     import dask
     import torch
@@ -125,6 +172,8 @@ def probe_worker(flow_api: str | None = None) -> dict[str, Any]:
         "prefect_api_url": own_api,
         "rank_api_url": rank_api,
         "api_error": api_error(rank_api) if rank_api else None,
+        "output_folder": marker.folder if marker else None,
+        "sees_output": marker.seen_here() if marker else None,
     }
 
 
@@ -170,6 +219,13 @@ def find_problems(probes: dict[str, dict[str, Any]], flow_api: str, needs_child_
                 "start the workers with `DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False dask worker ...`", False)
         if (api := _api_finding(probe, flow_api)) is not None:
             add(address, "PREFECT_API_URL", *api, True)
+        if probe["sees_output"] is False:
+            add(address, f"output {probe['output_folder']}",
+                "it is a local folder of the flow's host, and this worker does not see the flow's files there (it "
+                "runs on another host, or in a container with a filesystem of its own): its rank would write "
+                "checkpoints and the model to its own disk, and the flow would find no model after training.",
+                "give an s3:// output (the flow's output.url); or mount one shared filesystem at that path on every "
+                "host and declare it (output.shared=true, run_gang(..., shared_output=True))", True)
     return [Finding(setting, problem, fix, fatal, tuple(workers))
             for (setting, problem, fix, fatal), workers in found.items()]
 

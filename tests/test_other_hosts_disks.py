@@ -1,0 +1,80 @@
+"""Workers that do not share the flow's disk, as on another host or in a container.
+
+Two `dask worker`s run in a mount namespace of their own, where an empty tmpfs covers this
+module's folder: the flow's files there are invisible to them, as a local folder of the
+flow's host is to a remote GPU box. A local output is then refused before training (the
+ranks would write their own disk, and the flow find no model after the whole training),
+and a sweep whose study is in that folder still works: only the sweep's process opens it.
+Needs root and util-linux's `unshare`, as CI has; skips with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flows.sweep import hyperparameter_sweep
+from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+from tasks.gang import GangRefused
+from tasks.sweep import SweepSettings
+from tests.api_helpers import rank_task_runs
+from tests.external_dask import TRAINING_ENV, dask_processes, owner_environment
+from tests.flow_runs import assert_failed_cleanly, run_tiny_flow
+
+if os.geteuid() != 0 or shutil.which("unshare") is None:
+    pytestmark = pytest.mark.skip(reason="needs root and unshare(1) for workers in a mount namespace")
+
+
+@pytest.fixture(scope="module")
+def flow_only(tmp_path_factory) -> Path:
+    """A folder of the flow's that the remote workers cannot see."""
+    return tmp_path_factory.mktemp("flow-only")
+
+
+@pytest.fixture(scope="module")
+def remote_disk_cluster(tmp_path_factory, flow_only: Path, prefect_home: Path, prefect_api: str) -> Iterator[str]:
+    """A scheduler and two workers set up for training whose view of `flow_only` is an empty tmpfs."""
+    own_disk = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                'mount -t tmpfs tmpfs "$0" && exec "$@"', str(flow_only)]
+    settings = TRAINING_ENV | {"PREFECT_API_URL": prefect_api}
+    with dask_processes(tmp_path_factory.mktemp("remote-disk-cluster"), 2, nanny=True,
+                        env=owner_environment(prefect_home, settings), worker_prefix=own_disk) as address:
+        yield address
+
+
+def test_a_local_output_the_workers_cannot_see_is_refused_before_training(remote_disk_cluster, flow_only,
+                                                                          image_location):
+    image_location.save("test-images", overwrite=True)
+    output = flow_only / "outputs"
+    state = run_tiny_flow(output, {"address": remote_disk_cluster})
+    assert_failed_cleanly(state, GangRefused, rf"output {output}.*does not see the flow's files there.*"
+                          r"Fix: give an s3:// output .*output.shared=true")
+    assert rank_task_runs(state.state_details.flow_run_id, expected=0) == []  # no rank trained
+    (run_folder,) = output.iterdir()
+    assert sorted(p.name for p in run_folder.iterdir()) == ["run.json"]  # nothing but the claim
+
+
+def test_a_sweep_works_where_the_workers_cannot_reach_its_study(remote_disk_cluster, flow_only, image_location,
+                                                                s3_fs):
+    """The study is SQLite in the flow's folder; the trials write to S3; every report reaches the study."""
+    study = flow_only / "studies" / "study.db"
+    study.parent.mkdir()
+    record = hyperparameter_sweep(
+        space={"training.lr": {"kind": "grid", "values": [0.001, 0.002]}},
+        settings=SweepSettings(name="remote", n_trials=2, concurrency=2, sampler="grid", pruner="none",
+                               storage=f"sqlite:///{study}"),
+        data=DataConfig(block="test-images", index_cache_minutes=0),
+        model=ModelConfig(backbone="mobilenet_v3_small"),
+        training=TrainingConfig(epochs=2, batch_size=4, image_size=32, num_workers=0),
+        cluster=ClusterConfig(address=remote_disk_cluster, init_timeout_s=60),
+        output=OutputConfig(url=f"s3://{image_location.url.split('/')[2]}/sweep-outputs"),
+    )
+    trials = {row["trial"]: row for row in record["trials"]}
+    assert [trials[n]["state"] for n in (0, 1)] == ["completed", "completed"], trials
+    assert all([p["epoch"] for p in row["curve"]] == [1, 2] for row in trials.values())
+    assert record["best"]["model_url"].startswith("s3://") and s3_fs.exists(record["best"]["model_url"])
+    assert study.stat().st_size > 0
