@@ -170,8 +170,9 @@ def run_records(flow_run_id, last_words: str = "") -> tuple[dict[str, str], list
 
 # --- what a probe finds, and what the gang makes of it: plain dicts, no cluster ---
 
-WELL_SET_UP = {"host": "h", "cpus": 2, "cuda": False, "gpus": [], "daemon": False, "malloc_trim_threshold": None,
-               "profiler": False, "prefect_api_url": None, "rank_api_url": "http://p:4200/api", "api_error": None}
+WELL_SET_UP = {"host": "h", "cpus": 2, "cuda": False, "gpus": [], "gpu_claim": None, "daemon": False,
+               "malloc_trim_threshold": None, "profiler": False, "prefect_api_url": None,
+               "rank_api_url": "http://p:4200/api", "api_error": None}
 
 
 @pytest.mark.parametrize("changes, needs_child_processes, fatal, message", [
