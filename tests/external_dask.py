@@ -29,8 +29,11 @@ def owner_environment(prefect_home: Path, settings: dict[str, str]) -> dict[str,
 
     PREFECT_HOME keeps the workers off ~/.prefect's profiles; PYTHONPATH lets them import
     the tests' rank functions, as a team's workers would have its package installed.
+    MALLOC_TRIM_THRESHOLD_ goes too: a nanny of a LocalCluster that a test started in this
+    process puts its pre-spawn environment into this process's os.environ.
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_") and k != "PREFECT_API_URL"}
+    dropped = {"PREFECT_API_URL", "MALLOC_TRIM_THRESHOLD_"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_") and k not in dropped}
     return env | {"PREFECT_HOME": str(prefect_home), "PYTHONPATH": str(REPO)} | settings
 
 

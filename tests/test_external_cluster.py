@@ -96,8 +96,9 @@ def run_records(flow_run_id, last_words: str = "") -> tuple[dict[str, str], list
 
 # --- what a probe finds, and what the gang makes of it: plain dicts, no cluster ---
 
-WELL_SET_UP = {"host": "h", "cpus": 2, "cuda": False, "gpus": [], "daemon": False, "malloc_trim_threshold": None,
-               "profiler": False, "prefect_api_url": None, "rank_api_url": "http://p:4200/api", "api_error": None}
+WELL_SET_UP = {"host": "h", "cpus": 2, "cuda": False, "gpus": [], "gpu_claim": None, "daemon": False,
+               "malloc_trim_threshold": None, "profiler": False, "prefect_api_url": None,
+               "rank_api_url": "http://p:4200/api", "api_error": None, "output_folder": None, "sees_output": None}
 
 
 @pytest.mark.parametrize("changes, needs_child_processes, fatal, message", [
@@ -113,6 +114,9 @@ WELL_SET_UP = {"host": "h", "cpus": 2, "cuda": False, "gpus": [], "daemon": Fals
      r"ranks there would report to http://other:4200/api, not to this flow's Prefect API http://p:4200/api"),
     ({"api_error": "URLError(ConnectionRefusedError(111))"}, False, True,
      r"the worker cannot reach http://p:4200/api \(URLError.*prefect server start --host 0.0.0.0"),
+    ({"output_folder": "/data/out", "sees_output": False}, False, True,
+     r"output /data/out on tcp://w:1: it is a local folder of the flow's host, and this worker does not see.*"
+     r"Fix: give an s3:// output .*output.shared=true"),
 ])
 def test_each_setting_is_named_with_its_fix(changes, needs_child_processes, fatal, message):
     probes = {"tcp://w:1": WELL_SET_UP | changes, "tcp://w:2": WELL_SET_UP}

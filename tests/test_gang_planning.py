@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from tasks.gang import GangRefused
-from tasks.gang.plan import free_port, plan_ranks
+from tasks.gang.gpu_claims import GpuClaim, claim_gpu
+from tasks.gang.plan import by_host, cluster_workers, free_port, plan_ranks
 from tasks.gang.worker_checks import probe_worker
 from tasks.process_group import (
     all_reduce_sum,
@@ -43,39 +44,49 @@ def test_local_ranks_count_within_each_host():
 ])
 def test_nccl_only_when_every_rank_has_cuda(cuda, backend, device):
     addresses = ["tcp://h1:1", "tcp://h2:1"]
-    probes = {addr: {"cuda": cuda[key], "gpus": ["GPU-x"] if cuda[key] else [], "cpus": 4}
+    probes = {addr: {"cuda": cuda[key], "gpus": [f"GPU-{key}"] if cuda[key] else [], "cpus": 4,
+                     "gpu_claim": GpuClaim(f"GPU-{key}", 0) if cuda[key] else None}
               for addr, key in zip(addresses, "ab")}
     ranks = plan_ranks(addresses, probes, 1, 0, None, 30)
     assert {r.backend for r in ranks} == {backend} and {r.device for r in ranks} == {device}
     assert default_backend(True) == "nccl" and default_backend(False) == "gloo"
 
 
-def gpu_probes(seen: dict[str, list[str]]) -> dict[str, dict]:
-    return {address: {"cuda": True, "gpus": gpus, "cpus": 4} for address, gpus in seen.items()}
+def claimed(claims: dict[str, GpuClaim]) -> dict[str, dict]:
+    """Probes of workers on 4-GPU hosts that claimed `claims` (tests/test_gpu_claims.py claims for real)."""
+    return {address: {"cuda": True, "gpus": ["A", "B", "C", "D"], "cpus": 4, "gpu_claim": claim}
+            for address, claim in claims.items()}
 
 
-@pytest.mark.parametrize("seen, devices", [
-    # dask-cuda: each worker's CUDA_VISIBLE_DEVICES starts with a GPU of its own, then the rest
-    ({"tcp://h:1": ["A", "B"], "tcp://h:2": ["B", "A"]}, ["cuda:0", "cuda:0"]),
-    # plain `dask worker`s sharing a 4-GPU host: the local rank picks the GPU
-    ({"tcp://h:1": ["A", "B", "C", "D"], "tcp://h:2": ["A", "B", "C", "D"]}, ["cuda:0", "cuda:1"]),
-    # one rank per host: each host's first GPU
-    ({"tcp://h1:1": ["A", "B"], "tcp://h2:1": ["A", "B"]}, ["cuda:0", "cuda:0"]),
+# The device was the local rank within the gang, so a second gang on the host got the same
+# cuda:0 and cuda:1; now it is the GPU the worker process claimed, whatever its rank.
+@pytest.mark.parametrize("claims, devices", [
+    # dask-cuda: each worker's CUDA_VISIBLE_DEVICES lists its own GPU first, and it claims that one
+    ({"tcp://h:1": GpuClaim("A", 0), "tcp://h:2": GpuClaim("B", 0)}, ["cuda:0", "cuda:0"]),
+    # plain `dask worker`s that see the same 4 GPUs: another gang's workers hold A and B
+    ({"tcp://h:1": GpuClaim("D", 3), "tcp://h:2": GpuClaim("C", 2)}, ["cuda:3", "cuda:2"]),
+    # one rank per host: GPUs of two hosts never meet
+    ({"tcp://h1:1": GpuClaim("A", 0), "tcp://h2:1": GpuClaim("E", 0)}, ["cuda:0", "cuda:0"]),
 ])
-def test_each_rank_gets_a_gpu_of_its_own(seen, devices):
-    ranks = plan_ranks(list(seen), gpu_probes(seen), 1, 0, None, 30)
+def test_each_rank_gets_the_gpu_its_worker_claimed(claims, devices):
+    ranks = plan_ranks(list(claims), claimed(claims), 1, 0, None, 30)
     assert [r.device for r in ranks] == devices and {r.backend for r in ranks} == {"nccl"}
 
 
-@pytest.mark.parametrize("seen", [
-    {"tcp://h:1": ["A", "B"], "tcp://h:2": ["A", "B"], "tcp://h:3": ["A", "B"]},  # 3 ranks, 2 GPUs
-    {"tcp://h:1": ["A"], "tcp://h:2": ["A"]},  # two workers on one GPU
-    {"tcp://h:1": ["A", "B"], "tcp://h:2": ["A", "C"]},  # cuda:0 shared, the rest differ
-])
-def test_ranks_that_would_share_a_gpu_are_refused_with_the_fix(seen):
-    with pytest.raises(GangRefused, match=rf"{len(seen)} ranks on host h \(tcp://h:1, .*\) cannot each have a GPU "
-                       r"of their own: their workers see .* GPU\(s\).* dask-cuda .*CUDA_VISIBLE_DEVICES"):
-        plan_ranks(list(seen), gpu_probes(seen), 1, 0, None, 30)
+def test_ranks_whose_workers_hold_one_gpu_are_refused_with_the_fix():
+    claims = {"tcp://h:1": GpuClaim("A", 0), "tcp://h:2": GpuClaim("B", 1), "tcp://h:3": GpuClaim("A", 0)}
+    with pytest.raises(GangRefused, match=r"Ranks would share a GPU: A is held by the workers of 2 ranks "
+                       r"\(tcp://h:1, tcp://h:3\)\. .*LocalCluster\(processes=False\).*another HOME.* dask-cuda "
+                       r".*CUDA_VISIBLE_DEVICES"):
+        plan_ranks(list(claims), claimed(claims), 1, 0, None, 30)
+
+
+def test_a_worker_that_cannot_keep_claims_is_refused_with_the_fix(tmp_path):
+    (tmp_path / "home").write_text("a file where the claims folder's parent should be")
+    claim = claim_gpu(["A", "B"], "worker tcp://h:1", tmp_path / "home" / "gpu-claims")  # claims nothing
+    with pytest.raises(GangRefused, match=r"Worker tcp://h:1 on host h has no GPU of its own: its GPU claims cannot "
+                       r"be kept in .*gpu-claims \(\[Errno 20\] Not a directory.*Give the worker a HOME it can write"):
+        plan_ranks(["tcp://h:1"], claimed({"tcp://h:1": claim}), 1, 0, None, 30)
 
 
 def test_an_ipv6_master_is_the_bare_host_and_its_init_method_has_brackets():
@@ -102,18 +113,26 @@ def test_a_free_port_is_free_on_ipv4_and_ipv6_alike():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_two_ranks_on_this_gpu_host_get_their_local_gpu_or_are_refused():
-    probe = probe_worker()  # the real probe, on a real GPU host
-    assert probe["cuda"] and len(set(probe["gpus"])) == torch.cuda.device_count()
-    addresses = ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]  # plain workers that share the host's GPUs
-    probes = dict.fromkeys(addresses, probe)
-    if torch.cuda.device_count() >= 2:
-        assert [r.device for r in plan_ranks(addresses, probes, 1, 0, None, 30)] == ["cuda:0", "cuda:1"]
-    else:
-        with pytest.raises(GangRefused, match="2 ranks on host 127.0.0.1 .* cannot each have a GPU of their own"):
-            plan_ranks(addresses, probes, 1, 0, None, 30)
-    lone = plan_ranks(addresses[:1], probes, 1, 0, None, 30)[0]
-    assert lone.device == "cuda:0" and torch.device(lone.device).index < torch.cuda.device_count()
+def test_plain_workers_on_this_gpu_host_claim_gpus_of_their_own_or_are_refused(tmp_path):
+    import distributed
+
+    def uuid_of_set_device(device: str) -> str:  # what a rank's limit_threads selects
+        torch.cuda.set_device(torch.device(device))
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+    with (distributed.LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+          distributed.Client(cluster) as client):
+        addresses = by_host(cluster_workers(client))  # plain workers that share the host's GPUs
+        probes = client.run(probe_worker, None, None, tmp_path, workers=addresses)  # the real probe, torch's GPUs
+        assert all(p["cuda"] and len(set(p["gpus"])) == torch.cuda.device_count() for p in probes.values())
+        holders = [address for address in addresses if probes[address]["gpu_claim"].uuid is not None]
+        assert len(holders) == min(2, torch.cuda.device_count())
+        for ctx in plan_ranks(holders, probes, 1, 0, None, 30):
+            on_worker = client.submit(uuid_of_set_device, ctx.device, workers=[ctx.worker_address], pure=False)
+            assert on_worker.result() == probes[ctx.worker_address]["gpu_claim"].uuid
+        if len(holders) < 2:  # one GPU: the second plain worker is refused
+            with pytest.raises(GangRefused, match=r"Worker tcp://127.0.0.1:\d+ .* has no GPU of its own: all 1 GPU"):
+                plan_ranks(addresses, probes, 1, 0, None, 30)
 
 
 def sum_over_ipv6(rank: int, port: int, out: str) -> None:

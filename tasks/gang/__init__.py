@@ -30,7 +30,7 @@ After:
         losses.attempts                                 # how often the gang was formed, and why
 
 One module per concern: `plan` (workers, probes, ports, ranks), `lease` (workers held by
-one gang at a time), `rank` (the pinned task), `attempt` (one formation, stopped on any
+one gang at a time), `gpu_claims` (each worker process's own GPU, across gangs), `rank` (the pinned task), `attempt` (one formation, stopped on any
 way out), `supervise` (watch, deadline, stop), `stopping` (the flag ranks read between
 steps), `states` (final states for every rank's task run), `sending` (functions from
 scripts and notebooks), `trial` (reporting to a sweep), `results` and `errors` (what

@@ -75,7 +75,7 @@ def _prepare(client: distributed.Client, addresses: list[str], spec: GangSpec) -
         # The flow's configured API URL travels with each rank's task (prefect_dask ships
         # the flow's settings); the probe checks the worker reaches it.
         with output_marker(spec.output_url, spec.shared_output) as marker:
-            probes = client.run(probe_worker, PREFECT_API_URL.value(), marker, workers=addresses)
+            probes = client.run(probe_worker, PREFECT_API_URL.value(), marker=marker, workers=addresses)
         port = client.run(free_port, workers=[addresses[0]])[addresses[0]]
     except Exception as exc:  # a worker left between choosing and asking: form again
         raise GangError(f"Could not prepare workers {addresses} for a gang: {exc!r}") from exc

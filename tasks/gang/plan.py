@@ -11,6 +11,7 @@ import distributed
 from tasks.gang.context import RankContext
 from tasks.gang.trial import TrialLink
 from tasks.gang.errors import GangRefused
+from tasks.gang.gpu_claims import ONE_GPU_PER_WORKER, GpuClaim
 from tasks.process_group import default_backend
 
 
@@ -60,30 +61,32 @@ def hosts(addresses: list[str]) -> dict[str, list[str]]:
     return per_host
 
 
-def gpu_devices(per_host: dict[str, list[str]], probes: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """Each rank's CUDA device where every rank has one; GangRefused where ranks would share one.
+def gpu_devices(addresses: list[str], probes: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Each rank's CUDA device: the GPU its worker process claimed; GangRefused where it has none or ranks share one.
 
-    dask-cuda starts one worker per GPU and puts that GPU first in the worker's
-    CUDA_VISIBLE_DEVICES, so each worker's cuda:0 is a GPU of its own (it still sees the
-    others, after it). Plain `dask worker`s on a multi-GPU host all see the same GPUs in
-    the same order: there the local rank picks one. GPUs are told apart by UUID.
+    A device belongs to a worker for the worker's whole life, not to a gang
+    (tasks/gang/gpu_claims.py): each claims one on its first probe, so gangs that share a
+    host get disjoint GPUs. The claim is in the worker's own numbering, which dask-cuda's
+    CUDA_VISIBLE_DEVICES makes differ between workers; the UUID names the GPU everywhere.
+    Two ranks that hold one UUID are workers whose claims could not see each other (one
+    process for both, or separate claim folders).
     """
-    devices: dict[str, str] = {}
-    for host, workers in per_host.items():
-        seen = [probes[a]["gpus"] for a in workers]
-        if len({gpus[0] for gpus in seen}) == len(workers):  # each has a cuda:0 of its own
-            devices.update((a, "cuda:0") for a in workers)
-        elif all(gpus == seen[0] for gpus in seen) and len(workers) <= len(seen[0]):
-            devices.update((a, f"cuda:{local_rank}") for local_rank, a in enumerate(workers))
-        else:
-            raise GangRefused(
-                f"{len(workers)} ranks on host {host} ({', '.join(workers)}) cannot each have a GPU of "
-                f"their own: their workers see {', '.join(str(len(g)) for g in seen)} GPU(s), not "
-                "one each, nor the same ones in the same order. Start one worker per GPU with "
-                "dask-cuda (`dask cuda worker tcp://<scheduler>:8786`), or give each `dask worker` "
-                "its own GPU (CUDA_VISIBLE_DEVICES=0, 1, ...)."
-            )
-    return devices
+    claims: dict[str, GpuClaim] = {a: probes[a]["gpu_claim"] for a in addresses}
+    for address, claim in claims.items():
+        if claim.uuid is None:
+            raise GangRefused(f"Worker {address} on host {host_of(address)} has no GPU of its own: {claim.why_none}")
+    holders: dict[str, list[str]] = {}
+    for address, claim in claims.items():
+        holders.setdefault(claim.uuid, []).append(address)
+    shared = [f"{uuid} is held by the workers of {len(workers)} ranks ({', '.join(workers)})"
+              for uuid, workers in holders.items() if len(workers) > 1]
+    if shared:
+        raise GangRefused(
+            f"Ranks would share a GPU: {'; '.join(shared)}. Their claims could not see each other: the "
+            "workers run in one process (LocalCluster(processes=False)), or keep their claims in "
+            f"different folders (another HOME, another container). {ONE_GPU_PER_WORKER}"
+        )
+    return {address: claim.device for address, claim in claims.items()}
 
 
 def plan_ranks(
@@ -97,7 +100,7 @@ def plan_ranks(
     """
     per_host = hosts(addresses)
     cuda_everywhere = all(probes[a]["cuda"] for a in addresses)
-    devices = gpu_devices(per_host, probes) if cuda_everywhere else dict.fromkeys(addresses, "cpu")
+    devices = gpu_devices(addresses, probes) if cuda_everywhere else dict.fromkeys(addresses, "cpu")
     return [
         RankContext(
             rank=rank,

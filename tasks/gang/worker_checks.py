@@ -41,9 +41,13 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import distributed
+
 from tasks.gang.errors import GangRefused
+from tasks.gang.gpu_claims import GpuClaim, claim_gpu
 from tasks.reporting import in_prefect_run, markdown_table, markdown_text, run_logger
 from tasks.storage import is_local_url
 
@@ -99,7 +103,7 @@ def api_error(api_url: str) -> str | None:
 
 
 def visible_gpus() -> list[str]:
-    """The UUIDs of the GPUs this process sees, in device order (cuda:0 first)."""
+    """The UUIDs of the GPUs this process sees, in device order (cuda:0 first); none without CUDA."""
     import torch
 
     return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
@@ -140,23 +144,32 @@ def output_marker(output_url: str | None, shared: bool) -> Iterator[OutputMarker
         os.remove(marker.path)
 
 
-def probe_worker(flow_api: str | None = None, marker: OutputMarker | None = None) -> dict[str, Any]:
+def probe_worker(flow_api: str | None = None, gpus: list[str] | None = None, claims: Path | None = None,
+                 marker: OutputMarker | None = None, dask_worker: distributed.Worker | None = None) -> dict[str, Any]:
     """Run on each worker before a gang forms: what a rank there will have.
 
-    `flow_api` is the flow's configured PREFECT_API_URL (None when the flow has none):
-    the URL a rank reports to is that one, else the worker's own, and the probe checks
-    that the worker reaches it. `marker`: the flow's marker in a local output folder,
-    which the worker must see (None: nothing to check).
+    Args:
+        flow_api: the flow's configured PREFECT_API_URL (None when the flow has none): the
+            URL a rank reports to is that one, else the worker's own, and the probe checks
+            that the worker reaches it.
+        gpus: the UUIDs of the GPUs the worker sees; default: those torch sees. Tests give
+            made-up ones to stand for a multi-GPU host.
+        claims: the folder of the GPU claims (gpu_claims); default: the user's own.
+        marker: the flow's marker in a local output folder, which the worker must see
+            (None: nothing to check).
+        dask_worker: set by `client.run`; its address names the worker in its GPU claim.
+
+    On its first probe the worker claims a GPU of its own for its whole life (gpu_claims).
     """
     import dask
-    import torch
     from prefect.settings import PREFECT_API_URL
 
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
-    cuda = torch.cuda.is_available()
+    gpus = visible_gpus() if gpus is None else gpus
+    holder = f"worker {dask_worker.address}" if dask_worker is not None else f"process on {socket.gethostname()}"
     # The environment first: a nanny sets its `env` after the worker process imported
     # Prefect, whose settings of this process then lack it; a task's settings read it.
     own_api = os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value()
@@ -164,8 +177,9 @@ def probe_worker(flow_api: str | None = None, marker: OutputMarker | None = None
     return {
         "host": socket.gethostname(),
         "cpus": cpus,
-        "cuda": cuda,
-        "gpus": visible_gpus() if cuda else [],
+        "cuda": bool(gpus),
+        "gpus": gpus,
+        "gpu_claim": claim_gpu(gpus, holder, claims) if gpus else None,
         "daemon": multiprocessing.current_process().daemon,
         "malloc_trim_threshold": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
         "profiler": bool(dask.config.get("distributed.worker.profile.enabled", True)),
@@ -230,11 +244,21 @@ def find_problems(probes: dict[str, dict[str, Any]], flow_api: str, needs_child_
             for (setting, problem, fix, fatal), workers in found.items()]
 
 
+def gpu_cell(probe: dict[str, Any]) -> str:
+    """The worker's own GPU among those it sees, as the `worker-setup` table shows it."""
+    claim: GpuClaim | None = probe["gpu_claim"]
+    if claim is None:
+        return "none"
+    if claim.uuid is None:
+        return f"none of {len(probe['gpus'])}"
+    return f"{claim.device} ({claim.uuid}) of {len(probe['gpus'])}"
+
+
 def setup_table(probes: dict[str, dict[str, Any]]) -> str:
     """What each worker has, for the `worker-setup` artifact."""
-    header = ["worker", "host", "daemonic", "MALLOC_TRIM_THRESHOLD_", "profiler", "ranks report to", "GPUs", "CPUs"]
+    header = ["worker", "host", "daemonic", "MALLOC_TRIM_THRESHOLD_", "profiler", "ranks report to", "GPU", "CPUs"]
     rows = [[address, p["host"], p["daemon"], p["malloc_trim_threshold"] or "unset", p["profiler"],
-             p["rank_api_url"] or "nowhere", len(p["gpus"]), p["cpus"]] for address, p in probes.items()]
+             p["rank_api_url"] or "nowhere", gpu_cell(p), p["cpus"]] for address, p in probes.items()]
     return markdown_table(header, rows)
 
 
