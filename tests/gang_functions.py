@@ -114,7 +114,7 @@ def report_every_epoch(ctx: RankContext, config: dict) -> dict:
         if ctx.report(epoch, {"loss": loss}):
             break
     model_url = f"{ctx.output_url}/losses.json"  # each trial has a folder of its own
-    if ctx.is_main:
+    if ctx.is_main and config.get("keep_losses", True):
         os.makedirs(ctx.output_url, exist_ok=True)
         with open(model_url, "w") as file:
             json.dump(losses, file)
@@ -137,9 +137,10 @@ def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None =
 
 
 @flow(name="sweep-test")
-def sweep_flow(address: str, marks: str, trials: int) -> dict:
+def sweep_flow(address: str, marks: str, trials: int, name: str = "sweep", lease_timeout_s: int = 1800) -> dict:
     """`trials` one-rank trials of loop_until_stopped at once, on the cluster at `address`."""
     with DaskTaskRunner(address=address) as runner:
         return sweep(loop_until_stopped, {"marks": marks, "x": 0}, {"x": {"kind": "grid", "values": list(range(trials))}},
-                     SweepSettings(n_trials=trials, concurrency=trials, metric="loss", direction="minimize"),
+                     SweepSettings(name=name, n_trials=trials, concurrency=trials, metric="loss", direction="minimize",
+                                   lease_timeout_s=lease_timeout_s),
                      task_runner=runner, output=marks)

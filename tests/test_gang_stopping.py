@@ -14,15 +14,19 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import distributed
+import optuna
 import pytest
 import torch.distributed as dist
 from prefect import flow
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterStartTime
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
+from optuna.trial import TrialState
 from prefect.states import Cancelling
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
@@ -30,9 +34,11 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from tasks.gang import GangError, GangStopped, RankContext, run_gang
 from tasks.gang.stopping import READ_EVERY_S, StopFlag
 from tasks.gang.supervise import FAILURE_GRACE_S
-from tests.api_helpers import assert_no_task_run_left_running
+from tasks.sweep import SweepAlreadyRunning
+from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
 from tests.deployed import POOL
-from tests.gang_functions import call_check_stop, gang_flow, report_rank
+from tests.gang_functions import call_check_stop, gang_flow, report_rank, sweep_flow
+from tests.image_folders import local_image_folder
 
 REPO = Path(__file__).resolve().parent.parent
 # The flow's own process, as `python my_flow.py` starts it. Python leaves SIGINT ignored in
@@ -137,6 +143,85 @@ def test_sigterm_to_a_sweep_stops_the_gangs_of_all_its_trials(dask_cluster, tmp_
     assert set(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == {"GangStopped"}, output[-3000:]
     runs = assert_no_task_run_left_running(flow_run_id)
     assert [r.state.type.value for r in runs if r.name.startswith("rank-")] == ["CANCELLED", "CANCELLED"]
+    assert_workers_free(address, before)
+
+
+HYPERPARAMETER_SWEEP_PROCESS = """
+import json, sys
+from flows.sweep import hyperparameter_sweep
+from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+from tasks.sweep import SweepSettings
+given = json.loads(sys.argv[1])
+hyperparameter_sweep(
+    space={"training.lr": {"kind": "grid", "values": [0.001, 0.002]}},
+    settings=SweepSettings(name="cancelled", n_trials=2, concurrency=2, sampler="grid", pruner="none"),
+    data=DataConfig(url=given["images"], index_cache_minutes=0), model=ModelConfig(backbone="mobilenet_v3_small"),
+    training=TrainingConfig(epochs=500, batch_size=4, image_size=32, num_workers=0),
+    cluster=ClusterConfig(address=given["address"], init_timeout_s=60),  # max_restarts as by default: 1
+    output=OutputConfig(url=given["output"]),
+)
+"""
+
+
+def rank_runs_started_after(moment: datetime) -> list:
+    with get_client(sync_client=True) as api:
+        return api.read_task_runs(task_run_filter=TaskRunFilter(
+            name=TaskRunFilterName(like_="rank-"), start_time=TaskRunFilterStartTime(after_=moment)))
+
+
+@pytest.mark.slow
+def test_a_cancelled_sweep_on_default_settings_leaves_no_rank_running_and_forms_no_gang_again(dask_cluster, tmp_path):
+    """SIGTERM reaches the sweep's main thread; its trials' gangs run in other threads and
+    would, with max_restarts=1, take their ranks' stop for a failure and form again."""
+    address = dask_cluster.scheduler_address
+    before = worker_addresses(address)
+    local_image_folder(tmp_path / "images", per_class=8)
+    given = {"images": str(tmp_path / "images"), "address": address, "output": str(tmp_path / "out")}
+    started = datetime.now(timezone.utc)
+    process = subprocess.Popen([sys.executable, "-c", HYPERPARAMETER_SWEEP_PROCESS, json.dumps(given)], cwd=REPO,
+                               env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + RANKS_START_S
+        while len(training := [r for r in rank_runs_started_after(started) if r.state.is_running()]) < 2:
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0][-3000:]
+            time.sleep(0.5)
+        sent = datetime.now(timezone.utc)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    time.sleep(FAILURE_GRACE_S)  # as long as a re-formed gang would take to start its ranks
+    assert rank_runs_started_after(sent) == [], output[-3000:]  # no gang formed again
+    for trial_run in {run.flow_run_id for run in training}:
+        assert [r.state.type.value for r in rank_task_runs(trial_run, expected=1)] == ["CANCELLED"]
+        assert_no_task_run_left_running(trial_run)
+    assert_workers_free(address, before)
+
+
+def test_a_second_sweep_of_the_same_name_is_refused_and_the_first_runs_on(dask_cluster, tmp_path):
+    """Before, the second marked the first's running trials failed and queued them again;
+    the first then crashed on Optuna's UpdateFinishedTrialError."""
+    address = dask_cluster.scheduler_address
+    before = worker_addresses(address)
+    parameters = {"address": address, "marks": str(tmp_path), "trials": 2, "name": "twice"}
+    process = subprocess.Popen([sys.executable, "-c", SWEEP_PROCESS, json.dumps(parameters)], cwd=REPO,
+                               env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_marks(tmp_path, "running", 2, process)
+        second = sweep_flow(**parameters | {"lease_timeout_s": 5}, return_state=True)
+        assert second.is_failed()
+        with pytest.raises(SweepAlreadyRunning, match=r"Sweep 'twice' is running now in flow run \S+ \(seen \d+ s ago\): "
+                           r"a second sweep of the same name would mark its running trials failed.*another settings.name"):
+            second.result()
+        study = optuna.load_study(study_name="twice", storage=f"sqlite:///{tmp_path}/twice/study.db")
+        assert [t.state for t in study.trials] == [TrialState.RUNNING, TrialState.RUNNING]  # untouched
+        assert process.poll() is None  # the first trains on
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert "UpdateFinishedTrialError" not in output, output[-3000:]
+    assert set(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == {"GangStopped"}
     assert_workers_free(address, before)
 
 

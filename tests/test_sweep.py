@@ -16,6 +16,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterParentFlowRunId,
 )
 
+from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, create_bucket
 from flows.sweep import hyperparameter_sweep
 from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
 from tasks.sweep import SweepSettings, sweep
@@ -36,7 +37,8 @@ def images(tmp_path_factory) -> str:
     return str(root)
 
 
-def run_sweep(images: str, dask_cluster, output: Path, settings: SweepSettings, kind: str = "choice"):
+def run_sweep(images: str, dask_cluster, output: Path, settings: SweepSettings, kind: str = "choice",
+              model_name: str | None = None):
     return hyperparameter_sweep(
         space={"training.lr": {"kind": kind, "values": [GOOD, BAD]}},
         settings=settings,
@@ -45,7 +47,7 @@ def run_sweep(images: str, dask_cluster, output: Path, settings: SweepSettings, 
         training=TrainingConfig(epochs=4, batch_size=4, image_size=32, num_workers=0, optimizer="sgd",
                                 scheduler="none"),
         cluster=ClusterConfig(address=dask_cluster.scheduler_address, init_timeout_s=60),
-        output=OutputConfig(url=str(output)),
+        output=OutputConfig(url=str(output), model_name=model_name),
         return_state=True,
     )
 
@@ -69,6 +71,9 @@ def test_trials_train_side_by_side_the_pruned_one_says_so_and_the_sweep_compares
     assert sorted(trials) == [0, 1, 2, 3]
     assert trials[2]["state"] == "pruned at epoch 1" and trials[3]["state"] == "pruned at epoch 1"
     assert record["best"]["params"] == {"training.lr": GOOD} and Path(record["best"]["model_url"]).exists()
+    # The best model file holds the weights of the epoch the sweep reports for it.
+    card = json.loads((Path(record["best"]["model_url"]).parent / "model.json").read_text())
+    assert (card["epoch"], card["selected_by"]) == (record["best"]["best_epoch"], "lowest val_loss")
 
     runs = child_runs(state.state_details.flow_run_id)
     (first,), (second,) = rank_task_runs(runs["trial-0"].id, 1), rank_task_runs(runs["trial-1"].id, 1)
@@ -100,12 +105,60 @@ def test_a_sweep_run_again_under_its_name_trains_only_the_trials_left(images, da
     assert len(more.result()["trials"]) == 3 and list(child_runs(more.state_details.flow_run_id)) == ["trial-2"]
 
 
+def test_trials_never_promote_and_the_sweep_promotes_its_best_trial_once_at_its_end(images, dask_cluster, tmp_path):
+    """Trials share the sweep's model name (a deployment's, or output.model_name): before, each
+    promoted on its own, all at once, into the one kept model."""
+    settings = SweepSettings(name="promoting", n_trials=2, concurrency=2, sampler="grid", pruner="none",
+                             metric="val_loss", direction="minimize", promote=True)
+    state = run_sweep(images, dask_cluster, tmp_path, settings, kind="grid", model_name="swept")
+    record = state.result()
+    for trial in record["trials"]:  # neither trial promoted, and each report says why
+        report = (Path(trial["model_url"]).parent / "report.md").read_text()
+        assert "Not promoted: a sweep's trials never promote on their own" in report
+    best_run = Path(record["best"]["model_url"]).parent
+    promotion = record["promotion"]
+    assert promotion["promoted"] and promotion["kept_url"] == str(tmp_path / "swept" / "versions" / best_run.name)
+    pointer = json.loads((tmp_path / "swept" / "latest.json").read_text())
+    assert pointer["version"] == promotion["kept_url"] and pointer["run"]["name"] == record["best"]["run"]
+    assert [p.name for p in (tmp_path / "swept" / "versions").iterdir()] == [best_run.name]  # one promotion
+    assert (Path(pointer["version"]) / "model.pt").read_bytes() == (best_run / "model.pt").read_bytes()
+
+
+def test_promoting_needs_a_name_to_keep_the_model_under(images, dask_cluster, tmp_path):
+    state = run_sweep(images, dask_cluster, tmp_path, SweepSettings(name="nameless", promote=True))
+    with pytest.raises(ValueError, match=r"settings.promote=true keeps the best trial's model under "
+                       r"output.model_name or the deployment's name.*Set output.model_name"):
+        state.result()
+    assert child_runs(state.state_details.flow_run_id) == {}  # refused before any trial
+
+
 @flow(name="custom-sweep")
-def custom_sweep(address: str, output: str, settings: SweepSettings) -> dict:
+def custom_sweep(address: str, output: str, settings: SweepSettings, keep_losses: bool = True) -> dict:
     with DaskTaskRunner(address=address) as runner:
-        return sweep(report_every_epoch, {"lr": 1.0, "epochs": 4},
+        return sweep(report_every_epoch, {"lr": 1.0, "epochs": 4, "keep_losses": keep_losses},
                      {"lr": {"kind": "log_uniform", "low": 0.01, "high": 10.0}},
                      settings, task_runner=runner, output=output)
+
+
+def test_a_sweep_to_an_s3_output_writes_its_report_there_and_keeps_its_study_on_this_host(
+    dask_cluster, tmp_path, s3_endpoint, s3_fs, monkeypatch,
+):
+    """`sweep(output="s3://...")` once wrote a local folder ./s3:/... instead."""
+    create_bucket(s3_endpoint, "sweeps")
+    for name, value in {"AWS_ACCESS_KEY_ID": MOTO_CREDENTIALS["aws_access_key_id"], "AWS_ENDPOINT_URL": s3_endpoint,
+                        "AWS_SECRET_ACCESS_KEY": MOTO_CREDENTIALS["aws_secret_access_key"],
+                        "AWS_DEFAULT_REGION": MOTO_REGION, "PREFECT_DDP_STUDY_DIR": str(tmp_path / "studies")}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    settings = SweepSettings(name="on-s3", n_trials=2, concurrency=1, metric="loss", direction="minimize",
+                             sampler="random", pruner="none")
+    record = custom_sweep(dask_cluster.scheduler_address, "s3://sweeps/runs", settings, keep_losses=False)
+    assert [row["state"] for row in record["trials"]] == ["completed", "completed"]
+    assert json.loads(s3_fs.cat_file("sweeps/runs/on-s3/sweep.json"))["best"]["trial"] == record["best"]["trial"]
+    assert s3_fs.exists("sweeps/runs/on-s3/curves.png") and s3_fs.exists("sweeps/runs/on-s3/report.md")
+    assert not (tmp_path / "s3:").exists()
+    (study,) = (tmp_path / "studies").rglob("study.db")
+    assert study.parent.name == "on-s3" and study.parent.stat().st_mode & 0o777 == 0o700
 
 
 def test_any_trainable_sweeps_and_a_pruned_two_rank_trial_stops_on_both_ranks(dask_cluster, tmp_path):

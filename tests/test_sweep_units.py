@@ -7,9 +7,10 @@ import pytest
 from optuna.trial import TrialState
 from pydantic import ValidationError
 
+from blocks.study_storage import StudyStorage
 from flows.sweep import check_space
 from tasks.search_space import Dimension, grid, with_params
-from tasks.sweep import INTERRUPTED, SweepSettings, make_sampler, trial_run_name, trials_left
+from tasks.sweep import INTERRUPTED, SweepSettings, make_sampler, study_storage, trial_run_name, trials_left
 from tasks.sweep_report import best_row, importances, sweep_markdown, trial_rows
 
 SPACE = {"training.lr": Dimension(kind="log_uniform", low=1e-4, high=1e-1),
@@ -75,3 +76,17 @@ def test_the_comparison_sorts_by_the_metric_and_weighs_parameters():
     assert weights is not None and set(weights) == {"lr", "bs"}
     markdown = sweep_markdown(SweepSettings(metric="loss", direction="minimize"), rows, best_row(rows), "PLOT", weights)
     assert f"**Best: trial {rows[0]['trial']}**" in markdown and "## Parameter importances" in markdown
+
+
+def test_a_database_password_is_refused_as_a_parameter_and_taken_from_a_block_instead(prefect_api, tmp_path):
+    with pytest.raises(ValidationError, match=r"settings.storage holds a password.*study-storage block.*"
+                       r"settings.storage_block='NAME'") as refused:
+        SweepSettings(storage="postgresql://optuna:s3cret@db.internal/studies")
+    assert "s3cret" not in str(refused.value)
+    with pytest.raises(ValidationError, match="settings got both storage=.* and storage_block='studies'"):
+        SweepSettings(storage="sqlite:///x.db", storage_block="studies")
+    url = f"sqlite:///{tmp_path}/secret-study.db"
+    StudyStorage(url=url).save("test-studies", overwrite=True)
+    assert study_storage(SweepSettings(storage_block="test-studies"), "s3://bucket/out") == url
+    with pytest.raises(ValueError, match=r"No study-storage block named 'missing'.*StudyStorage\(...\).save\('missing'\)"):
+        study_storage(SweepSettings(storage_block="missing"), "s3://bucket/out")
