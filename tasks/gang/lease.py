@@ -9,6 +9,13 @@ scheduler, so they hold across flow runs and processes; the scheduler gives a lo
 when the client holding it is gone (`distributed.scheduler.locks.lease-timeout`, 30 s).
 A `distributed.Variable` beside each lock says who holds it, for the message of a gang
 that waited in vain.
+
+Nothing of a lease outlives its gang in the scheduler. A nanny brings a restarted worker
+back at a new address, so on a long-lived cluster a lock and a holder per address ever
+seen would pile up there. When a gang ends (its block is over, or it waited in vain) it
+tidies up: every worker lock that no gang holds or is acquiring is closed and every
+holder of a lock no gang holds is deleted. A lock whose client died is given back by the
+lease timeout, as before, and tidied by the next gang that ends.
 """
 
 from __future__ import annotations
@@ -21,26 +28,48 @@ import distributed
 
 from tasks.gang.errors import GangError
 from tasks.gang.plan import by_host, cluster_workers
+from tasks.reporting import run_logger
 
 PREFIX = "prefect-ddp-worker-lease"
+LOCK_PREFIX = f"{PREFIX}:"
+HOLDER_PREFIX = f"{PREFIX}-holder:"
 POLL_S = 1.0
+# Tries to take a free worker's lock that other gangs' tidying keeps closing under us.
+TAKE_TRIES = 3
 
 
 def _lock(address: str) -> distributed.Lock:
-    return distributed.Lock(f"{PREFIX}:{address}")
+    return distributed.Lock(LOCK_PREFIX + address)
 
 
 def _holder(address: str, client: distributed.Client) -> distributed.Variable:
-    return distributed.Variable(f"{PREFIX}-holder:{address}", client=client)
+    return distributed.Variable(HOLDER_PREFIX + address, client=client)
 
 
-def _try_take(client: distributed.Client, workers: list[str], wanted: int, holder: str) -> list[tuple[str, distributed.Lock]] | None:
+def _take(address: str) -> distributed.Lock | None:
+    """The worker's lock, taken now; None when another gang holds it.
+
+    A Lock registers its name in the scheduler, then acquires it: another gang's tidying may
+    close a lock nobody holds in between, and the scheduler then answers "Semaphore or Lock
+    `NAME` not known.". A fresh Lock registers it again; after TAKE_TRIES such answers the
+    worker counts as not free now, and the gang asks again at its next poll.
+    """
+    for _ in range(TAKE_TRIES):
+        lock = _lock(address)
+        try:
+            return lock if lock.acquire(blocking=False) else None
+        except RuntimeError as exc:
+            if "not known" not in str(exc):
+                raise
+    return None
+
+
+def _try_take(workers: list[str], wanted: int) -> list[tuple[str, distributed.Lock]] | None:
     """`wanted` of `workers`, each locked for this gang; None (and nothing held) when too few are free."""
     taken: list[tuple[str, distributed.Lock]] = []
     for address in workers:
-        lock = _lock(address)
-        if lock.acquire(blocking=False):
-            _holder(address, client).set(holder)
+        lock = _take(address)
+        if lock is not None:
             taken.append((address, lock))
             if len(taken) == wanted:
                 return taken
@@ -49,15 +78,88 @@ def _try_take(client: distributed.Client, workers: list[str], wanted: int, holde
     return None
 
 
+def _tidy(client: distributed.Client) -> dict[str, str]:
+    """Close the worker locks no gang holds, delete their holders; {address: holder} of the others.
+
+    It runs as one plain function on the scheduler, so within one turn of its event loop: no
+    acquire comes between a lock's check and its close. A lock with a lease is never closed
+    (a second gang would register it afresh and take the worker its holder trains on), nor
+    one with an acquire under way (that acquire, ending, writes its counters for the name
+    back into the scheduler's tables). It only reads the tables otherwise, so asking who
+    holds workers creates nothing, where `Lock.locked()` adds an entry for the name.
+    """
+
+    # Nested, so that Dask sends it by value: the scheduler of an existing cluster may not
+    # have this package installed (as tasks/gang/sending.py allows for).
+    def on_scheduler(lock_prefix: str, holder_prefix: str, dask_scheduler: distributed.Scheduler) -> dict[str, str]:
+        semaphores = dask_scheduler.extensions["semaphores"]
+        variables = dask_scheduler.extensions["variables"].variables
+        held: dict[str, str] = {}
+        # `leases` too: `Lock.locked()` (an older prefect-ddp's, a test's) leaves an entry there.
+        for name in {*semaphores.max_leases, *semaphores.leases}:
+            if not (isinstance(name, str) and name.startswith(lock_prefix)):
+                continue
+            address = name.removeprefix(lock_prefix)
+            if semaphores.leases.get(name):
+                record = variables.get(holder_prefix + address)
+                held[address] = record["value"] if record else "unknown"  # taken, holder not yet set
+            elif not semaphores.metrics["pending"].get(name):
+                semaphores.close(name=name)
+                semaphores.leases.pop(name, None)
+        for name in [name for name in variables if isinstance(name, str) and name.startswith(holder_prefix)]:
+            if name.removeprefix(holder_prefix) not in held:
+                del variables[name]
+        return held
+
+    return client.run_on_scheduler(on_scheduler, LOCK_PREFIX, HOLDER_PREFIX)
+
+
 def _held_by(client: distributed.Client, workers: list[str]) -> str:
-    holders = {}
-    for address in workers:
-        if _lock(address).locked():
-            try:
-                holders[address] = _holder(address, client).get(timeout=1)
-            except (TimeoutError, distributed.TimeoutError):
-                holders[address] = "unknown"
-    return "; ".join(f"{address} by {who}" for address, who in holders.items()) or "none now"
+    try:
+        holders = _tidy(client)
+    except Exception as exc:  # the message of the gang's own error must still come through
+        return f"unknown (the scheduler did not say: {exc!r})"
+    return "; ".join(f"{address} by {holders[address]}" for address in workers if address in holders) or "none now"
+
+
+def _wait_for_free(client: distributed.Client, world_size: int | None,
+                   timeout_s: float) -> list[tuple[str, distributed.Lock]]:
+    """`world_size` workers (default: all), taken together once that many are free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = by_host(cluster_workers(client))
+        wanted = world_size or len(workers)
+        if not workers or wanted > len(workers):
+            raise GangError(
+                f"world_size={wanted} needs {wanted} Dask workers (one rank each) but the "
+                f"cluster has {len(workers)}: {workers}. Lower world_size or add workers."
+            )
+        taken = _try_take(workers, wanted)
+        if taken is not None:
+            return taken
+        if time.monotonic() > deadline:
+            raise GangError(
+                f"world_size={wanted} needs {wanted} free workers, but after waiting "
+                f"{timeout_s:.0f}s fewer of the cluster's {len(workers)} are free. Held: "
+                f"{_held_by(client, workers)}. Wait for those runs, add workers, lower "
+                "world_size, or raise the lease timeout."
+            )
+        time.sleep(POLL_S)
+
+
+def _give_back(client: distributed.Client, taken: list[tuple[str, distributed.Lock]]) -> None:
+    """Release `taken` and tidy the scheduler, without raising: the gang's own error, if
+    any, is the one its caller must see."""
+    try:
+        for _, lock in taken:
+            lock.release()  # a lease the scheduler already timed out only logs a warning there
+        _tidy(client)
+    except Exception:
+        run_logger().exception(
+            "Could not give back the workers %s or tidy their leases in the Dask scheduler; it "
+            "gives them back after its lease timeout, and the next gang to end tidies.",
+            [address for address, _ in taken],
+        )
 
 
 @contextmanager
@@ -66,34 +168,19 @@ def leased_workers(client: distributed.Client, world_size: int | None, holder: s
     """Take `world_size` free workers (default: all) for the block; give them back after it.
 
     Waits up to `timeout_s` for enough workers to be free, then raises GangError naming
-    who holds the others.
+    who holds the others. Either way the scheduler keeps nothing of this gang's leases
+    once the block is over.
+
+    Example:
+        with leased_workers(client, world_size=2, holder="flow run 1234", timeout_s=600) as workers:
+            ...  # one rank on each of `workers`
     """
-    deadline = time.monotonic() + timeout_s
+    taken: list[tuple[str, distributed.Lock]] = []
     with client.as_current():
-        while True:
-            workers = by_host(cluster_workers(client))
-            wanted = world_size or len(workers)
-            if not workers or wanted > len(workers):
-                raise GangError(
-                    f"world_size={wanted} needs {wanted} Dask workers (one rank each) but the "
-                    f"cluster has {len(workers)}: {workers}. Lower world_size or add workers."
-                )
-            taken = _try_take(client, workers, wanted, holder)
-            if taken is not None:
-                break
-            if time.monotonic() > deadline:
-                raise GangError(
-                    f"world_size={wanted} needs {wanted} free workers, but after waiting "
-                    f"{timeout_s:.0f}s fewer of the cluster's {len(workers)} are free. Held: "
-                    f"{_held_by(client, workers)}. Wait for those runs, add workers, lower "
-                    "world_size, or raise the lease timeout."
-                )
-            time.sleep(POLL_S)
         try:
+            taken = _wait_for_free(client, world_size, timeout_s)
+            for address, _ in taken:  # once all are taken: a take given back sets no holder
+                _holder(address, client).set(holder)
             yield [address for address, _ in taken]
         finally:
-            for _, lock in taken:
-                try:
-                    lock.release()
-                except Exception:  # the scheduler already gave it back (lease timed out)
-                    pass
+            _give_back(client, taken)
