@@ -61,6 +61,7 @@ def test_a_local_output_the_workers_cannot_see_is_refused_before_training(remote
 def test_a_sweep_works_where_the_workers_cannot_reach_its_study(remote_disk_cluster, flow_only, image_location,
                                                                 s3_fs):
     """The study is SQLite in the flow's folder; the trials write to S3; every report reaches the study."""
+    image_location.save("test-images", overwrite=True)
     study = flow_only / "studies" / "study.db"
     study.parent.mkdir()
     record = hyperparameter_sweep(
