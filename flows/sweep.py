@@ -60,6 +60,17 @@ def check_space(space: dict[str, Dimension]) -> None:
                              f"use dotted paths such as {', '.join(allowed[:6])}, ...")
 
 
+# What transfer-learning reports after every epoch that a sweep may optimise.
+REPORTED_METRICS = ("val_acc", "val_loss", "train_acc", "train_loss")
+
+
+def check_metric(settings: SweepSettings) -> None:
+    """Refuse a metric the trials never report, before any trial starts."""
+    if settings.metric not in REPORTED_METRICS:
+        raise ValueError(f"settings.metric={settings.metric!r} is not a metric transfer-learning reports each epoch; "
+                         f"use one of {', '.join(REPORTED_METRICS)}.")
+
+
 @flow(name="hyperparameter-sweep", description=DESCRIPTION)
 def hyperparameter_sweep(
     space: dict[str, Dimension],
@@ -82,6 +93,7 @@ def hyperparameter_sweep(
         output: Where trials write their runs, and the sweep its study and report.
     """
     check_space(space)
+    check_metric(settings)
     data = with_overrides(data or DataConfig.model_construct())
     out = output_base(output, data_location(data))
     kept = kept_location(out, promotion_name(settings, output)) if settings.promote else None

@@ -8,7 +8,7 @@ from optuna.trial import TrialState
 from pydantic import ValidationError
 
 from blocks.study_storage import StudyStorage
-from flows.sweep import check_space
+from flows.sweep import check_metric, check_space
 from tasks.search_space import Dimension, grid, with_params
 from tasks.sweep import INTERRUPTED, SweepSettings, make_sampler, study_storage, trial_run_name, trials_left
 from tasks.sweep_report import best_row, importances, sweep_markdown, trial_rows
@@ -32,6 +32,13 @@ def test_the_grid_sampler_needs_a_grid_and_says_which_dimensions_are_not():
     with pytest.raises(ValueError, match=r"\['training.lr'\] are not"):
         make_sampler(SweepSettings(sampler="grid"), SPACE)
     assert grid({"training.batch_size": SPACE["training.batch_size"]}) == {"training.batch_size": [16, 32]}
+
+
+def test_a_metric_the_trials_never_report_is_refused():
+    with pytest.raises(ValueError, match=r"settings.metric='accuracy' is not a metric transfer-learning reports each "
+                       r"epoch; use one of val_acc, val_loss, train_acc, train_loss"):
+        check_metric(SweepSettings(metric="accuracy"))
+    check_metric(SweepSettings(metric="val_loss"))
 
 
 def test_a_path_that_names_no_parameter_is_refused():
