@@ -92,7 +92,7 @@ def timed(name: str, batches: Iterable, inputs: ToDevice, step: Callable, steps:
         if done == warmup:
             synchronize(inputs.device)
             started = time.perf_counter()
-        step(inputs(images), labels.to(inputs.device, non_blocking=True))
+        step(*inputs(images, labels))
         if done + 1 == warmup + steps:
             break
     else:

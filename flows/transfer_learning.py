@@ -2,7 +2,7 @@
 
     validate-source -> index -> decode-check (mapped over the workers) -> split
         -> [write-shards, with training.images_per_shard] -> ddp-rank x world size (the gang)
-        -> aggregate
+        -> aggregate (fails the run when the ranks stopped for too many unreadable images)
 
     -> promote (runs of a deployment keep their best model) -> report
 
@@ -56,6 +56,7 @@ from tasks.splitting import split_dataset
 from tasks.run_folder import claim_run_folder, run_folder_name
 from tasks.storage import absolute_url, child_url
 from tasks.training import TrainJob, train_classifier
+from tasks.unreadable import UnreadableLimit
 from tasks.validation import validate_dataset, validate_source
 
 
@@ -178,14 +179,16 @@ def transfer_learning(
         check_starting_weights(model, len(manifest.classes), source)
     with cluster_runner(cluster) as runner:
         world_size = gang_size(runner, cluster.world_size)
+        listed = len(manifest)
         manifest = validate_dataset(runner, source, manifest, data.validate_sample, data.max_unreadable_fraction)
+        unreadable = UnreadableLimit(excluded=listed - len(manifest), limit=data.max_unreadable_fraction)
         split = split_dataset(manifest, data.val_fraction, data.seed)
         require_a_batch_per_rank(split, world_size)
         if training.images_per_shard:
             write_train_shards(manifest, split, source, base, training.images_per_shard,
                                training.fetches_in_flight(), training.fetch_timeout_s)
         results = run_gang(
-            train_classifier, training_job(source, out, manifest, split, model, training, warm),
+            train_classifier, training_job(source, out, manifest, split, model, training, warm, unreadable),
             task_runner=runner,
             world_size=cluster.world_size,
             output_url=out.url,
@@ -211,9 +214,9 @@ def transfer_learning(
 
 
 def training_job(source: DataLocation, out: DataLocation, manifest, split, model: ModelConfig,
-                 training: TrainingConfig, warm: WarmStart | None) -> TrainJob:
+                 training: TrainingConfig, warm: WarmStart | None, unreadable: UnreadableLimit) -> TrainJob:
     """What every rank gets; a warm start replaces model.weights, so those are not fetched."""
     if warm:
         model = model.model_copy(update={"weights": None})
     return TrainJob(source=source, output=out, manifest=manifest, split=split, model=model,
-                    training=training, warm_start=warm)
+                    training=training, warm_start=warm, unreadable=unreadable)

@@ -16,7 +16,19 @@ from tasks.retries import retry_transient
 from tasks.splitting import Split
 from tasks.storage import child_url, exists, write_json
 
-GLOBAL_METRICS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "train_samples", "val_samples")
+GLOBAL_METRICS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "train_samples", "val_samples",
+                  "unreadable")
+
+
+def check_stopped(results: list[dict[str, Any]]) -> None:
+    """Fail the run when its ranks stopped because too many images were unreadable (tasks.unreadable).
+
+    The ranks stop together and return the reason rather than raise it: a rank that raised
+    would be taken for a failed one, and the gang re-formed only to meet the same images.
+    """
+    stopped = results[0]["unreadable"]["stopped"] if results else None
+    if stopped:
+        raise ValueError(stopped)
 
 
 def global_history(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -61,6 +73,8 @@ def summarize(results: list[dict[str, Any]], split: Split,
         "final_val_loss": history[-1]["val_loss"],
         "pruned_at": results[0].get("pruned_at"),
         "attempts": attempt_rows(gang_attempts or [], results[0].get("attempts", [])),
+        # Left out as unreadable: by decode-check, and in training (the first keys; each epoch's record holds all).
+        "unreadable": {k: v for k, v in results[0]["unreadable"].items() if k != "stopped"},
     }
 
 
@@ -72,7 +86,9 @@ def aggregate(
     """Write metrics, manifest and split under the run's output; return the summary.
 
     `gang_attempts` are run_gang's attempts as dicts, when the gang was formed more than once.
+    Fails, writing nothing, when the ranks stopped for too many unreadable images (`check_stopped`).
     """
+    check_stopped(results)
     options = output.storage_options()
     files = {name: child_url(output.url, name) for name in
              ("model.pt", "model.json", "metrics.json", "manifest.json", "split.json", "report.md", "curves.png")}

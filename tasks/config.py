@@ -47,8 +47,9 @@ class DataConfig(_Strict):
         0.1,
         ge=0,
         le=1,
-        description="Largest share of checked images that may fail to decode (or be missing) "
-        "and be left out; above it the run stops before training. 0 allows none, 1 any.",
+        description="Largest share of images that may fail to decode (or be missing) and be "
+        "left out; above it the run stops: before training when decode-check finds them, at the "
+        "end of an epoch when training meets them. 0 allows none, 1 any.",
     )
     index_cache_minutes: int = Field(
         60,

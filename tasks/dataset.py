@@ -7,6 +7,15 @@ indices: the batch's images are fetched concurrently (`tasks.storage.fetch_objec
 paths, never glob patterns), so their latencies overlap, then decoded. A batch that cannot
 be fetched within `fetch_timeout_s` fails the rank with the images' names rather than
 stalling the gang. Any fsspec URL works (s3://, file://, local path).
+
+An image that is gone (deleted since it was listed) or does not decode (decode-check did
+not sample it, or it changed since) is left out rather than failing the rank: the rank
+would fail again in every re-formed gang, as the image stays unreadable. Its place in the
+batch holds a stand-in labelled `unreadable_label(position)`, which the training loop
+masks out of the loss and the counts and names (tasks.unreadable), so that no rank takes
+a step more or less than the others (DDP would hang in a collective) and no batch
+shrinks to the one image BatchNorm cannot train on, or to none. Other fetch failures
+(throttling, resets, timeouts, permissions) are retried and then fail the batch as before.
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import io
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import thread as executor_threads
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +40,7 @@ from tasks.model import IMAGENET_MEAN, IMAGENET_STD
 from tasks.storage import ProcessFilesystem, fetch_objects, object_read_options
 
 FETCH_ATTEMPTS = 4
+BLANK_SIDE = 8
 DEFAULT_FETCH_TIMEOUT_S = TrainingConfig.model_fields["fetch_timeout_s"].default
 SHOWN_KEYS = 3
 
@@ -53,12 +64,91 @@ def open_rgb(data: bytes) -> Image.Image:
         return image.convert("RGB")
 
 
-def prepare(data: bytes, label: int, transform: Callable | None) -> tuple[torch.Tensor, int]:
+class EncodedImage(NamedTuple):
+    """An image's bytes as a uint8 tensor, for a rank that decodes on its device, with its
+    position in its dataset: the rank names it there if it does not decode."""
+
+    data: torch.Tensor
+    position: int
+
+
+Sample = tuple[torch.Tensor | EncodedImage | None, int]
+
+
+def unreadable_label(position: int) -> int:
+    """The label of the stand-in for the unreadable image at `position`: -(1 + position).
+
+    Negative, so no class matches it; it carries the position so that the rank can name the
+    image, also from a loader's worker process, where only the batch reaches the rank.
+
+    >>> unreadable_label(0), unreadable_label(41)
+    (-1, -42)
+    """
+    return -(1 + position)
+
+
+def unreadable_positions(labels: torch.Tensor) -> list[int]:
+    """The dataset positions of a batch's stand-ins for unreadable images (`unreadable_label`).
+
+    >>> unreadable_positions(torch.tensor([2, -1, 0, -42]))
+    [0, 41]
+    """
+    return (-1 - labels[labels < 0]).tolist()
+
+
+def decoded(data: bytes | None) -> Image.Image | None:
+    """`data` decoded by `open_rgb`; None for an image that is gone (`data` None) or does not decode."""
+    if data is None:
+        return None
+    try:
+        return open_rgb(data)
+    except Exception:  # any decoder error means unreadable, as decode-check takes it (tasks.validation)
+        return None
+
+
+def encoded_tensor(data: bytes | None) -> torch.Tensor:
+    """`data` as a uint8 tensor; an empty one for an image that is gone, which then fails to
+    decode on the rank like any unreadable image (tasks.device_batches)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def prepare(data: bytes | None, label: int, position: int, transform: Callable | None) -> Sample:
     """A fetched image as the loader hands it over: decoded and transformed, or, with no
-    transform, its bytes as a uint8 tensor for a rank that decodes on its device."""
+    transform, its bytes (none for an image that is gone) for a rank that decodes on its device.
+
+    An image that is gone (`data` None) or does not decode comes back as None, labelled
+    `unreadable_label(position)`: `with_stand_ins` fills its place. Only the decode is
+    guarded: an error of the transform is a bug, not an unreadable image.
+    """
     if transform is None:
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8), label
-    return transform(open_rgb(data)), label
+        return EncodedImage(encoded_tensor(data), position), label
+    image = decoded(data)
+    if image is None:
+        return None, unreadable_label(position)
+    return transform(image), label
+
+
+def blank_image(transform: Callable) -> torch.Tensor:
+    """A black image run through `transform`: the stand-in when no image of a batch could be read."""
+    return transform(Image.new("RGB", (BLANK_SIDE, BLANK_SIDE)))
+
+
+def with_stand_ins(samples: list[Sample], blank: Callable[[], torch.Tensor]) -> list[Sample]:
+    """`samples` with each unreadable image (None) replaced by the batch's first readable one.
+
+    A copy of a real image, not a blank, where there is one: in training mode BatchNorm
+    normalises with the statistics of the whole batch, stand-ins included, and a real image
+    of the same batch moves them least. With none readable, `blank()` stands in for all;
+    their loss is zero, but BatchNorm's running statistics still take in that batch.
+    """
+    if all(image is not None for image, _ in samples):
+        return samples
+    stand_in = next((image for image, _ in samples if image is not None), None)
+    if stand_in is None:
+        stand_in = blank()
+    return [(stand_in if image is None else image, label) for image, label in samples]
 
 
 def train_transform(image_size: int) -> Callable:
@@ -124,7 +214,8 @@ class S3ImageFolder(Dataset):
             serves the encoded bytes as a uint8 tensor, for decoding on the rank's device.
         fetch_threads: images fetched at once within a batch.
         fetch_timeout_s: limit for fetching one batch, retries included; past it the batch
-            fails with a FetchTimeout naming its images.
+            fails with a FetchTimeout naming its images. An image that is gone or does not
+            decode does not fail it: its place holds a stand-in (module docstring).
         sizes: each image's size from the manifest, part of its key in `cache`.
         cache: keeps fetched bytes on local disk, so later epochs read them from there;
             its entries are keyed on the endpoint `storage_options` name as well.
@@ -164,29 +255,33 @@ class S3ImageFolder(Dataset):
     def fs(self) -> AbstractFileSystem:
         return self._files.get()[0]
 
-    def fetch(self, indices: Sequence[int]) -> list[bytes]:
-        """The bytes of the images at `indices`: from the cache where it has them, else one GET each."""
+    def fetch(self, indices: Sequence[int]) -> list[bytes | None]:
+        """The bytes of the images at `indices`, None for one that is gone: from the cache
+        where it has them, else one GET each."""
         if self.cache is None:
             return self._get(indices)
         found = {i: self.cache.get(self._url(i), self.sizes[i]) for i in indices}
-        missing = list(dict.fromkeys(i for i, data in found.items() if data is None))
-        for i, data in zip(missing, self._get(missing) if missing else []):
-            self.cache.put(self._url(i), self.sizes[i], data)
+        uncached = list(dict.fromkeys(i for i, data in found.items() if data is None))
+        for i, data in zip(uncached, self._get(uncached) if uncached else []):
+            if data is not None:
+                self.cache.put(self._url(i), self.sizes[i], data)
             found[i] = data
         return [found[i] for i in indices]
 
     def _url(self, index: int) -> str:
         return f"{self.root}/{self.keys[index]}"
 
-    def _get(self, indices: Sequence[int]) -> list[bytes]:
-        """The bytes of the images at `indices`, one GET each, retrying transient errors."""
+    def _get(self, indices: Sequence[int]) -> list[bytes | None]:
+        """The bytes of the images at `indices`, one GET each, retrying transient errors; None
+        for an image that is gone (fetch_objects never retries that)."""
         fs, root = self._files.get()
         paths = [f"{root}/{self.keys[i]}" for i in indices]
         got = fetch_objects(fs, paths, self.fetch_threads, FETCH_ATTEMPTS, self.fetch_timeout_s)
-        failed = {path: result for path, result in got.items() if isinstance(result, Exception)}
+        failed = {path: result for path, result in got.items()
+                  if isinstance(result, Exception) and not isinstance(result, FileNotFoundError)}
         if failed:
             raise self._fetch_error(failed)
-        return [got[path] for path in paths]
+        return [None if isinstance(got[path], FileNotFoundError) else got[path] for path in paths]
 
     def _fetch_error(self, failed: dict[str, Exception]) -> OSError:
         timed_out = [path for path, error in failed.items() if isinstance(error, TimeoutError)]
@@ -203,8 +298,11 @@ class S3ImageFolder(Dataset):
             f"{path}: {error!r}"
         )
 
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, int]]:
-        return [prepare(data, self.labels[i], self.transform) for data, i in zip(self.fetch(indices), indices)]
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor | EncodedImage, int]]:
+        """The batch at `indices`, as long as asked: an unreadable image's place holds a stand-in
+        labelled `unreadable_label(index)` (module docstring)."""
+        samples = [prepare(data, self.labels[i], i, self.transform) for data, i in zip(self.fetch(indices), indices)]
+        return with_stand_ins(samples, partial(blank_image, self.transform))
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | EncodedImage, int]:
         return self.__getitems__([index])[0]

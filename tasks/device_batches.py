@@ -9,6 +9,11 @@ call to torchvision's nvjpeg decoder (`torchvision.io.decode_jpeg(..., device="c
 then augments on the GPU with the same torchvision transforms. Images that are not JPEGs
 (PNG, 16-bit, CMYK) are still decoded on the CPU by `tasks.dataset.open_rgb`.
 
+An image whose decode fails there (or that is gone: its bytes arrive empty) is left out as
+the loader leaves out those it decodes itself (tasks.dataset): a stand-in takes its place,
+labelled with its position, which the encoded batch carries for that. What a decoder
+accepts without an error is trained on as it decodes.
+
 The same code runs on a CPU device (decoding in the rank's process), which is how the
 tests here exercise it; it only pays off on a GPU.
 """
@@ -16,35 +21,59 @@ tests here exercise it; it only pays off on a GPU.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import default_collate
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
-from tasks.dataset import open_rgb
+from tasks.dataset import EncodedImage, Sample, blank_image, decoded, unreadable_label, with_stand_ins
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
 
-def encoded_collate(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Keep the encoded images as a list: their lengths differ, so they cannot be stacked."""
-    return [data for data, _ in batch], default_collate([label for _, label in batch])
+class EncodedBatch(NamedTuple):
+    """A batch of encoded images (their lengths differ, so they stay a list) and their positions."""
+
+    data: list[torch.Tensor]
+    positions: torch.Tensor
 
 
-def decode_on(device: torch.device, images: list[torch.Tensor]) -> list[torch.Tensor]:
-    """uint8 CHW RGB tensors on `device`: JPEGs in one batched decode there, the rest on the CPU."""
+def encoded_collate(batch: Sequence[tuple[EncodedImage, int]]) -> tuple[EncodedBatch, torch.Tensor]:
+    """Keep the encoded images as a list, with their dataset positions beside them."""
+    images = EncodedBatch([image.data for image, _ in batch], torch.tensor([image.position for image, _ in batch]))
+    return images, default_collate([label for _, label in batch])
+
+
+def decode_jpegs(device: torch.device, jpegs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """JPEGs decoded in one batched call on `device`; None for each that does not decode."""
+    if not jpegs:
+        return []
+    try:
+        return decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:  # torchvision's error for a truncated or corrupt JPEG fails the call: find which
+        if len(jpegs) == 1:
+            return [None]
+        return [image for jpeg in jpegs for image in decode_jpegs(device, [jpeg])]
+
+
+def decode_on(device: torch.device, images: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """uint8 CHW RGB tensors on `device`: JPEGs in one batched decode there, the rest on the CPU;
+    None for an image that does not decode."""
     is_jpeg = [bytes(data[:3].tolist()) == JPEG_MAGIC for data in images]
-    jpegs = [data for data, jpeg in zip(images, is_jpeg) if jpeg]
-    decoded = iter(decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device) if jpegs else [])
-    return [
-        next(decoded) if jpeg else v2.functional.pil_to_tensor(open_rgb(data.numpy().tobytes())).to(device)
-        for data, jpeg in zip(images, is_jpeg)
-    ]
+    jpegs = iter(decode_jpegs(device, [data for data, jpeg in zip(images, is_jpeg) if jpeg]))
+    return [next(jpegs) if jpeg else decode_other(device, data) for data, jpeg in zip(images, is_jpeg)]
+
+
+def decode_other(device: torch.device, data: torch.Tensor) -> torch.Tensor | None:
+    """An image that is not a JPEG, decoded on the CPU (`tasks.dataset.decoded`) and moved to `device`."""
+    image = decoded(data.numpy().tobytes())
+    return None if image is None else v2.functional.pil_to_tensor(image).to(device)
 
 
 class ToDevice:
-    """Moves (and, for encoded batches, decodes and transforms) a loader's images onto `device`.
+    """Moves (and, for encoded batches, decodes and transforms) a loader's batches onto `device`.
 
     Args:
         device: the rank's device.
@@ -52,6 +81,10 @@ class ToDevice:
             `model.to(memory_format=torch.channels_last)` (faster convolutions on tensor cores).
         transform: for encoded batches, the per-image transform to run on the device after
             decoding (the loader's own transform when it decodes). None: batches arrive decoded.
+
+    >>> images, labels = ToDevice(torch.device("cpu"))(torch.zeros(2, 3, 8, 8), torch.tensor([0, 1]))
+    >>> tuple(images.shape), labels.tolist()
+    ((2, 3, 8, 8), [0, 1])
     """
 
     def __init__(self, device: torch.device, channels_last: bool = False, transform: Callable | None = None) -> None:
@@ -59,8 +92,17 @@ class ToDevice:
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.transform = transform
 
-    def __call__(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor | EncodedBatch, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's images and labels on the device; an encoded image that does not decode is
+        left out there: a stand-in labelled `unreadable_label(position)` takes its place."""
         if self.transform is None:
-            return images.to(self.device, non_blocking=True, memory_format=self.memory_format)
-        batch = torch.stack([self.transform(image) for image in decode_on(self.device, images)])
-        return batch.contiguous(memory_format=self.memory_format)
+            return (images.to(self.device, non_blocking=True, memory_format=self.memory_format),
+                    labels.to(self.device, non_blocking=True))
+        samples: list[Sample] = [
+            (None, unreadable_label(position)) if image is None else (self.transform(image), label)
+            for image, label, position in zip(decode_on(self.device, images.data), labels.tolist(),
+                                              images.positions.tolist())
+        ]
+        samples = with_stand_ins(samples, lambda: blank_image(self.transform).to(self.device))
+        batch = torch.stack([image for image, _ in samples]).contiguous(memory_format=self.memory_format)
+        return batch, torch.tensor([label for _, label in samples], device=self.device)

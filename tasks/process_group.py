@@ -8,6 +8,7 @@ training loop runs unchanged in a unit test, on one worker and on many.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -112,6 +113,26 @@ def all_reduce_sum(values: list[float], device: torch.device | str = "cpu") -> l
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.tolist()
+
+
+def all_gather_strings(items: list[str], device: torch.device | str = "cpu") -> list[str]:
+    """Every rank's `items`, in rank order; `items` itself without a process group.
+
+    Sent as JSON in a uint8 tensor, padded to the longest rank's, rather than with
+    `all_gather_object`, so that no rank unpickles anything (as `broadcast_bytes`).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(items)
+    data = json.dumps(items).encode()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size())]
+    dist.all_gather(lengths, length)
+    sizes = [int(n.item()) for n in lengths]
+    payload = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    payloads = [torch.empty_like(payload) for _ in sizes]
+    dist.all_gather(payloads, payload)
+    return [item for size, got in zip(sizes, payloads) for item in json.loads(got[:size].cpu().numpy().tobytes())]
 
 
 def broadcast_flag(flag: bool, device: torch.device | str = "cpu") -> bool:

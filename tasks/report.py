@@ -75,9 +75,26 @@ def trained_images_text(history: list[dict[str, Any]], train_size: int) -> str:
     return f"Images trained per epoch: {trained} of {train_size:,} training images."
 
 
+def unreadable_text(unreadable: dict[str, Any]) -> str:
+    """Images left out as unreadable, by decode-check and during training; empty when none were.
+
+    >>> unreadable_text({"decode_check": 2, "in_training": 0, "keys": []})
+    'Unreadable images left out: 2 by decode-check, none during training.'
+    """
+    decode_check, in_training, keys = unreadable["decode_check"], unreadable["in_training"], unreadable["keys"]
+    if not decode_check and not in_training:
+        return ""
+    if not in_training:
+        return f"Unreadable images left out: {decode_check} by decode-check, none during training."
+    named = ", ".join(f"`{key}`" for key in keys) + (f" (the first {len(keys)})" if len(keys) < in_training else "")
+    return (f"Unreadable images left out: {decode_check} by decode-check, {in_training} more during training "
+            f"(missing or not decodable when read): {named}.")
+
+
 def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, outcome: str) -> str:
     rows = [[h[k] for k in EPOCH_COLUMNS] for h in summary["history"]]
     workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
+    unreadable = unreadable_text(summary["unreadable"])
     return (
         f"# Transfer learning report\n\n"
         f"**Model: the weights of epoch {summary['best_epoch']}, val accuracy {summary['best_val_acc']:.4f}** "
@@ -87,6 +104,7 @@ def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, ou
         + f"\nData: `{manifest.root}`, {len(manifest.classes)} classes, {summary['train_size']} train / "
         f"{summary['val_size']} val images. World size {summary['world_size']} ({workers}).\n\n"
         + trained_images_text(summary["history"], summary["train_size"]) + "\n\n"
+        + (f"{unreadable}\n\n" if unreadable else "")
         + attempts_markdown(summary.get("attempts", []))
         + "## Curves\n\n" + curves + "\n\n"
         "## Per epoch (all ranks)\n\n"

@@ -13,6 +13,9 @@ packs the training images into tar shards once and reads those instead:
 - Members follow webdataset's layout: `<key>.<ext>` (the image's bytes as stored) and
   `<key>.cls` (its class index, decimal). Keys are sample numbers, never user-given names,
   so nothing from a bucket becomes a path; the folder is named by a digest (`shard_key`).
+  The index lists each sample's image key, so that a sample whose bytes do not decode
+  (decode-check sampled others; an image gone when packed is packed empty) is named
+  when training leaves it out (tasks.dataset, tasks.unreadable).
 - KEY digests the source root, the training images (paths, sizes, labels), the classes and
   the shard size, so a later run over the same data and split reuses the shards, and a
   changed image (another size) or another split gets new ones. A set without its index, or
@@ -45,6 +48,7 @@ import tarfile
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from itertools import islice
 from typing import Any
 
@@ -56,8 +60,8 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from torch.utils.data.dataloader import _InfiniteConstantSampler
 
 from blocks.data_location import DataLocation
-from tasks.dataset import FETCH_ATTEMPTS, FetchTimeout, S3ImageFolder, open_rgb, prepare
-from tasks.device_batches import encoded_collate
+from tasks.dataset import FETCH_ATTEMPTS, FetchTimeout, S3ImageFolder, blank_image, open_rgb, prepare, with_stand_ins
+from tasks.device_batches import EncodedBatch, encoded_collate
 from tasks.manifest import Manifest
 from tasks.retries import retry_transient
 from tasks.splitting import Split
@@ -130,7 +134,13 @@ def shard_pieces(images: Sequence[int], order: Sequence[int], span: range) -> li
 
 
 class ShardIndex(BaseModel):
-    """What a complete shard set holds; `shards[i]` is a file name in the set's folder."""
+    """What a complete shard set holds; `shards[i]` is a file name in the set's folder.
+
+    `paths[n]` is the image key (relative to the source root) of sample n, the member
+    `<n>.<ext>`: a sample that does not decode in training is named by it (tasks.unreadable).
+    An index written before it had paths does not validate, so its set is written again.
+    (Not `keys`: Prefect walks a task's result with dict(obj), which would call a field named keys.)
+    """
 
     key: str
     split_digest: str
@@ -139,6 +149,7 @@ class ShardIndex(BaseModel):
     shards: list[str]
     images: list[int]
     bytes: list[int]
+    paths: list[str]
 
 
 def shard_key(manifest: Manifest, positions: Sequence[int], images_per_shard: int) -> str:
@@ -218,18 +229,23 @@ def write_shards(
         counts.append(len(indices))
         sizes.append(len(data))
     index = ShardIndex(key=key, split_digest=split_digest, classes=manifest.classes,
-                       images_per_shard=images_per_shard, shards=names, images=counts, bytes=sizes)
+                       images_per_shard=images_per_shard, shards=names, images=counts, bytes=sizes,
+                       paths=source.keys)
     write_json(child_url(folder, INDEX), index.model_dump(), output_options)
     return index, False
 
 
 def pack(source: S3ImageFolder, indices: list[int]) -> bytes:
-    """One tar shard of `source`'s images at `indices`: `<n>.<ext>` and `<n>.cls` per image."""
+    """One tar shard of `source`'s images at `indices`: `<n>.<ext>` and `<n>.cls` per image.
+
+    An image gone since it was listed is packed empty: training meets it as an image that
+    does not decode, leaves it out and names it (tasks.unreadable), as per-image reading would.
+    """
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for i, data in zip(indices, source.fetch(indices)):
             extension = source.keys[i].rsplit(".", 1)[-1].lower()  # an image extension: manifest.IMAGE_EXTENSIONS
-            _add_member(tar, f"{i:08d}.{extension}", data)
+            _add_member(tar, f"{i:08d}.{extension}", data or b"")
             _add_member(tar, f"{i:08d}.{LABEL_SUFFIX}", str(source.labels[i]).encode())
     return buffer.getvalue()
 
@@ -240,8 +256,8 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def read_samples(data: bytes) -> Iterator[tuple[bytes, int]]:
-    """(image bytes, label) for each image of a shard that `pack` wrote, in order.
+def read_samples(data: bytes) -> Iterator[tuple[int, bytes, int]]:
+    """(sample number, image bytes, label) for each image of a shard that `pack` wrote, in order.
 
     Parsed here rather than by tarfile, which spent about 45 us on each member's header
     here, a fifth of what decoding a 64 px JPEG costs. `pack` writes plain USTAR: a 512-byte
@@ -259,7 +275,7 @@ def read_samples(data: bytes) -> Iterator[tuple[bytes, int]]:
         body = data[offset + TAR_BLOCK : offset + TAR_BLOCK + size]
         offset += TAR_BLOCK + -(-size // TAR_BLOCK) * TAR_BLOCK
         if name.endswith(b"." + LABEL_SUFFIX.encode()):
-            yield image, int(body)
+            yield int(name.split(b".", 1)[0]), image, int(body)
         else:
             image = body
 
@@ -327,21 +343,29 @@ class ShardDataset(IterableDataset):
     def __len__(self) -> int:
         return math.ceil(epoch_quota(sum(self.index.images), self.world_size, self.batch_size) / self.batch_size)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    @property
+    def keys(self) -> list[str]:
+        """Each sample's image key, by its number: `unreadable_label(n)` names `keys[n]`."""
+        return self.index.paths
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor | EncodedBatch, torch.Tensor]]:
+        """This worker's batches of the epoch; an image that does not decode keeps its place in
+        its batch as a stand-in labelled `unreadable_label(n)` (tasks.dataset)."""
         info = get_worker_info()
         worker = info.id if info else 0
         epoch = self._epoch.value
         rng = random.Random(f"{self.seed}-{epoch}-{self.rank}-{worker}")
+        blank = partial(blank_image, self.transform)
         batch = []
-        for data, label in shuffled(self._samples(self.plan(epoch)[worker]), self.index.images_per_shard, rng):
-            batch.append(prepare(data, label, self.transform))
+        for number, data, label in shuffled(self._samples(self.plan(epoch)[worker]), self.index.images_per_shard, rng):
+            batch.append(prepare(data, label, number, self.transform))
             if len(batch) == self.batch_size:
-                yield self.collate(batch)
+                yield self.collate(with_stand_ins(batch, blank))
                 batch = []
         if batch:
-            yield self.collate(batch)
+            yield self.collate(with_stand_ins(batch, blank))
 
-    def _samples(self, pieces: list[tuple[int, int, int]]) -> Iterator[tuple[bytes, int]]:
+    def _samples(self, pieces: list[tuple[int, int, int]]) -> Iterator[tuple[int, bytes, int]]:
         """The images of `pieces` (`plan`), in order, the next `self.ahead` shards fetched meanwhile."""
         if not pieces:
             return

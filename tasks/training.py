@@ -1,9 +1,14 @@
 """The transfer-learning recipe that runs on every rank of the gang.
 
 Read top to bottom like torchvision's reference `train.py`: `train_one_epoch`, `evaluate`,
-`make_loaders`, `build_optimizer`, `build_scheduler`, then `train_classifier`, the per-rank
-entry point that `run_gang` calls. The loop does not care about world size: at world size 1
-there is no process group and the wrappers do nothing.
+`make_loaders`, `build_optimizer`, `build_scheduler`, then `set_up_rank`, `run_epoch` and
+`train_classifier`, the per-rank entry point that `run_gang` calls. The loop does not care
+about world size: at world size 1 there is no process group and the wrappers do nothing.
+
+An image that turns out unreadable when a loader reads it (gone, or not decoding) holds
+its place in its batch as a stand-in (tasks.dataset) that the loop masks out of the loss
+and the counts (`readable_loss`), and is counted against data.max_unreadable_fraction
+(tasks.unreadable).
 
 Rank 0 writes a checkpoint (a plain dict: model, optimizer, lr_scheduler, scaler, epoch,
 history, with the job's fingerprint: tasks.checkpoints) after every epoch; a re-formed gang
@@ -17,6 +22,7 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -34,7 +40,7 @@ from blocks.data_location import DataLocation
 from tasks.byte_cache import ByteCache
 from tasks.checkpoints import TrainingState, job_fingerprint, record_attempt
 from tasks.config import ModelConfig, TrainingConfig
-from tasks.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform
+from tasks.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform, unreadable_positions
 from tasks.device_batches import ToDevice, encoded_collate
 from tasks.gang import RankContext
 from tasks.manifest import Manifest
@@ -46,6 +52,7 @@ from tasks.selection import Selection, best_index, is_better
 from tasks.shards import ShardDataset, ShardLoader, open_shards
 from tasks.splitting import Split
 from tasks.storage import child_url, save_torch, write_json
+from tasks.unreadable import UnreadableLimit, UnreadableTally
 
 CHECKPOINT = "checkpoint.pt"
 ATTEMPTS = "attempts.json"
@@ -63,53 +70,89 @@ class TrainJob(BaseModel):
     model: ModelConfig
     training: TrainingConfig
     warm_start: WarmStart | None = None  # the deployment's kept model, resolved by the flow
+    unreadable: UnreadableLimit = UnreadableLimit()  # decode-check's exclusions and data.max_unreadable_fraction
+
+
+@dataclass
+class PassSums:
+    """One pass over a rank's batches: the sums the gang's metrics add up, and what it left out.
+
+    `count` counts only the images trained or validated on: the stand-ins for unreadable
+    images (tasks.dataset) add nothing to the sums, and their keys go to `unreadable`.
+    """
+
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    count: float = 0.0
+    unreadable: set[str] = field(default_factory=set)
+
+    def add(self, loader: DataLoader, logits: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor,
+            readable: torch.Tensor) -> None:
+        """Add one batch: its logits, labels and `readable_loss`."""
+        count = int(readable.item())
+        self.loss_sum += loss_sum.item()
+        self.correct += (logits.argmax(1) == labels).sum().item()  # a stand-in's negative label matches no class
+        self.count += count
+        if count < len(labels):
+            self.unreadable.update(loader.dataset.keys[p] for p in unreadable_positions(labels))
+
+    def sums(self) -> list[float]:
+        return [self.loss_sum, self.correct, self.count]
+
+
+def readable_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over the batch's readable images, and how many there are.
+
+    Stand-ins for unreadable images (negative labels, tasks.dataset) add nothing. They are
+    masked, not cut out of the batch: no device sync, and a batch with none readable keeps
+    its graph, so its zero loss still runs backward, and DDP's gradient all-reduce with it.
+    """
+    readable = labels >= 0
+    losses = nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+    return torch.where(readable, losses, 0).sum(), readable.sum()
 
 
 def train_one_epoch(
     model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler, inputs: ToDevice, amp_dtype: torch.dtype | None,
     on_step: Callable[[int, int], None] | None = None,
-) -> tuple[float, float, float]:
-    """One pass over this rank's shard; returns local (loss sum, correct, count).
+) -> PassSums:
+    """One pass over this rank's shard; returns the rank's local sums.
 
     `inputs` puts each batch of images on the rank's device (decoding it there when the
     loader hands over encoded images); `amp_dtype` None trains in full precision.
     `on_step(done, total)` is called after every optimizer step, for progress reports.
+    The loss is the mean over the batch's readable images; a batch with none still steps,
+    with a zero loss: which batches hold readable images differs between ranks, and a rank
+    that skipped its step would leave the others waiting in DDP's all-reduce.
     """
     model.train()
-    criterion = nn.CrossEntropyLoss()
-    loss_sum = correct = count = 0.0
-    device = inputs.device
+    sums = PassSums()
     for step, (images, labels) in enumerate(loader, start=1):
-        images, labels = inputs(images), labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        images, labels = inputs(images, labels)
+        with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
-            loss = criterion(logits, labels)
+            loss_sum, readable = readable_loss(logits, labels)
         optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
+        scaler.scale(loss_sum / readable.clamp(min=1)).backward()
         scaler.step(optimizer)
         scaler.update()
-        loss_sum += loss.item() * len(labels)
-        correct += (logits.argmax(1) == labels).sum().item()
-        count += len(labels)
+        sums.add(loader, logits, labels, loss_sum, readable)
         if on_step:
             on_step(step, len(loader))
-    return loss_sum, correct, count
+    return sums
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, loader: DataLoader, inputs: ToDevice) -> tuple[float, float, float]:
-    """This rank's shard of the val set, in full precision; returns local (loss sum, correct, count)."""
+def evaluate(model: nn.Module, loader: DataLoader, inputs: ToDevice) -> PassSums:
+    """This rank's shard of the val set, in full precision; returns the rank's local sums."""
     model.eval()
-    criterion = nn.CrossEntropyLoss(reduction="sum")
-    loss_sum = correct = count = 0.0
+    sums = PassSums()
     for images, labels in loader:
-        images, labels = inputs(images), labels.to(inputs.device)
+        images, labels = inputs(images, labels)
         logits = model(images)
-        loss_sum += criterion(logits, labels).item()
-        correct += (logits.argmax(1) == labels).sum().item()
-        count += len(labels)
-    return loss_sum, correct, count
+        sums.add(loader, logits, labels, *readable_loss(logits, labels))
+    return sums
 
 
 def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoader]:
@@ -320,11 +363,24 @@ def between_steps(ctx: RankContext, progress: ProgressReporter, epoch: int, done
     progress.step(epoch, done, total)
 
 
-def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
-    """Per-rank entry point: train, validate, checkpoint; rank 0 keeps the best epoch's model."""
-    log = run_logger()
-    # Rank 0 speaks for the gang; the others log at debug so the run's log stays readable.
-    level = logging.INFO if ctx.is_main else logging.DEBUG
+@dataclass
+class RankSetup:
+    """A rank's recipe, set up: what a checkpoint holds, the data, and how batches reach the device."""
+
+    state: TrainingState  # its model is the unwrapped one: checkpoints, model.pt and validation use it
+    train_loader: DataLoader
+    val_loader: DataLoader
+    train_inputs: ToDevice
+    val_inputs: ToDevice
+    amp_dtype: torch.dtype | None
+
+    @property
+    def device(self) -> torch.device:
+        return self.train_inputs.device
+
+
+def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
+    """The model (warm-started if asked) on the rank's device, its optimizer, schedule and loaders."""
     device = torch.device(ctx.device)
     amp_dtype = autocast_dtype(job.training, device, log)
     train_inputs, val_inputs = batch_inputs(job.training, device)
@@ -334,37 +390,63 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         load_warm_start(model, job.warm_start)
     model = model.to(device, memory_format=train_inputs.memory_format)
     optimizer = build_optimizer(model, job.training, ctx.world_size)
-    scheduler = build_scheduler(optimizer, job.training)
-    state = TrainingState(model, optimizer, scheduler, torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16))
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler)
+    return RankSetup(state, train_loader, val_loader, train_inputs, val_inputs, amp_dtype)
+
+
+def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress: ProgressReporter,
+              unreadable: UnreadableTally, epoch: int) -> tuple[dict[str, Any], int]:
+    """Train and validate one epoch; returns the gang's record of it and the images this rank trained on."""
+    started = time.monotonic()
+    rank.train_loader.sampler.set_epoch(epoch)
+    train = train_one_epoch(ddp_model, rank.train_loader, rank.state.optimizer, rank.state.scaler,
+                            rank.train_inputs, rank.amp_dtype, on_step=partial(between_steps, ctx, progress, epoch))
+    sync_buffers(rank.state.model)
+    val = evaluate(rank.state.model, rank.val_loader, rank.val_inputs)
+    totals = all_reduce_sum([*train.sums(), *val.sums()], rank.device)
+    record = epoch_record(epoch, totals, rank.state.optimizer, time.monotonic() - started)
+    record["unreadable"] = unreadable.pool(train.unreadable | val.unreadable, record["epoch"])  # first met this epoch
+    return record, int(train.count)
+
+
+def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
+    """Per-rank entry point: train, validate, checkpoint; rank 0 keeps the best epoch's model.
+
+    Every rank stops early together when a sweep prunes the run, or when too many images
+    turn out unreadable (tasks.unreadable): it then returns why, for the flow to fail with.
+    """
+    log = run_logger()
+    # Rank 0 speaks for the gang; the others log at debug so the run's log stays readable.
+    level = logging.INFO if ctx.is_main else logging.DEBUG
+    rank = set_up_rank(ctx, job, log)
+    model, state = rank.state.model, rank.state
     output = job.output.storage_options()
     checkpoint_url = child_url(job.output.url, "checkpoints", CHECKPOINT)
     fingerprint = job_fingerprint(job.manifest.classes, job.split.digest(job.manifest), job.model, job.training)
     start_epoch, history = state.resume(checkpoint_url, output, fingerprint, ctx.world_size,
-                                        job.training.scale_lr_by_world_size, device)
-    ddp_model = wrap_ddp(model, device)
+                                        job.training.scale_lr_by_world_size, rank.device)
+    ddp_model = wrap_ddp(model, rank.device)
     kept = BestWeights(ctx, job, ctx.trial.selection if ctx.trial else Selection())
     kept.after_resume(model, history)
+    unreadable = UnreadableTally(job.unreadable, job.manifest, rank.device, announce=ctx.is_main)
+    unreadable.after_resume(history)
     if start_epoch:
         log.log(level, "Rank %d resumed from %s after epoch %d", ctx.rank, checkpoint_url, start_epoch)
     attempts = record_attempt(child_url(job.output.url, "checkpoints", ATTEMPTS), output, ctx.attempt + 1,
                               ctx.world_size, start_epoch) if ctx.is_main else []
     progress = ProgressReporter(ctx, job.training.epochs, log)
     local_train_samples: list[int] = []
-    pruned_at = None
+    pruned_at = stopped = None
     try:
         for epoch in range(start_epoch, job.training.epochs):
-            started = time.monotonic()
-            train_loader.sampler.set_epoch(epoch)
-            train_loss, train_correct, train_count = train_one_epoch(
-                ddp_model, train_loader, optimizer, state.scaler, train_inputs, amp_dtype,
-                on_step=partial(between_steps, ctx, progress, epoch),
-            )
-            sync_buffers(model)
-            val_sums = evaluate(model, val_loader, val_inputs)
-            totals = all_reduce_sum([train_loss, train_correct, train_count, *val_sums], device)
-            record = epoch_record(epoch, totals, optimizer, time.monotonic() - started)
-            local_train_samples.append(int(train_count))
-            step_scheduler(scheduler, record["val_loss"])
+            record, trained = run_epoch(ctx, rank, ddp_model, progress, unreadable, epoch)
+            stopped = unreadable.exceeded(record["epoch"])  # the gang's count: every rank stops here, or none
+            if stopped:
+                log.log(level, "Stopped after epoch %d, keeping nothing of it: %s", record["epoch"], stopped)
+                break
+            local_train_samples.append(trained)
+            step_scheduler(state.scheduler, record["val_loss"])
             history.append(record)
             log.log(level, "epoch %d/%d %s", record["epoch"], job.training.epochs, record)
             if ctx.is_main:
@@ -387,6 +469,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         "selected_by": kept.selection.describe(),
         "pruned_at": pruned_at,
         "attempts": attempts,
+        "unreadable": unreadable.summary(stopped),
     }
 
 

@@ -4,7 +4,9 @@ Decoding is the slow part, so it is cut into chunks mapped over the Dask workers
 than done by the flow's process. Images that fail to decode or are missing are reported
 and left out of the manifest, so they never reach training; when more than
 `data.max_unreadable_fraction` of them are, the run stops instead. A failed fetch
-(throttling, a dropped connection) is retried, never taken for a corrupt image.
+(throttling, a dropped connection) is retried, never taken for a corrupt image. Images it
+did not check (`data.validate_sample`) or that change later are left out by training when
+it meets them, and counted with these (tasks.unreadable).
 """
 
 from __future__ import annotations

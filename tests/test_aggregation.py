@@ -6,12 +6,14 @@ from tasks.splitting import Split
 
 def history(*val_accs):
     return [{"epoch": i + 1, "train_loss": 1.0, "train_acc": 0.5, "val_loss": 1 - acc, "val_acc": acc,
-             "train_samples": 10, "val_samples": 4, "lr": 0.1, "seconds": 1.0} for i, acc in enumerate(val_accs)]
+             "train_samples": 10, "val_samples": 4, "lr": 0.1, "seconds": 1.0, "unreadable": []}
+            for i, acc in enumerate(val_accs)]
 
 
 def rank(r, hist, local=(5, 5), best_epoch=1):
     return {"rank": r, "worker_address": f"tcp://h:{r}", "split_digest": "abc", "history": hist,
-            "local_train_samples": list(local), "best_epoch": best_epoch, "selected_by": "highest val_acc"}
+            "local_train_samples": list(local), "best_epoch": best_epoch, "selected_by": "highest val_acc",
+            "unreadable": {"decode_check": 1, "in_training": 0, "keys": [], "stopped": None}}
 
 
 def test_the_best_epoch_is_the_one_whose_weights_rank_0_kept_and_the_final_metrics_the_last():
@@ -20,6 +22,7 @@ def test_the_best_epoch_is_the_one_whose_weights_rank_0_kept_and_the_final_metri
     assert (summary["best_epoch"], summary["best_val_acc"], summary["final_val_acc"]) == (2, 0.9, 0.8)
     assert summary["selected_by"] == "highest val_acc"
     assert summary["world_size"] == 2 and summary["split_digests"] == ["abc"]
+    assert summary["unreadable"] == {"decode_check": 1, "in_training": 0, "keys": []}
 
 
 def test_ranks_that_disagree_on_global_metrics_are_an_error():

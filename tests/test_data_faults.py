@@ -125,11 +125,18 @@ def test_a_stall_shorter_than_the_limit_only_slows_the_batch(via_front, front):
     assert all(front.gets[object_key(via_front, key)] == 1 for key in KEYS)
 
 
-def test_the_dataset_does_not_retry_a_missing_image(via_front, front):
+def test_the_dataset_leaves_out_a_missing_image_without_retrying_it(via_front, front):
     dataset = S3ImageFolder(via_front.url, ["circle/gone.jpg"], [0], via_front.storage_options(), eval_transform(32))
-    with pytest.raises(OSError, match=rf"Could not fetch 1 image\(s\) after {DATASET_ATTEMPTS} attempts, e.g. .*circle/gone.jpg"):
-        dataset[0]
+    assert dataset[0][1] == -1  # a stand-in, labelled unreadable (tasks.dataset.unreadable_label)
     assert front.gets[object_key(via_front, "circle/gone.jpg")] == 1
+
+
+def test_a_fetch_that_keeps_failing_fails_the_batch_naming_the_image(via_front, front):
+    front.fail_gets(object_key(via_front, KEYS[1]), times=10_000, how="reset")
+    dataset = dataset_through(via_front, fetch_timeout_s=60)
+    with pytest.raises(OSError, match=rf"Could not fetch 1 image\(s\) after {DATASET_ATTEMPTS} attempts, e.g. "
+                                      r".*circle/0001.jpg"):
+        dataset.__getitems__([0, 1, 2])
 
 
 def kill_the_worker_running_decode_check(scheduler_address: str, front: FaultyS3, killed: list) -> None:

@@ -42,12 +42,13 @@ def test_dataloader_collates_whole_batches(image_location, manifest):
     assert labels.tolist() == manifest.labels[:6]
 
 
-def test_missing_object_fails_with_its_key(image_location):
+def test_a_missing_object_is_left_out_as_unreadable(image_location):
     dataset = S3ImageFolder(
-        image_location.url, ["circle/does-not-exist.jpg"], [0], image_location.storage_options(), eval_transform(32),
+        image_location.url, ["circle/0000.jpg", "circle/does-not-exist.jpg"], [0, 0], image_location.storage_options(),
+        eval_transform(32),
     )
-    with pytest.raises(OSError, match="Could not fetch 1 image.*circle/does-not-exist.jpg"):
-        dataset[0]
+    (image, label), (stand_in, missing) = dataset.__getitems__([0, 1])
+    assert (label, missing) == (0, -2) and torch.equal(stand_in, image)
 
 
 def test_local_folders_work_too(tmp_path):

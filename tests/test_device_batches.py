@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from tasks.config import TrainingConfig
 from tasks.dataset import S3ImageFolder, eval_transform, open_rgb
-from tasks.device_batches import ToDevice, decode_on, encoded_collate
+from tasks.device_batches import EncodedBatch, ToDevice, decode_on, encoded_collate
 from tasks.training import autocast_dtype, batch_inputs, train_classifier
 from tests.image_folders import local_image_folder
 from tests.test_training import CTX, local_job
@@ -54,18 +54,22 @@ def test_encoded_batches_become_the_same_tensors_the_loader_makes(tmp_path):
 
     (decoded, labels), = [next(iter(loader(eval_transform(32))))]
     (encoded, encoded_labels), = [next(iter(loader(None, collate_fn=encoded_collate)))]
-    assert isinstance(encoded, list) and all(item.dtype == torch.uint8 and item.dim() == 1 for item in encoded)
-    on_device = ToDevice(torch.device("cpu"), channels_last=True, transform=eval_transform(32))(encoded)
-    assert torch.equal(labels, encoded_labels)
+    assert all(item.dtype == torch.uint8 and item.dim() == 1 for item in encoded.data)
+    assert encoded.positions.tolist() == [0, 1, 2, 3]
+    on_device, on_device_labels = ToDevice(torch.device("cpu"), channels_last=True,
+                                           transform=eval_transform(32))(encoded, encoded_labels)
+    assert torch.equal(labels, encoded_labels) and torch.equal(labels, on_device_labels)
     assert on_device.shape == decoded.shape == (4, 3, 32, 32)
     assert on_device.is_contiguous(memory_format=torch.channels_last)
     assert (on_device - decoded).abs().max() < 0.05  # normalised units: within the IDCT's rounding
 
 
 def test_decoded_batches_are_only_moved():
-    batch = torch.rand(2, 3, 8, 8)
-    assert torch.equal(ToDevice(torch.device("cpu"))(batch), batch)
-    assert ToDevice(torch.device("cpu"), channels_last=True)(batch).is_contiguous(memory_format=torch.channels_last)
+    batch, labels = torch.rand(2, 3, 8, 8), torch.tensor([0, 1])
+    moved, moved_labels = ToDevice(torch.device("cpu"))(batch, labels)
+    assert torch.equal(moved, batch) and torch.equal(moved_labels, labels)
+    moved, _ = ToDevice(torch.device("cpu"), channels_last=True)(batch, labels)
+    assert moved.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_cpu_ranks_train_in_full_precision_and_keep_the_default_layout():
@@ -88,9 +92,12 @@ def test_gpu_ranks_decode_with_nvjpeg_in_bfloat16_channels_last():
     assert autocast_dtype(TrainingConfig(amp_dtype="float16"), device, log) == torch.float16
     jpeg = torch.frombuffer(bytearray(image_bytes("RGB", "JPEG")), dtype=torch.uint8)
     train, _ = batch_inputs(TrainingConfig(decode_on="device", image_size=16), device)
-    batch = train([jpeg, jpeg])
-    assert batch.device.type == "cuda" and batch.shape == (2, 3, 16, 16)
+    # JPEG's magic and then no JPEG: the decoder refuses it, so it is left out and a copy of the first stands in.
+    corrupt = torch.frombuffer(bytearray(b"\xff\xd8\xff" + b"not a JPEG body" * 4), dtype=torch.uint8)
+    batch, labels = train(EncodedBatch([jpeg, jpeg, corrupt], torch.tensor([0, 1, 2])), torch.tensor([2, 0, 1]))
+    assert batch.device.type == "cuda" and batch.shape == (3, 3, 16, 16)
     assert batch.is_contiguous(memory_format=torch.channels_last)
+    assert labels.tolist() == [2, 0, -3] and torch.equal(batch[2], batch[0])
 
 
 def test_the_recipe_trains_with_images_decoded_on_the_rank(tmp_path):

@@ -25,10 +25,10 @@ def test_amp_training_step_on_cuda_updates_weights(amp_dtype):
     optimizer = build_optimizer(model, TrainingConfig(), world_size=1)
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
     inputs = ToDevice(device, channels_last=True)
-    loss_sum, correct, count = train_one_epoch(model, tiny_loader(), optimizer, scaler, inputs, amp_dtype)
-    assert count == 12 and torch.isfinite(torch.tensor(loss_sum))
+    sums = train_one_epoch(model, tiny_loader(), optimizer, scaler, inputs, amp_dtype)
+    assert sums.count == 12 and torch.isfinite(torch.tensor(sums.loss_sum))
     assert not torch.equal(before, model.fc.weight.detach())
-    assert evaluate(model, tiny_loader(), inputs)[2] == 12
+    assert evaluate(model, tiny_loader(), inputs).count == 12
 
 
 def test_the_same_loop_runs_on_cpu_without_amp():
@@ -36,5 +36,5 @@ def test_the_same_loop_runs_on_cpu_without_amp():
     model = build_model(ModelConfig(backbone="mobilenet_v3_small"), 3)
     optimizer = build_optimizer(model, TrainingConfig(optimizer="adamw", lr=1e-3), world_size=1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    _, _, count = train_one_epoch(model, tiny_loader(), optimizer, scaler, ToDevice(device), amp_dtype=None)
-    assert count == 12
+    sums = train_one_epoch(model, tiny_loader(), optimizer, scaler, ToDevice(device), amp_dtype=None)
+    assert sums.count == 12

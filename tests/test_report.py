@@ -31,7 +31,8 @@ def test_the_report_shows_curves_and_says_whether_the_model_was_promoted():
     summary = {"history": HISTORY, "final_val_acc": 0.75, "best_val_acc": 0.75, "best_epoch": 3,
                "selected_by": "highest val_acc", "train_size": 30, "val_size": 9, "world_size": 2,
                "ranks": [{"rank": 0, "worker_address": "tcp://a:1"}, {"rank": 1, "worker_address": "tcp://b:1"}],
-               "files": {"model.pt": "s3://b/out/run/model.pt"}}
+               "files": {"model.pt": "s3://b/out/run/model.pt"},
+               "unreadable": {"decode_check": 1, "in_training": 0, "keys": []}}
     manifest = Manifest(root="s3://b/images", classes=["a", "b", "c"], paths=["a/1.jpg"], labels=[0], sizes=[1])
     refused = Promotion(promoted=False, reason="best_val_acc 0.7500 is worse than 0.8000 of owl, which stays",
                         pointer_url="s3://b/out/nightly/latest.json", kept_url="s3://b/out/nightly/versions/owl-1")
@@ -43,6 +44,7 @@ def test_the_report_shows_curves_and_says_whether_the_model_was_promoted():
             "best_val_acc 0.7500 is worse than 0.8000 of owl") in report
     assert "| 3 | 0.3333 | 0.9 | 0.4 | 0.75 | 0.01 | 1.5 |" in report
     assert "Images trained per epoch: 28 of 30 training images." in report
+    assert "Unreadable images left out: 1 by decode-check, none during training." in report
     assert "outside a deployment" in promotion_markdown(None, None)
     assert "trials never promote on their own" in promotion_markdown(None, None, in_sweep=True)
 

@@ -112,7 +112,8 @@ def dataset(location: DataLocation, output: str, manifest: Manifest, index, rank
 def index_of(images: list[int]) -> ShardIndex:
     """The index of a shard set with these images per shard; its shards are never read."""
     return ShardIndex(key="k", split_digest="d", classes=CLASSES, images_per_shard=max(images), images=images,
-                      shards=[f"shard-{n:06d}.tar" for n in range(len(images))], bytes=[1] * len(images))
+                      shards=[f"shard-{n:06d}.tar" for n in range(len(images))], bytes=[1] * len(images),
+                      paths=[f"a/{n}.png" for n in range(sum(images))])
 
 
 def planned(dataset: ShardDataset, epoch: int) -> list[list[tuple[int, int]]]:
