@@ -52,8 +52,9 @@ def test_the_on_demand_deployment_runs_from_the_cli_with_nested_parameters(deplo
     report = next(a for a in artifacts if a.key == "training-report").data
     assert "![loss and accuracy per epoch](data:image/png;base64," in report
     # A run of the deployment keeps its model under the deployment's name.
-    kept = json.loads((tmp_path / "on-demand" / "latest" / "metrics.json").read_text())
-    assert kept["run"]["name"] == run.name and "**Promoted** to" in report
+    kept = json.loads((tmp_path / "on-demand" / "latest.json").read_text())
+    assert kept["run"]["name"] == run.name and "**Promoted**: " in report
+    assert kept["version"] == str(tmp_path / "on-demand" / "versions" / run_folder_name(run.name, str(run.id)))
     assert (tmp_path / run_folder_name(run.name, str(run.id)) / "model.pt").exists()
 
 
