@@ -70,12 +70,12 @@ def test_a_sweep_works_where_the_workers_cannot_reach_its_study(remote_disk_clus
                                storage=f"sqlite:///{study}"),
         data=DataConfig(block="test-images", index_cache_minutes=0),
         model=ModelConfig(backbone="mobilenet_v3_small"),
-        training=TrainingConfig(epochs=2, batch_size=4, image_size=32, num_workers=0),
+        training=TrainingConfig(epochs=1, batch_size=4, image_size=32, num_workers=0),
         cluster=ClusterConfig(address=remote_disk_cluster, init_timeout_s=60),
         output=OutputConfig(url=f"s3://{image_location.url.split('/')[2]}/sweep-outputs"),
     )
     trials = {row["trial"]: row for row in record["trials"]}
     assert [trials[n]["state"] for n in (0, 1)] == ["completed", "completed"], trials
-    assert all([p["epoch"] for p in row["curve"]] == [1, 2] for row in trials.values())
+    assert all([p["epoch"] for p in row["curve"]] == [1] for row in trials.values())  # every report reached it
     assert record["best"]["model_url"].startswith("s3://") and s3_fs.exists(record["best"]["model_url"])
     assert study.stat().st_size > 0
