@@ -63,7 +63,7 @@ def test_a_custom_run_from_the_form_completes_with_its_artifacts(ui, on_demand_i
     ui.open_flow_run(str(run.id))
     report = ui.open_artifact("training-report")
     expect(report).to_contain_text("Transfer learning report")
-    expect(report).to_contain_text("Promoted to")
+    expect(report).to_contain_text("now points to")
     curves = report.locator("img.markdown-renderer__image").first
     expect(curves).to_be_visible()
     assert curves.evaluate("img => img.naturalWidth") > 300  # the PNG decoded, not a broken icon
