@@ -3,13 +3,13 @@
 Readers, each behind a DataLoader (batch 32, the training's eval transform, no shuffle):
 - torchvision's ImageFolder on local disk: the baseline; every ratio is taken against it,
   measured in the same run on the same JPEGs;
-- our S3ImageFolder (tasks/dataset.py): one GET per image, a batch fetched concurrently;
+- our S3ImageFolder (tasks/data/dataset.py): one GET per image, a batch fetched concurrently;
 - dask-pytorch-ddp 0.2.2's S3ImageFolder: a new boto3 resource, a HEAD and a GET per image
   (DESIGN 5). It is installed into bench/.cache on first use, never into the project's
   environment; where it cannot be installed its rows are skipped and the output says why;
-- our S3ImageFolder with the byte cache (tasks/byte_cache.py, `training.cache_gb`), filled
+- our S3ImageFolder with the byte cache (tasks/data/byte_cache.py, `training.cache_gb`), filled
   by an epoch before the timing: the epochs after the first, which send no GET;
-- our ShardDataset (tasks/shards.py, `training.images_per_shard`): tar shards written once
+- our ShardDataset (tasks/data/shard_writer.py and shard_reader.py, `training.images_per_shard`): tar shards written once
   (before the servers start, as the flow's write-shards step would), each read with one GET.
   The last two run through the latency front only: they are about later epochs and latency.
 
@@ -17,7 +17,7 @@ The S3 readers read through moto on loopback and through bench.s3_front, which w
 30 ms (`--latency-ms`) before each response, as real S3 takes tens of milliseconds, and
 which, unlike moto, does not cap near 250 GETs/s (DESIGN 8). Two image sets: 64 px
 shapes and photo-sized 500x375 JPEGs. DataLoader workers: 0 and 2, forked and persistent
-as tasks/training.py makes them.
+as tasks/training/recipe.py makes them.
 
 Each measurement starts with a warm-up epoch of one batch per worker (it forks the workers
 and creates the S3 clients), then times `--repeats` epochs and keeps the fastest. CPU time
@@ -57,13 +57,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.datasets import ImageFolder
 
 from bench.s3_endpoints import S3Endpoint, latency_endpoint, moto_endpoint
-from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
-from deployments.sample_data import CLASSES, draw_shape, shapes_dataset
-from tasks.byte_cache import ByteCache
-from tasks.config import TrainingConfig
-from tasks.dataset import S3ImageFolder, eval_transform, forked_workers
-from tasks.manifest import Manifest
-from tasks.shards import ShardDataset, ShardIndex, ShardLoader, write_shards
+from prefect_ddp.deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
+from prefect_ddp.deployments.sample_data import CLASSES, draw_shape, shapes_dataset
+from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.byte_cache import ByteCache
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader
+from prefect_ddp.tasks.data.shard_writer import ShardIndex, write_shards
 
 BUCKET = "bench"
 BATCH_SIZE = 32
@@ -156,7 +157,7 @@ def read_cached(source: Source, fetch_threads: int, cache_folder: Path) -> S3Ima
 
     Filled from the files the server serves, not by fetching: a fetch here would start
     obstore in this process, and the DataLoader workers forked after it would read with s3fs
-    (obstore does not survive fork, tasks.storage.fetch_objects).
+    (obstore does not survive fork, prefect_ddp.tasks.data.object_reads.fetch_objects).
     """
     dataset = read_ours(source, fetch_threads, ByteCache(10**12, cache_folder / source.prefix))
     for key, size in zip(dataset.keys, dataset.sizes):

@@ -5,9 +5,9 @@ in the same run:
 - synthetic: random tensors already on the device, the ceiling;
 - S3, decoded on the CPU: S3ImageFolder through bench.s3_front (30 ms per response) with
   the recipe's train transform in forked DataLoader workers, pinned memory and
-  non-blocking copies, as tasks/training.py makes them;
+  non-blocking copies, as tasks/training/recipe.py makes them;
 - S3, decoded on the device: the loader hands over encoded JPEGs and the rank decodes and
-  augments them on the device (`training.decode_on="device"`, tasks/device_batches.py).
+  augments them on the device (`training.decode_on="device"`, tasks/data/device_batches.py).
 
 It prints images/s of each and the ratio of each S3 row to the synthetic one (target:
 at least 0.9). Written for the lent GPU machine; `--device cpu` with a small model and
@@ -35,13 +35,20 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from bench.data_path import BUCKET, Source, machine, photo_dataset, read_ours, write_files
+from bench.data_path import (
+    BUCKET,
+    Source,
+    machine,
+    photo_dataset,
+    read_ours,
+    write_files,
+)
 from bench.s3_endpoints import latency_endpoint
-from tasks.config import ModelConfig, TrainingConfig
-from tasks.dataset import forked_workers, train_transform
-from tasks.device_batches import ToDevice, encoded_collate
-from tasks.model import build_model
-from tasks.training import autocast_dtype, build_optimizer
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
+from prefect_ddp.tasks.data.dataset import forked_workers, train_transform
+from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
+from prefect_ddp.tasks.training.model import build_model
+from prefect_ddp.tasks.training.recipe import autocast_dtype, build_optimizer
 
 IMAGE_SIZE = 224
 CLASSES = 3

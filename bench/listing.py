@@ -6,7 +6,7 @@ starts a moto S3 server on loopback holding `<prefix>/<class>/<image>.jpg` keys 
 in moto's process, bench/seeded_moto.py), then times, alternately:
 
 - sequential: today's listing before issue 12, one `fs.find(root)`;
-- per class (list_folder): `tasks.indexing.list_folder`, one delimiter listing of the
+- per class (list_folder): `prefect_ddp.tasks.data.indexing.list_folder`, one delimiter listing of the
   first level, then the class folders concurrently;
 - per class, one at a time: the same listings in a row. moto scans and sorts every
   matching key for each page it serves, so smaller prefixes are cheaper for moto itself;
@@ -38,11 +38,15 @@ from typing import Any, TypeVar
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
-from blocks.data_location import DataLocation
-from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, child_process
-from tasks.gang import free_port
-from tasks.indexing import find_per_folder, list_folder, relative_sizes
-from tasks.storage import filesystem
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.deployments.local_services import (
+    MOTO_CREDENTIALS,
+    MOTO_REGION,
+    child_process,
+)
+from prefect_ddp.tasks.data.indexing import find_per_folder, list_folder, relative_sizes
+from prefect_ddp.tasks.data.storage import filesystem
+from prefect_ddp.tasks.gang import free_port
 
 BUCKET = "listing-bench"
 PREFIX = "images"

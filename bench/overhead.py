@@ -38,10 +38,9 @@ from prefect import flow
 from prefect_dask import DaskTaskRunner
 
 from bench.overhead_rank import RankTimes, TrainConfig, gang_rank
-from blocks.cluster import create_local_cluster
-from deployments.local_services import prefect_server
-from tasks.gang import run_gang
-from tasks.gang.run import current_dask_runner
+from prefect_ddp.blocks.cluster import create_local_cluster
+from prefect_ddp.deployments.local_services import prefect_server
+from prefect_ddp.tasks.gang import current_dask_runner, run_gang
 
 WORLD_SIZE = 2
 REPO = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchvision.models import resnet18
 
-from tasks.process_group import process_group
+from prefect_ddp.tasks.gang import process_group
 
 
 @dataclass(frozen=True)

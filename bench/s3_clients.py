@@ -6,7 +6,7 @@ leaves the client to measurement. Each client here fetches the same objects the 
 dataset would: a batch of `--batch` keys, all in flight at once, one GET per object, whole
 objects only. The contenders:
 
-- **s3fs**: the project's way, `tasks.storage.fetch_objects` on an s3fs built with
+- **s3fs**: the project's way, `prefect_ddp.tasks.data.object_reads.fetch_objects` on an s3fs built with
   `object_read_options` (no HEAD, connection pool sized to the batch);
 - **obstore async**: `obstore.get_async` + `bytes_async` for every key, gathered on one
   event loop (its Rust client, reqwest on tokio, does the HTTP and signing);
@@ -56,13 +56,34 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from bench.data_path import CACHE, PIP_TIMEOUT_S, Measurement, boto_environment, cpu_now, machine, write_files
+from bench.data_path import (
+    CACHE,
+    PIP_TIMEOUT_S,
+    Measurement,
+    boto_environment,
+    cpu_now,
+    machine,
+    write_files,
+)
 from bench.s3_endpoints import S3Endpoint, child_running, front_counts, moto_endpoint
-from bench.s3_front import REASONS, STATS_PATH, Front, StoredObject, load_objects, response, serve
-from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, child_process
-from deployments.sample_data import shapes_dataset
-from tasks.gang import free_port
-from tasks.storage import fetch_objects, filesystem, object_read_options
+from bench.s3_front import (
+    REASONS,
+    STATS_PATH,
+    Front,
+    StoredObject,
+    load_objects,
+    response,
+    serve,
+)
+from prefect_ddp.deployments.local_services import (
+    MOTO_CREDENTIALS,
+    MOTO_REGION,
+    child_process,
+)
+from prefect_ddp.deployments.sample_data import shapes_dataset
+from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
+from prefect_ddp.tasks.data.storage import filesystem
+from prefect_ddp.tasks.gang import free_port
 
 BUCKET = "bench"
 REQUIREMENTS = ["obstore==0.12.1", "s3torchconnector==1.5.0", "s3torchconnectorclient==1.5.0"]

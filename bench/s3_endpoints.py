@@ -23,8 +23,14 @@ import boto3
 import psutil
 
 from bench.s3_front import STATS_PATH, request_kind
-from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, child_process, create_bucket, moto_s3_server
-from tasks.gang import free_port
+from prefect_ddp.deployments.local_services import (
+    MOTO_CREDENTIALS,
+    MOTO_REGION,
+    child_process,
+    create_bucket,
+    moto_s3_server,
+)
+from prefect_ddp.tasks.gang import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # werkzeug's access log line, e.g. `"GET /bench/small/a.jpg HTTP/1.1" 200 -`

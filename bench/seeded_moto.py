@@ -16,7 +16,7 @@ from moto.core import DEFAULT_ACCOUNT_ID
 from moto.s3.models import s3_backends
 from moto.server import main as serve
 
-from deployments.local_services import MOTO_REGION
+from prefect_ddp.deployments.local_services import MOTO_REGION
 
 # A few bytes stand in for a JPEG: listings carry keys and sizes, never contents.
 OBJECT_BYTES = b"\xff\xd8\xff\xe0tiny"

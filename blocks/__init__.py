@@ -1,7 +1,11 @@
-"""Prefect blocks: where data lives, which Dask cluster runs the ranks, where sweeps keep studies."""
+"""Prefect blocks: where data lives, which Dask cluster runs the ranks, where sweeps keep studies.
 
-from blocks.cluster import DaskCluster
-from blocks.data_location import DataLocation
-from blocks.study_storage import StudyStorage
+This folder is installed as `prefect_ddp.blocks` (pyproject's package-dir): import it by
+that name.
+"""
+
+from prefect_ddp.blocks.cluster import DaskCluster
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.blocks.study_storage import StudyStorage
 
 __all__ = ["DaskCluster", "DataLocation", "StudyStorage"]

@@ -42,7 +42,7 @@ from prefect.blocks.core import Block
 from prefect_dask import DaskTaskRunner
 from pydantic import Field
 
-from tasks.gang.worker_checks import flow_api_url
+from prefect_ddp.tasks.reporting import flow_api_url
 
 TRAINING_DASK_CONFIG = {
     "distributed.worker.daemon": False,

@@ -15,59 +15,16 @@ into plain text inside `storage_options()`, on the process that opens the connec
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect.blocks.core import Block
-from pydantic import Field, SecretStr
+
+from prefect_ddp.tasks.location import Location
 
 
-class DataLocation(Block):
+class DataLocation(Block, Location):
     """An fsspec URL and the settings to open it (S3 endpoint, region, credentials)."""
 
     _block_type_name = "Data Location"
     _block_type_slug = "data-location"
     _description = "An S3 prefix or local folder, with endpoint, region and credentials."
-
-    url: str = Field(
-        "", description="s3://bucket/prefix, file:///path or a local path."
-    )
-    endpoint_url: str | None = Field(
-        None, description="S3-compatible endpoint (MinIO, Ceph, moto); empty for AWS."
-    )
-    region_name: str | None = Field(None, description="AWS region, e.g. us-east-1.")
-    anonymous: bool = Field(False, description="Read a public bucket without credentials.")
-    aws_access_key_id: str | None = Field(
-        None, description="Empty: boto's default chain (env, ~/.aws, instance role)."
-    )
-    aws_secret_access_key: SecretStr | None = None
-    aws_session_token: SecretStr | None = None
-    max_attempts: int | None = Field(
-        None,
-        ge=1,
-        le=20,
-        description="Attempts per S3 request, the first included (botocore's "
-        "retries.total_max_attempts); empty keeps botocore's default. Lower it to fail faster.",
-    )
-
-    def with_url(self, url: str | None) -> DataLocation:
-        """This location's connection settings pointed at another url (when one is given)."""
-        return self.model_copy(update={"url": url}) if url else self
-
-    def storage_options(self) -> dict[str, Any]:
-        """fsspec keyword arguments for `url`; holds the plain secret, so never log it."""
-        if not self.url.startswith(("s3://", "s3a://")):
-            return {}
-        options: dict[str, Any] = {"anon": self.anonymous}
-        if self.endpoint_url:
-            options["endpoint_url"] = self.endpoint_url
-        if self.region_name:
-            options["client_kwargs"] = {"region_name": self.region_name}
-        if self.max_attempts:
-            options["config_kwargs"] = {"retries": {"total_max_attempts": self.max_attempts}}
-        if self.aws_access_key_id and not self.anonymous:
-            options["key"] = self.aws_access_key_id
-            if self.aws_secret_access_key:
-                options["secret"] = self.aws_secret_access_key.get_secret_value()
-            if self.aws_session_token:
-                options["token"] = self.aws_session_token.get_secret_value()
-        return options
+    # The fields and storage_options() are Location's (prefect_ddp.tasks.location): the flow
+    # hands the ranks `block.plain()`, never the block.

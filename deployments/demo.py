@@ -1,6 +1,6 @@
 """The demo: the whole transfer-learning flow on this machine, through the real S3 path.
 
-    python -m deployments.demo
+    python -m prefect_ddp.deployments.demo
 
 It generates a small image folder of real JPEGs, serves it from moto's S3 server on
 127.0.0.1, and runs `transfer-learning` against a local Prefect server (SQLite in
@@ -21,17 +21,17 @@ import s3fs
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from blocks.data_location import DataLocation
-from deployments.local_services import (
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.deployments.local_services import (
     MOTO_CREDENTIALS,
     MOTO_REGION,
     create_bucket,
     moto_s3_server,
     prefect_server,
 )
-from deployments.sample_data import shapes_dataset
-from flows.transfer_learning import transfer_learning
-from tasks.config import (
+from prefect_ddp.deployments.sample_data import shapes_dataset
+from prefect_ddp.flows.transfer_learning import transfer_learning
+from prefect_ddp.tasks.config import (
     ClusterConfig,
     DataConfig,
     ModelConfig,

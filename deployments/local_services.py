@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tasks.gang import free_port
+from prefect_ddp.tasks.gang import free_port
 
 MOTO_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 MOTO_REGION = "us-east-1"

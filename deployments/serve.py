@@ -1,6 +1,6 @@
 """The laptop path: serve the flows against a local Prefect server, then press Run in the UI.
 
-    python -m deployments.serve
+    python -m prefect_ddp.deployments.serve
 
 No work pool and no worker: `prefect.serve` polls for runs of its deployments and runs
 each in a child process. This starts `prefect server start` on 127.0.0.1:4200 (another
@@ -26,13 +26,19 @@ from pathlib import Path
 
 from prefect import serve
 from prefect.client.orchestration import get_client
+from prefect.deployments.runner import EntrypointType
 from prefect.exceptions import ObjectNotFound
 
-from deployments.demo import demo_parameters, parse_demo_args, serve_demo_images, use_prefect_server
-from deployments.local_services import running
-from flows.sweep import hyperparameter_sweep
-from flows.transfer_learning import transfer_learning
-from tasks.gang import free_port
+from prefect_ddp.deployments.demo import (
+    demo_parameters,
+    parse_demo_args,
+    serve_demo_images,
+    use_prefect_server,
+)
+from prefect_ddp.deployments.local_services import running
+from prefect_ddp.flows.sweep import hyperparameter_sweep
+from prefect_ddp.flows.transfer_learning import transfer_learning
+from prefect_ddp.tasks.gang import free_port
 
 UI_PORT = 4200
 DEPLOYMENT = "laptop"
@@ -55,13 +61,14 @@ def main(argv: list[str] | None = None) -> None:
         serve_demo_images(stack, logs, args.per_class)
         parameters = {name: config.model_dump(exclude_defaults=True)
                       for name, config in demo_parameters(args.epochs, os.path.abspath(args.output)).items()}
+        # By module path, not file path: the flows are found wherever prefect_ddp is installed.
         deployment = transfer_learning.to_deployment(
-            name=DEPLOYMENT, parameters=parameters,
+            name=DEPLOYMENT, parameters=parameters, entrypoint_type=EntrypointType.MODULE_PATH,
             description="Trains on the demo images (block demo-images) in about a minute. "
             "Press Run, or Custom run to change the form.",
         )
         sweep = hyperparameter_sweep.to_deployment(
-            name=f"{DEPLOYMENT}-sweep", parameters=parameters | {"space": LAPTOP_SPACE, "settings": {
+            name=f"{DEPLOYMENT}-sweep", entrypoint_type=EntrypointType.MODULE_PATH, parameters=parameters | {"space": LAPTOP_SPACE, "settings": {
                 "name": "laptop-sweep", "n_trials": 4, "concurrency": 2}},
             description="Four trials over lr and batch size on the demo images, two at a time.",
         )
@@ -73,10 +80,10 @@ def main(argv: list[str] | None = None) -> None:
 
 @contextmanager
 def serving(api_url: str, log: Path, *args: str, timeout_s: float = 180) -> Iterator[str]:
-    """`python -m deployments.serve ARGS` in a child process against `api_url`; yields the
+    """`python -m prefect_ddp.deployments.serve ARGS` in a child process against `api_url`; yields the
     served deployment's id once it is registered, and stops the process at the end."""
     env = dict(os.environ, PREFECT_API_URL=api_url, PYTHONUNBUFFERED="1")
-    with running([sys.executable, "-m", "deployments.serve", *args], log, env) as process:
+    with running([sys.executable, "-m", "prefect_ddp.deployments.serve", *args], log, env) as process:
         yield wait_for_deployment(f"transfer-learning/{DEPLOYMENT}", process, log, timeout_s)
 
 
@@ -85,7 +92,7 @@ def wait_for_deployment(name: str, process: subprocess.Popen, log: Path, timeout
     with get_client(sync_client=True) as api:
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"deployments.serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"prefect_ddp.deployments.serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
             try:
                 return str(api.read_deployment_by_name(name).id)
             except ObjectNotFound:

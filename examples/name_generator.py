@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import prefect_ddp
-from blocks.cluster import DaskCluster
+from prefect_ddp.blocks.cluster import DaskCluster
 
 NAMES_FILE = Path(__file__).with_name("names.txt")
 PAD, END = " ", "*"  # PAD fills a short prefix on the left; END follows the last letter

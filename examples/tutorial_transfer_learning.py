@@ -55,9 +55,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 import prefect_ddp
-from blocks.cluster import DaskCluster
-from tasks.dataset import train_transform
-from tasks.indexing import build_manifest
+from prefect_ddp.blocks.cluster import DaskCluster
+from prefect_ddp.tasks.data.dataset import train_transform
+from prefect_ddp.tasks.data.indexing import build_manifest
 
 
 def list_image_folder(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:

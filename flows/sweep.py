@@ -16,15 +16,35 @@ from prefect import flow
 from prefect.runtime import deployment
 from prefect.states import State
 
-from blocks.data_location import DataLocation
-from flows.transfer_learning import cluster_runner, data_location, output_base, transfer_learning
-from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig, with_overrides
-from tasks.gang.trial import TrialLink, training_trial
-from tasks.promotion import POINTER, Promotion, kept_location, promote, read_pointer
-from tasks.search_space import Dimension, with_params
-from tasks.storage import child_url, read_json
-from tasks.sweep import SweepSettings, open_study, run_trials, study_storage, trial_run_name
-from tasks.sweep_report import publish_sweep_report
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.flows.transfer_learning import (
+    cluster_runner,
+    data_location,
+    output_base,
+    transfer_learning,
+)
+from prefect_ddp.tasks.config import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    TrainingConfig,
+    with_overrides,
+)
+from prefect_ddp.tasks.data.storage import read_json
+from prefect_ddp.tasks.gang import TrialLink, training_trial
+from prefect_ddp.tasks.results.promotion import (
+    POINTER,
+    Promotion,
+    kept_location,
+    promote,
+    read_pointer,
+)
+from prefect_ddp.tasks.sweeps.search_space import Dimension, with_params
+from prefect_ddp.tasks.sweeps.settings import SweepSettings
+from prefect_ddp.tasks.sweeps.sweep import open_study, run_trials, study_storage, trial_run_name
+from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
+from prefect_ddp.tasks.urls import child_url
 
 DESCRIPTION = (
     "Train many transfer-learning models at once on one Dask cluster, drawn by Optuna from a "

@@ -15,9 +15,9 @@ shortcuts (`data_url`, `epochs`, `lr`, ...) change one nested field from the CLI
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -26,11 +26,10 @@ from prefect.runtime import deployment, flow_run
 from prefect.states import Completed, State
 from prefect_dask import DaskTaskRunner
 
-from blocks.cluster import DaskCluster
-from blocks.data_location import DataLocation
-from blocks.saved import load_block
-from tasks.aggregation import aggregate
-from tasks.config import (
+from prefect_ddp.blocks.cluster import DaskCluster
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.blocks.saved import load_block
+from prefect_ddp.tasks.config import (
     BackboneChoice,
     BatchSize,
     ClusterConfig,
@@ -44,20 +43,24 @@ from tasks.config import (
     TrainingConfig,
     with_overrides,
 )
-from tasks.gang import run_gang
-from tasks.gang.plan import cluster_workers
-from tasks.gang.trial import current_trial
-from tasks.indexing import index_images
-from tasks.model import check_starting_weights
-from tasks.promotion import WarmStart, find_warm_start, kept_location, promote
-from tasks.report import publish_report
-from tasks.shards import write_train_shards
-from tasks.splitting import split_dataset
-from tasks.run_folder import claim_run_folder, run_folder_name
-from tasks.storage import absolute_url, child_url
-from tasks.training import TrainJob, train_classifier
-from tasks.unreadable import UnreadableLimit
-from tasks.validation import validate_dataset, validate_source
+from prefect_ddp.tasks.data.indexing import index_images
+from prefect_ddp.tasks.data.shard_writer import write_train_shards
+from prefect_ddp.tasks.data.splitting import split_dataset
+from prefect_ddp.tasks.data.validation import validate_dataset, validate_source
+from prefect_ddp.tasks.gang import cluster_workers, current_trial, run_gang
+from prefect_ddp.tasks.results.aggregation import aggregate
+from prefect_ddp.tasks.results.promotion import (
+    WarmStart,
+    find_warm_start,
+    kept_location,
+    promote,
+)
+from prefect_ddp.tasks.results.report import publish_report
+from prefect_ddp.tasks.results.run_folder import claim_run_folder, run_folder_name
+from prefect_ddp.tasks.training.model import check_starting_weights
+from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
+from prefect_ddp.tasks.training.unreadable import UnreadableLimit
+from prefect_ddp.tasks.urls import absolute_url, child_url
 
 
 def data_location(data: DataConfig) -> DataLocation:

@@ -1,45 +1,56 @@
 """prefect-ddp's public API in one import: the DDP gang, sweeps, the flows and the blocks.
 
-    from prefect_ddp import RankContext, run_gang, sweep
+    from prefect_ddp import RankContext, run_gang, sweep, load_model
 
-Everything here is what users build on; the modules under `tasks`, `flows` and `blocks`
-may change shape between releases, these names will not.
+Everything here is what users build on; the modules under `prefect_ddp.tasks`,
+`prefect_ddp.flows` and `prefect_ddp.blocks` may change shape between releases, these
+names will not. They are imported on first use (PEP 562), so that a Dask worker that
+unpickles one gang function does not also import the flows, Optuna and matplotlib.
 """
 
-from blocks.cluster import DaskCluster
-from blocks.data_location import DataLocation
-from blocks.study_storage import StudyStorage
-from flows.sweep import hyperparameter_sweep
-from flows.transfer_learning import transfer_learning
-from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
-from tasks.dataset import S3ImageFolder
-from tasks.gang import GangAttempt, GangError, GangRefused, GangResults, GangStopped, GangTimeout, RankContext, run_gang
-from tasks.process_group import all_reduce_sum
-from tasks.search_space import Dimension
-from tasks.sweep import SweepSettings, sweep
+from __future__ import annotations
 
-__all__ = [
-    "ClusterConfig",
-    "DaskCluster",
-    "DataConfig",
-    "DataLocation",
-    "Dimension",
-    "GangAttempt",
-    "GangError",
-    "GangRefused",
-    "GangResults",
-    "GangStopped",
-    "GangTimeout",
-    "ModelConfig",
-    "OutputConfig",
-    "RankContext",
-    "S3ImageFolder",
-    "StudyStorage",
-    "SweepSettings",
-    "TrainingConfig",
-    "all_reduce_sum",
-    "hyperparameter_sweep",
-    "run_gang",
-    "sweep",
-    "transfer_learning",
-]
+import importlib
+from typing import Any
+
+# public name -> the module that defines it
+_HOMES = {
+    "DaskCluster": "prefect_ddp.blocks.cluster",
+    "DataLocation": "prefect_ddp.blocks.data_location",
+    "StudyStorage": "prefect_ddp.blocks.study_storage",
+    "hyperparameter_sweep": "prefect_ddp.flows.sweep",
+    "transfer_learning": "prefect_ddp.flows.transfer_learning",
+    "ClusterConfig": "prefect_ddp.tasks.config",
+    "DataConfig": "prefect_ddp.tasks.config",
+    "ModelConfig": "prefect_ddp.tasks.config",
+    "OutputConfig": "prefect_ddp.tasks.config",
+    "TrainingConfig": "prefect_ddp.tasks.config",
+    "S3ImageFolder": "prefect_ddp.tasks.data.dataset",
+    "GangAttempt": "prefect_ddp.tasks.gang",
+    "GangError": "prefect_ddp.tasks.gang",
+    "GangRefused": "prefect_ddp.tasks.gang",
+    "GangResults": "prefect_ddp.tasks.gang",
+    "GangStopped": "prefect_ddp.tasks.gang",
+    "GangTimeout": "prefect_ddp.tasks.gang",
+    "RankContext": "prefect_ddp.tasks.gang",
+    "run_gang": "prefect_ddp.tasks.gang",
+    "all_reduce_sum": "prefect_ddp.tasks.gang",
+    "load_model": "prefect_ddp.tasks.training.model",
+    "Dimension": "prefect_ddp.tasks.sweeps.search_space",
+    "SweepSettings": "prefect_ddp.tasks.sweeps.settings",
+    "sweep": "prefect_ddp.tasks.sweeps.sweep",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'prefect_ddp' has no attribute {name!r}; its public names: {', '.join(__all__)}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -224,7 +224,7 @@ def shortcut(model: type[BaseModel], field: str) -> Any:
     """
     info = model.model_fields[field]
     optional = Optional[info.annotation]
-    return Annotated[optional, *info.metadata] if info.metadata else optional
+    return Annotated[(optional, *info.metadata)] if info.metadata else optional
 
 
 def with_overrides(config: M, **values: Any) -> M:

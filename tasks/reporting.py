@@ -1,9 +1,9 @@
-"""Small formatting helpers shared by the artifacts of every step."""
+"""Small helpers shared by the artifacts and logs of every step, and the Prefect API this process reports to."""
 
 from __future__ import annotations
 
-import html
 import contextvars
+import html
 import logging
 import threading
 from typing import Any
@@ -102,3 +102,13 @@ class BackgroundPublisher:
                 self._context.run(call)
             except Exception as exc:  # the API being away must not cost the training run
                 self.log.warning("Could not update training progress in Prefect: %s", exc)
+
+
+def flow_api_url() -> str:
+    """The Prefect API this process records runs on, also when it is a temporary server."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    # Without a configured URL the client's is the temporary server's, which Prefect
+    # starts once per process and reuses.
+    return (PREFECT_API_URL.value() or str(get_client(sync_client=True).api_url)).rstrip("/")

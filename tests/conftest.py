@@ -18,15 +18,15 @@ import pytest
 import s3fs
 from PIL import Image
 
-from blocks.data_location import DataLocation
-from deployments.local_services import (
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.deployments.local_services import (
     MOTO_CREDENTIALS,
     MOTO_REGION,
     create_bucket,
     moto_s3_server,
     prefect_server,
 )
-from deployments.sample_data import shapes_dataset
+from prefect_ddp.deployments.sample_data import shapes_dataset
 
 BUCKET = "test-images"
 PER_CLASS = 10
@@ -101,7 +101,7 @@ def image_location(s3_endpoint: str, s3_fs: s3fs.S3FileSystem) -> DataLocation:
 @pytest.fixture(scope="session")
 def dask_cluster(prefect_api: str):
     """2 worker processes, set up the way the project's own clusters are."""
-    from blocks.cluster import create_local_cluster
+    from prefect_ddp.blocks.cluster import create_local_cluster
 
     cluster = create_local_cluster(n_workers=2)
     yield cluster

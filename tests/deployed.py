@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from deployments.local_services import running
+from prefect_ddp.deployments.local_services import running
 
 REPO = Path(__file__).resolve().parent.parent
 POOL = "ddp-pool"

@@ -8,9 +8,15 @@ from typing import Any
 
 from prefect.states import State
 
-from blocks.data_location import DataLocation
-from flows.transfer_learning import transfer_learning
-from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.flows.transfer_learning import transfer_learning
+from prefect_ddp.tasks.config import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    TrainingConfig,
+)
 from tests.api_helpers import assert_no_task_run_left_running
 
 TINY_TRAINING = {"epochs": 1, "batch_size": 4, "image_size": 32, "num_workers": 0}

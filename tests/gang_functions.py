@@ -17,9 +17,9 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect_dask import DaskTaskRunner
 
-from tasks.gang import GangStopped, RankContext, run_gang
-from tasks.process_group import all_reduce_sum
-from tasks.sweep import SweepSettings, sweep
+from prefect_ddp.tasks.gang import GangStopped, RankContext, all_reduce_sum, run_gang
+from prefect_ddp.tasks.sweeps.settings import SweepSettings
+from prefect_ddp.tasks.sweeps.sweep import sweep
 
 
 def report_rank(ctx: RankContext, config: dict) -> dict:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deployments.sample_data import shapes_dataset
-from tasks.indexing import build_manifest
-from tasks.manifest import Manifest
+from prefect_ddp.deployments.sample_data import shapes_dataset
+from prefect_ddp.tasks.data.indexing import build_manifest
+from prefect_ddp.tasks.data.manifest import Manifest
 
 
 def local_image_folder(root: Path, per_class: int, size: int = 32) -> Manifest:

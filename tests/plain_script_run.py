@@ -15,8 +15,13 @@ import sys
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from flows.transfer_learning import transfer_learning
-from tasks.config import ClusterConfig, DataConfig, OutputConfig, TrainingConfig
+from prefect_ddp.flows.transfer_learning import transfer_learning
+from prefect_ddp.tasks.config import (
+    ClusterConfig,
+    DataConfig,
+    OutputConfig,
+    TrainingConfig,
+)
 from tests.api_helpers import rank_task_runs
 
 

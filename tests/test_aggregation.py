@@ -1,7 +1,7 @@
 import pytest
 
-from tasks.aggregation import global_history, summarize
-from tasks.splitting import Split
+from prefect_ddp.tasks.data.splitting import Split
+from prefect_ddp.tasks.results.aggregation import global_history, summarize
 
 
 def history(*val_accs):

@@ -20,14 +20,24 @@ import pytest
 from PIL import Image
 from prefect.states import State
 
-from blocks.data_location import DataLocation
-from deployments.local_services import child_process, create_bucket
-from flows.transfer_learning import transfer_learning
-from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
-from tasks.dataset import S3ImageFolder, eval_transform, open_rgb
-from tasks.gang import free_port
-from tasks.manifest import Manifest
-from tasks.validation import DecodeResult, check_unreadable, decode_check
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.deployments.local_services import child_process, create_bucket
+from prefect_ddp.flows.transfer_learning import transfer_learning
+from prefect_ddp.tasks.config import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    TrainingConfig,
+)
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, open_rgb
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.validation import (
+    DecodeResult,
+    check_unreadable,
+    decode_check,
+)
+from prefect_ddp.tasks.gang import free_port
 from tests.api_helpers import assert_no_task_run_left_running
 from tests.conftest import truncated_jpeg
 from tests.flow_runs import block_copy

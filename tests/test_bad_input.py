@@ -12,8 +12,8 @@ import torchvision
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-from blocks.data_location import DataLocation
-from tasks.run_folder import OutputNotWritable
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.results.run_folder import OutputNotWritable
 from tests.api_helpers import assert_no_task_run_left_running
 from tests.flow_runs import assert_failed_cleanly, run_tiny_flow, snapshot
 

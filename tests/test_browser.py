@@ -6,7 +6,13 @@ import pytest
 from playwright.sync_api import expect
 from prefect.client.orchestration import get_client
 
-from deployments.browser import HOW_TO_GET_CHROMIUM, chromium_path, flow_run_by_name, prefect_ui, wait_for_final_state
+from tests.support.browser import (
+    HOW_TO_GET_CHROMIUM,
+    chromium_path,
+    flow_run_by_name,
+    prefect_ui,
+    wait_for_final_state,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from blocks.data_location import DataLocation
-from tasks.byte_cache import LEDGER, ByteCache, default_folder
-from tasks.dataset import S3ImageFolder, eval_transform, forget_parent_exit_hooks, forked_workers
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.data.byte_cache import LEDGER, ByteCache, default_folder
+from prefect_ddp.tasks.data.dataset import (
+    S3ImageFolder,
+    eval_transform,
+    forget_parent_exit_hooks,
+    forked_workers,
+)
 from tests.faulty_s3 import FaultyS3, faulty_s3
 from tests.flow_runs import block_copy
 
@@ -179,7 +184,7 @@ def test_a_read_only_folder_serves_what_it_holds_and_adds_nothing(cache_folder, 
     ByteCache(BUDGET, cache_folder).put("s3://b/kept.jpg", 4, b"kept")
     make_read_only(cache_folder)
     cache = ByteCache(BUDGET, cache_folder)
-    with caplog.at_level(logging.WARNING, logger="tasks.byte_cache"):
+    with caplog.at_level(logging.WARNING, logger="prefect_ddp.tasks.data.byte_cache"):
         assert cache.get("s3://b/kept.jpg", 4) == b"kept"
         assert cache.put("s3://b/new.jpg", 3, b"new") is False
         assert cache.put("s3://b/other.jpg", 5, b"other") is False
@@ -195,7 +200,7 @@ def test_a_full_disk_ends_adding_without_a_failure_or_a_partial_file(tmp_path, c
         pytest.skip("Filling a disk needs a tiny tmpfs, and only root can mount one.")
     images = {f"s3://b/{n}.jpg": bytes([n]) * 8_000 for n in range(20)}  # 160 kB into 64 kB
     with tmpfs(tmp_path / "cache", "size=64k,mode=0700") as folder, \
-            caplog.at_level(logging.WARNING, logger="tasks.byte_cache"):
+            caplog.at_level(logging.WARNING, logger="prefect_ddp.tasks.data.byte_cache"):
         cache = ByteCache(10**6, folder)
         kept = [cache.put(url, len(data), data) for url, data in images.items()]
         assert True in kept and kept[-1] is False
@@ -226,7 +231,7 @@ def test_a_folder_others_can_write_to_is_not_used(tmp_path, caplog, mode):
     ByteCache(BUDGET, folder).put("s3://b/a.jpg", 7, b"planted")  # as another user could have
     folder.chmod(mode)
     cache = ByteCache(BUDGET, folder)
-    with caplog.at_level(logging.WARNING, logger="tasks.byte_cache"):
+    with caplog.at_level(logging.WARNING, logger="prefect_ddp.tasks.data.byte_cache"):
         assert cache.get("s3://b/a.jpg", 7) is None
         assert cache.put("s3://b/b.jpg", 1, b"b") is False
     assert cache.bytes_on_disk() == 7
@@ -241,7 +246,7 @@ def test_a_folder_of_another_user_is_not_used(tmp_path, caplog):
     ByteCache(BUDGET, folder).put("s3://b/a.jpg", 7, b"planted")
     os.chown(folder, 65534, 65534)
     cache = ByteCache(BUDGET, folder)
-    with caplog.at_level(logging.WARNING, logger="tasks.byte_cache"):
+    with caplog.at_level(logging.WARNING, logger="prefect_ddp.tasks.data.byte_cache"):
         assert cache.get("s3://b/a.jpg", 7) is None
         assert cache.put("s3://b/b.jpg", 1, b"b") is False
     assert re.search(rf"{re.escape(str(folder))} is owned by uid 65534 .*set PREFECT_DDP_CACHE_DIR", caplog.text)

@@ -2,10 +2,11 @@ import dask
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from blocks.cluster import TRAINING_DASK_CONFIG, DaskCluster
-from blocks.data_location import DataLocation
-from tasks.config import ClusterConfig, DataConfig, TrainingConfig
-from tasks.storage import child_url, write_bytes
+from prefect_ddp.blocks.cluster import TRAINING_DASK_CONFIG, DaskCluster
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.config import ClusterConfig, DataConfig, TrainingConfig
+from prefect_ddp.tasks.data.storage import write_bytes
+from prefect_ddp.tasks.urls import child_url
 
 
 def test_data_needs_a_url_or_a_block():
@@ -80,14 +81,14 @@ def test_local_writes_are_atomic(tmp_path):
 
 @pytest.mark.parametrize("name, expected", [("crafty-owl", "crafty-owl"), ("a/../b", "a-..-b"), ("..", "run"), ("nightly run #3", "nightly-run-3")])
 def test_run_names_become_one_safe_segment(name, expected):
-    from tasks.storage import safe_segment
+    from prefect_ddp.tasks.urls import safe_segment
 
     assert safe_segment(name) == expected
     child_url("s3://b/out", safe_segment(name))  # never raises
 
 
 def test_an_unreachable_endpoint_is_named_in_the_error():
-    from tasks.validation import validate_source
+    from prefect_ddp.tasks.data.validation import validate_source
 
     location = DataLocation(url="s3://b/p", endpoint_url="http://127.0.0.1:1", aws_access_key_id="a",
                             aws_secret_access_key="b", region_name="us-east-1")

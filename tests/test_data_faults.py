@@ -22,11 +22,11 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.states import State
 
-from blocks.data_location import DataLocation
-from tasks.dataset import FETCH_ATTEMPTS as DATASET_ATTEMPTS
-from tasks.dataset import FetchTimeout, S3ImageFolder, eval_transform
-from tasks.storage import fetch_objects
-from tasks.validation import FETCH_ATTEMPTS, decode_chunk
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.data.dataset import FETCH_ATTEMPTS as DATASET_ATTEMPTS
+from prefect_ddp.tasks.data.dataset import FetchTimeout, S3ImageFolder, eval_transform
+from prefect_ddp.tasks.data.object_reads import fetch_objects
+from prefect_ddp.tasks.data.validation import FETCH_ATTEMPTS, decode_chunk
 from tests.api_helpers import assert_no_task_run_left_running
 from tests.faulty_s3 import FaultyS3, faulty_s3
 from tests.flow_runs import block_copy
@@ -127,7 +127,7 @@ def test_a_stall_shorter_than_the_limit_only_slows_the_batch(via_front, front):
 
 def test_the_dataset_leaves_out_a_missing_image_without_retrying_it(via_front, front):
     dataset = S3ImageFolder(via_front.url, ["circle/gone.jpg"], [0], via_front.storage_options(), eval_transform(32))
-    assert dataset[0][1] == -1  # a stand-in, labelled unreadable (tasks.dataset.unreadable_label)
+    assert dataset[0][1] == -1  # a stand-in, labelled unreadable (prefect_ddp.tasks.data.dataset.unreadable_label)
     assert front.gets[object_key(via_front, "circle/gone.jpg")] == 1
 
 
@@ -155,8 +155,14 @@ def kill_the_worker_running_decode_check(scheduler_address: str, front: FaultyS3
 
 def run_while_killing_decode_check(location: DataLocation, front: FaultyS3, dask_cluster, output) -> State:
     """The flow on `location`, its decode-check's worker killed mid-fetch; returns its final state."""
-    from flows.transfer_learning import transfer_learning
-    from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+    from prefect_ddp.flows.transfer_learning import transfer_learning
+    from prefect_ddp.tasks.config import (
+        ClusterConfig,
+        DataConfig,
+        ModelConfig,
+        OutputConfig,
+        TrainingConfig,
+    )
 
     location.save("faults-front", overwrite=True)
     front.stall_gets("test-images/shapes/*", seconds=60)

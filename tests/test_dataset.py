@@ -5,9 +5,9 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from tasks.dataset import S3ImageFolder, eval_transform, forked_workers
-from tasks.indexing import build_manifest, list_folder
-from tasks.validation import decode_chunk
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers
+from prefect_ddp.tasks.data.indexing import build_manifest, list_folder
+from prefect_ddp.tasks.data.validation import decode_chunk
 from tests.faulty_s3 import faulty_s3
 from tests.flow_runs import block_copy
 from tests.image_folders import local_image_folder

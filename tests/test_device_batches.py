@@ -15,10 +15,19 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from tasks.config import TrainingConfig
-from tasks.dataset import S3ImageFolder, eval_transform, open_rgb
-from tasks.device_batches import EncodedBatch, ToDevice, decode_on, encoded_collate
-from tasks.training import autocast_dtype, batch_inputs, train_classifier
+from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, open_rgb
+from prefect_ddp.tasks.data.device_batches import (
+    EncodedBatch,
+    ToDevice,
+    decode_on,
+    encoded_collate,
+)
+from prefect_ddp.tasks.training.recipe import (
+    autocast_dtype,
+    batch_inputs,
+    train_classifier,
+)
 from tests.image_folders import local_image_folder
 from tests.test_training import CTX, local_job
 

@@ -14,10 +14,13 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.logging import disable_run_logger
 
-from blocks.data_location import DataLocation
-from deployments.sample_data import shapes_dataset
 from examples.name_generator import name_generator_sweep
-from examples.tutorial_transfer_learning import list_image_folder, tutorial_transfer_learning
+from examples.tutorial_transfer_learning import (
+    list_image_folder,
+    tutorial_transfer_learning,
+)
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.deployments.sample_data import shapes_dataset
 
 pytestmark = pytest.mark.slow
 PER_CLASS = 8

@@ -27,12 +27,17 @@ from prefect.client.schemas.filters import (
 )
 from prefect_dask import DaskTaskRunner
 
-from blocks.cluster import DaskCluster
-from tasks.gang import GangRefused, run_gang
-from tasks.gang.worker_checks import api_error, check_workers, find_problems, probe_worker
+from prefect_ddp.blocks.cluster import DaskCluster
+from prefect_ddp.tasks.gang import GangRefused, run_gang
+from prefect_ddp.tasks.gang.worker_checks import (
+    api_error,
+    check_workers,
+    find_problems,
+    probe_worker,
+)
 from tests.api_helpers import all_logs, assert_no_task_run_left_running, rank_task_runs
-from tests.flow_runs import run_tiny_flow
 from tests.external_dask import TRAINING_ENV, dask_processes, owner_environment
+from tests.flow_runs import run_tiny_flow
 from tests.gang_functions import report_rank
 
 UNREACHABLE_API = "http://127.0.0.1:9/api"  # the discard port: nothing listens

@@ -12,20 +12,20 @@ from PIL import Image
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from blocks.data_location import DataLocation
-from flows.transfer_learning import transfer_learning
-from tasks.config import (
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.flows.transfer_learning import transfer_learning
+from prefect_ddp.tasks.config import (
     ClusterConfig,
     DataConfig,
     ModelConfig,
     OutputConfig,
     TrainingConfig,
 )
-from tasks.dataset import eval_transform
-from tasks.manifest import Manifest
-from tasks.model import load_model
-from tasks.splitting import Split
-from tasks.storage import load_torch
+from prefect_ddp.tasks.data.dataset import eval_transform
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.splitting import Split
+from prefect_ddp.tasks.data.storage import load_torch
+from prefect_ddp.tasks.training.model import load_model
 from tests.api_helpers import rank_task_runs
 
 STEP_ARTIFACTS = {"image-index", "dataset-validation", "train-val-split", "training-progress",

@@ -9,8 +9,8 @@ from contextvars import copy_context
 
 import pytest
 
-from tasks.gang import GangError, GangTimeout
-from tasks.gang.supervise import FAILURE_GRACE_S
+from prefect_ddp.tasks.gang import GangError, GangTimeout
+from prefect_ddp.tasks.gang.supervise import FAILURE_GRACE_S
 from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
 from tests.gang_functions import gang_flow
 
@@ -120,7 +120,7 @@ def wait_until_leased(cluster, timeout_s: float = 60) -> None:
     """Until another gang holds every worker of `cluster`."""
     from distributed import Client, Lock
 
-    from tasks.gang.lease import PREFIX
+    from prefect_ddp.tasks.gang.lease import PREFIX
 
     with Client(cluster.scheduler_address) as client, client.as_current():
         deadline = time.monotonic() + timeout_s

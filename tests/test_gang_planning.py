@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tasks.gang import GangRefused
-from tasks.gang.gpu_claims import GpuClaim, claim_gpu
-from tasks.gang.plan import by_host, cluster_workers, free_port, plan_ranks
-from tasks.gang.worker_checks import probe_worker
-from tasks.process_group import (
+from prefect_ddp.tasks.gang import GangRefused
+from prefect_ddp.tasks.gang.gpu_claims import GpuClaim, claim_gpu
+from prefect_ddp.tasks.gang.plan import by_host, cluster_workers, free_port, plan_ranks
+from prefect_ddp.tasks.gang.process_group import (
     all_reduce_sum,
     choose_gloo_interface,
     default_backend,
@@ -23,6 +22,7 @@ from tasks.process_group import (
     tcp_init_method,
     wrap_ddp,
 )
+from prefect_ddp.tasks.gang.worker_checks import probe_worker
 
 ADDRESSES = ["tcp://10.0.0.1:4001", "tcp://10.0.0.1:4002", "tcp://10.0.0.2:4001"]
 
@@ -174,7 +174,7 @@ def test_a_second_group_in_one_process_is_refused():
 
 
 def test_the_rank_that_failed_first_hand_is_named_before_its_peers():
-    from tasks.gang.supervise import root_cause_first
+    from prefect_ddp.tasks.gang.supervise import root_cause_first
 
     peer = "Rank 0 on tcp://a:1 ended FAILED: RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:1"
     own = "Rank 1 on tcp://b:1 ended FAILED: RuntimeError: boom on rank 1"
@@ -188,7 +188,7 @@ def test_the_rank_that_failed_first_hand_is_named_before_its_peers():
     ({"timeout": timedelta(0)}, r"timeout=datetime.timedelta\(0\) is not positive; give a positive timedelta .* or None"),
 ])
 def test_meaningless_limits_are_refused_before_any_worker_is_touched(limits, message):
-    from tasks.gang import run_gang
+    from prefect_ddp.tasks.gang import run_gang
 
     with pytest.raises(ValueError, match=message):
         run_gang(lambda ctx, config: None, {}, **limits)  # outside a flow: refused before looking for one
@@ -197,7 +197,7 @@ def test_meaningless_limits_are_refused_before_any_worker_is_touched(limits, mes
 def test_attempts_travel_with_results_and_errors_through_pickling():
     import pickle
 
-    from tasks.gang import GangAttempt, GangResults, GangTimeout
+    from prefect_ddp.tasks.gang import GangAttempt, GangResults, GangTimeout
 
     attempt = GangAttempt(number=1, workers=["tcp://a:1"], world_size=1, ended="completed", seconds=0.5)
     results = pickle.loads(pickle.dumps(GangResults(["r0"], [attempt])))

@@ -21,20 +21,24 @@ import distributed
 import optuna
 import pytest
 import torch.distributed as dist
+from optuna.trial import TrialState
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterStartTime
+from prefect.client.schemas.filters import (
+    TaskRunFilter,
+    TaskRunFilterName,
+    TaskRunFilterStartTime,
+)
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
-from optuna.trial import TrialState
 from prefect.states import Cancelling
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from tasks.gang import GangError, GangStopped, RankContext, run_gang
-from tasks.gang.stopping import READ_EVERY_S, StopFlag
-from tasks.gang.supervise import FAILURE_GRACE_S
-from tasks.sweep import SweepAlreadyRunning
+from prefect_ddp.tasks.gang import GangError, GangStopped, RankContext, run_gang
+from prefect_ddp.tasks.gang.stopping import READ_EVERY_S, StopFlag
+from prefect_ddp.tasks.gang.supervise import FAILURE_GRACE_S
+from prefect_ddp.tasks.sweeps.sweep import SweepAlreadyRunning
 from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
 from tests.deployed import POOL
 from tests.gang_functions import call_check_stop, gang_flow, report_rank, sweep_flow
@@ -148,9 +152,9 @@ def test_sigterm_to_a_sweep_stops_the_gangs_of_all_its_trials(dask_cluster, tmp_
 
 HYPERPARAMETER_SWEEP_PROCESS = """
 import json, sys
-from flows.sweep import hyperparameter_sweep
-from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
-from tasks.sweep import SweepSettings
+from prefect_ddp.flows.sweep import hyperparameter_sweep
+from prefect_ddp.tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+from prefect_ddp.tasks.sweeps.sweep import SweepSettings
 given = json.loads(sys.argv[1])
 hyperparameter_sweep(
     space={"training.lr": {"kind": "grid", "values": [0.001, 0.002]}},

@@ -26,16 +26,15 @@ import dask
 import distributed
 import pytest
 
-from tasks.gang.errors import GangError
-from tasks.gang.lease import PREFIX, leased_workers
-from tasks.gang.plan import cluster_workers
+from prefect_ddp.tasks.gang import GangError, cluster_workers
+from prefect_ddp.tasks.gang.lease import PREFIX, leased_workers
 from tests.external_dask import REPO
 
 # A gang's flow process that dies in its block, its lease and holder still in the scheduler.
 DIES_HOLDING = """
 import os, sys
 import distributed
-from tasks.gang.lease import leased_workers
+from prefect_ddp.tasks.gang.lease import leased_workers
 
 with distributed.Client(sys.argv[1]) as client, leased_workers(client, 1, "a gang whose process died", 5):
     os._exit(3)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from tasks.config import ModelConfig, TrainingConfig
-from tasks.model import build_model
-from tasks.device_batches import ToDevice
-from tasks.training import build_optimizer, evaluate, train_one_epoch
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
+from prefect_ddp.tasks.data.device_batches import ToDevice
+from prefect_ddp.tasks.training.model import build_model
+from prefect_ddp.tasks.training.recipe import build_optimizer, evaluate, train_one_epoch
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

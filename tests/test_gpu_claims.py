@@ -17,11 +17,11 @@ from pathlib import Path
 import distributed
 import pytest
 
-from tasks.gang import GangRefused
-from tasks.gang.gpu_claims import GpuClaim, claim_gpu
-from tasks.gang.lease import leased_workers
-from tasks.gang.plan import by_host, cluster_workers, plan_ranks
-from tasks.gang.worker_checks import probe_worker, setup_table
+from prefect_ddp.tasks.gang import GangRefused
+from prefect_ddp.tasks.gang.gpu_claims import GpuClaim, claim_gpu
+from prefect_ddp.tasks.gang.lease import leased_workers
+from prefect_ddp.tasks.gang.plan import by_host, cluster_workers, plan_ranks
+from prefect_ddp.tasks.gang.worker_checks import probe_worker, setup_table
 
 SIMULATED_HOST = ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
 

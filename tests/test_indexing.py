@@ -1,6 +1,6 @@
 import pytest
 
-from tasks.indexing import build_manifest, list_folder
+from prefect_ddp.tasks.data.indexing import build_manifest, list_folder
 
 
 def test_classes_in_imagefolder_order_with_case_insensitive_extensions():
@@ -50,7 +50,7 @@ def test_listing_real_s3_finds_classes_and_skips_traps(image_location):
 def test_an_unchanged_prefix_is_listed_once_within_the_cache_window(image_location, prefect_api):
     from prefect import flow
 
-    from tasks.indexing import index_images
+    from prefect_ddp.tasks.data.indexing import index_images
 
     @flow
     def index_twice():
@@ -66,7 +66,11 @@ def test_an_unchanged_prefix_is_listed_once_within_the_cache_window(image_locati
 def test_listing_each_class_folder_concurrently_finds_what_one_recursive_listing_finds(image_location, s3_fs):
     from fsspec.asyn import sync
 
-    from tasks.indexing import LISTING_CONCURRENCY, find_per_folder, relative_sizes
+    from prefect_ddp.tasks.data.indexing import (
+        LISTING_CONCURRENCY,
+        find_per_folder,
+        relative_sizes,
+    )
 
     root = image_location.url.removeprefix("s3://").rsplit("/", 1)[0] + "/listing-parity"
     # More folders than are listed at once, a nested folder, a folder marker, a file at the top.

@@ -1,15 +1,15 @@
 import pytest
 import torch
 
-from tasks.config import BACKBONES, ModelConfig
-from tasks.model import (
+from prefect_ddp.tasks.config import BACKBONES, ModelConfig
+from prefect_ddp.tasks.data.storage import load_torch, save_torch
+from prefect_ddp.tasks.training.model import (
     build_model,
     classifier_path,
     head_prefix,
     load_model,
     model_card,
 )
-from tasks.storage import load_torch, save_torch
 
 
 @pytest.mark.parametrize("backbone", BACKBONES)

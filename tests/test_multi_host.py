@@ -39,9 +39,9 @@ from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from blocks.cluster import TRAINING_DASK_CONFIG
-from blocks.data_location import DataLocation
-from tasks.gang.plan import host_of
+from prefect_ddp.blocks.cluster import TRAINING_DASK_CONFIG
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.gang.plan import host_of
 from tests.api_helpers import all_logs, assert_no_task_run_left_running
 from tests.conftest import BUCKET
 from tests.flow_runs import block_copy, run_tiny_flow
@@ -99,7 +99,7 @@ def hosts(prefect_api: str, s3_endpoint: str, image_location: DataLocation, tmp_
         }
         # No GLOO_SOCKET_IFNAME: this machine's hostname resolves to 127.0.0.1, as Debian's
         # 127.0.1.1 line makes it on many real hosts, and the ranks must pick the interface of
-        # their worker's address themselves (tasks.process_group.choose_gloo_interface).
+        # their worker's address themselves (prefect_ddp.tasks.gang.process_group.choose_gloo_interface).
         env.pop("GLOO_SOCKET_IFNAME", None)
         scheduler = net.hosts["scheduler"].address
         net.start("scheduler", [DASK, "scheduler", "--host", scheduler, "--port", str(SCHEDULER_PORT),

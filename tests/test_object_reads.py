@@ -1,4 +1,4 @@
-"""Image reads through obstore (tasks.storage.fetch_objects on S3), against the session's moto
+"""Image reads through obstore (prefect_ddp.tasks.data.object_reads.fetch_objects on S3), against the session's moto
 server, the fault-injecting front (tests/faulty_s3.py) and a small server that refuses
 every GET.
 
@@ -23,14 +23,14 @@ import fsspec.asyn
 import pytest
 import s3fs
 
-from blocks.data_location import DataLocation
-from tasks.storage import (
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.data.object_reads import (
     PERMANENT_FETCH_ERRORS,
     fetch_objects,
-    filesystem,
     object_read_options,
     obstore_settings,
 )
+from prefect_ddp.tasks.data.storage import filesystem
 from tests.faulty_s3 import FaultyS3, faulty_s3
 from tests.flow_runs import block_copy
 

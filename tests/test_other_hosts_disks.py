@@ -17,10 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from flows.sweep import hyperparameter_sweep
-from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
-from tasks.gang import GangRefused
-from tasks.sweep import SweepSettings
+from prefect_ddp.flows.sweep import hyperparameter_sweep
+from prefect_ddp.tasks.config import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    TrainingConfig,
+)
+from prefect_ddp.tasks.gang import GangRefused
+from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from tests.api_helpers import rank_task_runs
 from tests.external_dask import TRAINING_ENV, dask_processes, owner_environment
 from tests.flow_runs import assert_failed_cleanly, run_tiny_flow

@@ -11,11 +11,17 @@ import yaml
 from prefect.utilities.callables import parameter_schema
 from pydantic import ValidationError
 
-from blocks.cluster import DaskCluster
-from blocks.data_location import DataLocation
-from flows.sweep import hyperparameter_sweep
-from flows.transfer_learning import kept_model_name, transfer_learning
-from tasks.config import DataConfig, ModelConfig, OutputConfig, TrainingConfig, with_overrides
+from prefect_ddp.blocks.cluster import DaskCluster
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.flows.sweep import hyperparameter_sweep
+from prefect_ddp.flows.transfer_learning import kept_model_name, transfer_learning
+from prefect_ddp.tasks.config import (
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    TrainingConfig,
+    with_overrides,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 # What the UI's markdown would read as an HTML tag and drop: `<url>`, `</x>`, `<a b>`.

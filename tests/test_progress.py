@@ -12,7 +12,7 @@ import pytest
 from prefect.artifacts import create_progress_artifact
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tasks.reporting import BackgroundPublisher
+from prefect_ddp.tasks.reporting import BackgroundPublisher
 
 
 @pytest.fixture

@@ -10,13 +10,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from blocks.data_location import DataLocation
-from tasks.config import ModelConfig
-from tasks.dataset import forget_parent_exit_hooks
-from tasks.model import build_model, model_card
-from tasks.pointer import read_json_document
-from tasks.promotion import find_warm_start, kept_location, load_warm_start, promote, read_pointer
-from tasks.storage import read_bytes, save_torch, write_bytes, write_json
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.config import ModelConfig
+from prefect_ddp.tasks.data.dataset import forget_parent_exit_hooks
+from prefect_ddp.tasks.data.storage import (
+    read_bytes,
+    save_torch,
+    write_bytes,
+    write_json,
+)
+from prefect_ddp.tasks.results.pointer import read_json_document
+from prefect_ddp.tasks.results.promotion import (
+    find_warm_start,
+    kept_location,
+    load_warm_start,
+    promote,
+    read_pointer,
+)
+from prefect_ddp.tasks.training.model import build_model, model_card
 
 CLASSES = ["circle", "square", "triangle"]
 
@@ -75,7 +86,7 @@ def test_a_deployment_name_cannot_escape_the_output_prefix():
 
 def promote_at_once(kept: DataLocation, run: DataLocation, acc: float, barrier) -> None:
     """One of several processes promoting at the same moment (a forked process's target)."""
-    forget_parent_exit_hooks(0)  # this test process runs Prefect's services: tasks.dataset says why
+    forget_parent_exit_hooks(0)  # this test process runs Prefect's services: prefect_ddp.tasks.data.dataset says why
     barrier.wait()
     promote.fn(summary_of(acc), run, kept, {"name": run.url.rsplit("/", 1)[-1], "flow_run_id": str(acc)})
 
@@ -93,7 +104,11 @@ def run_with_model(location: DataLocation, name: str, acc: float) -> DataLocatio
 def output(request, tmp_path, s3_endpoint) -> DataLocation:
     if request.param == "local":
         return DataLocation(url=str(tmp_path / "out"))
-    from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, create_bucket
+    from prefect_ddp.deployments.local_services import (
+        MOTO_CREDENTIALS,
+        MOTO_REGION,
+        create_bucket,
+    )
 
     create_bucket(s3_endpoint, "promotions")
     return DataLocation(url=f"s3://promotions/{tmp_path.name}", endpoint_url=s3_endpoint, region_name=MOTO_REGION,

@@ -8,11 +8,15 @@ import re
 
 from PIL import Image
 
-from tasks.manifest import Manifest
-from tasks.plots import markdown_image, training_curves_png
-from tasks.promotion import Promotion
-from tasks.report import promotion_markdown, report_markdown, trained_images_text
-from tasks.reporting import markdown_table
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.reporting import markdown_table
+from prefect_ddp.tasks.results.plots import markdown_image, training_curves_png
+from prefect_ddp.tasks.results.promotion import Promotion
+from prefect_ddp.tasks.results.report import (
+    promotion_markdown,
+    report_markdown,
+    trained_images_text,
+)
 
 HISTORY = [{"epoch": e, "train_loss": 1.0 / e, "train_acc": 0.3 * e, "val_loss": 1.2 / e, "val_acc": 0.25 * e,
             "lr": 0.01, "seconds": 1.5, "train_samples": 28} for e in (1, 2, 3)]

@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tasks.checkpoints import CheckpointMismatch, TrainingState
-from tasks.gang.plan import free_port
-from tasks.process_group import process_group
+from prefect_ddp.tasks.gang import free_port, process_group
+from prefect_ddp.tasks.training.checkpoints import CheckpointMismatch, TrainingState
 
 FINGERPRINT = {"classes": ["a", "b"], "split_digest": "d", "model": {}, "recipe": {}}
 

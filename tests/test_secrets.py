@@ -17,7 +17,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterId,
 )
 
-from blocks.data_location import DataLocation
+from prefect_ddp.blocks.data_location import DataLocation
 from tests.api_helpers import all_logs
 from tests.flow_runs import block_copy, run_tiny_flow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from tasks.gang import GangError, run_gang
-from tasks.gang.sending import check_sendable
+from prefect_ddp.tasks.gang import GangError, run_gang
+from prefect_ddp.tasks.gang.sending import check_sendable
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,12 +1,12 @@
-"""The laptop path: `python -m deployments.serve` serves the flow; a run of it completes."""
+"""The laptop path: `python -m prefect_ddp.deployments.serve` serves the flow; a run of it completes."""
 
 from __future__ import annotations
 
 import pytest
 from prefect.deployments import run_deployment
 
-from deployments.serve import serving
-from tasks.run_folder import run_folder_name
+from prefect_ddp.deployments.serve import serving
+from prefect_ddp.tasks.results.run_folder import run_folder_name
 
 
 @pytest.mark.slow

@@ -12,10 +12,15 @@ from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, TaskRunFilter, TaskRunFilterName
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    TaskRunFilter,
+    TaskRunFilterName,
+)
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from deployments.local_services import free_port, prefect_server
+from prefect_ddp.deployments.local_services import free_port, prefect_server
 from tests.api_helpers import assert_no_task_run_left_running
 from tests.image_folders import local_image_folder
 

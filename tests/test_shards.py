@@ -22,24 +22,24 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from PIL import Image
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-from blocks.data_location import DataLocation
-from tasks.dataset import FetchTimeout, forget_parent_exit_hooks, forked_workers
-from tasks.gang.plan import free_port
-from tasks.manifest import Manifest
-from tasks.process_group import process_group
-from tasks.shards import (
-    INDEX,
-    ShardDataset,
-    ShardIndex,
-    ShardLoader,
-    open_shards,
-    read_samples,
-    shard_folder,
-    write_shards,
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
 )
-from tasks.storage import child_url, read_json
+
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.data.dataset import (
+    FetchTimeout,
+    forget_parent_exit_hooks,
+    forked_workers,
+)
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards, read_samples
+from prefect_ddp.tasks.data.shard_writer import INDEX, ShardIndex, shard_folder, write_shards
+from prefect_ddp.tasks.data.storage import read_json
+from prefect_ddp.tasks.gang import free_port, process_group
+from prefect_ddp.tasks.urls import child_url
 from tests.conftest import BUCKET
 from tests.faulty_s3 import FaultyS3, faulty_s3
 from tests.flow_runs import block_copy, run_tiny_flow
@@ -253,7 +253,7 @@ def test_a_complete_set_is_reused_and_a_half_written_one_rewritten(numbered, req
 
 def test_reading_a_set_that_was_never_written_names_the_folder_and_the_fix(numbered):
     location, manifest = numbered
-    from tasks.splitting import stratified_split
+    from prefect_ddp.tasks.data.splitting import stratified_split
 
     split = stratified_split(manifest, 0.25, 0)
     with pytest.raises(FileNotFoundError, match=r"No complete shard set for this split at s3://.*/shards/\w+ "
@@ -304,6 +304,6 @@ def test_a_shard_not_written_by_pack_is_refused_with_the_fix():
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         info = tarfile.TarInfo("é.jpg")  # a non-ASCII name takes a pax header, which pack never writes
         tar.addfile(info, io.BytesIO(b""))
-    with pytest.raises(ValueError, match="not a plain USTAR file: this shard was not written by tasks.shards.pack. "
+    with pytest.raises(ValueError, match="not a plain USTAR file: this shard was not written by prefect_ddp.tasks.data.shard_writer.pack. "
                                          "Delete the shard set"):
         list(read_samples(buffer.getvalue()))

@@ -1,7 +1,7 @@
 import pytest
 
-from tasks.manifest import Manifest
-from tasks.splitting import stratified_split
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.splitting import stratified_split
 
 
 def manifest(counts: dict[str, int]) -> Manifest:

@@ -8,18 +8,29 @@ from pathlib import Path
 import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect_dask import DaskTaskRunner
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterFlowRunId,
     FlowRunFilter,
     FlowRunFilterParentFlowRunId,
 )
+from prefect_dask import DaskTaskRunner
 
-from deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, create_bucket
-from flows.sweep import hyperparameter_sweep
-from tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
-from tasks.sweep import SweepSettings, sweep
+from prefect_ddp.deployments.local_services import (
+    MOTO_CREDENTIALS,
+    MOTO_REGION,
+    create_bucket,
+)
+from prefect_ddp.flows.sweep import hyperparameter_sweep
+from prefect_ddp.tasks.config import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    TrainingConfig,
+)
+from prefect_ddp.tasks.sweeps.settings import SweepSettings
+from prefect_ddp.tasks.sweeps.sweep import sweep
 from tests.api_helpers import rank_task_runs
 from tests.gang_functions import report_every_epoch
 from tests.image_folders import local_image_folder

@@ -7,11 +7,17 @@ import pytest
 from optuna.trial import TrialState
 from pydantic import ValidationError
 
-from blocks.study_storage import StudyStorage
-from flows.sweep import check_metric, check_space
-from tasks.search_space import Dimension, grid, with_params
-from tasks.sweep import INTERRUPTED, SweepSettings, make_sampler, study_storage, trial_run_name, trials_left
-from tasks.sweep_report import best_row, importances, sweep_markdown, trial_rows
+from prefect_ddp.blocks.study_storage import StudyStorage
+from prefect_ddp.flows.sweep import check_metric, check_space
+from prefect_ddp.tasks.sweeps.search_space import Dimension, grid, with_params
+from prefect_ddp.tasks.sweeps.settings import INTERRUPTED, SweepSettings
+from prefect_ddp.tasks.sweeps.sweep import make_sampler, study_storage, trial_run_name, trials_left
+from prefect_ddp.tasks.sweeps.sweep_report import (
+    best_row,
+    importances,
+    sweep_markdown,
+    trial_rows,
+)
 
 SPACE = {"training.lr": Dimension(kind="log_uniform", low=1e-4, high=1e-1),
          "training.batch_size": Dimension(kind="grid", values=[16, 32])}

@@ -5,14 +5,22 @@ import json
 import pytest
 import torch
 
-from blocks.data_location import DataLocation
-from tasks.config import ModelConfig, TrainingConfig
-from tasks.gang import RankContext
-from tasks.splitting import stratified_split
-from tasks.checkpoints import CheckpointMismatch, TrainingState
-from tasks.model import load_model
-from tasks.training import (TrainJob, batch_inputs, build_optimizer, build_scheduler, evaluate, loader_workers,
-                            make_loaders, train_classifier)
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
+from prefect_ddp.tasks.data.splitting import stratified_split
+from prefect_ddp.tasks.gang import RankContext
+from prefect_ddp.tasks.training.checkpoints import CheckpointMismatch, TrainingState
+from prefect_ddp.tasks.training.model import load_model
+from prefect_ddp.tasks.training.recipe import (
+    TrainJob,
+    batch_inputs,
+    build_optimizer,
+    build_scheduler,
+    evaluate,
+    loader_workers,
+    make_loaders,
+    train_classifier,
+)
 from tests.image_folders import local_image_folder
 
 
@@ -105,7 +113,7 @@ def test_learning_rate_scales_with_world_size_when_asked():
 def test_daemonic_workers_get_the_fix_not_a_multiprocessing_error():
     import multiprocessing
 
-    from tasks.training import require_non_daemonic
+    from prefect_ddp.tasks.training.recipe import require_non_daemonic
 
     process = multiprocessing.current_process()
     process.daemon = True
@@ -119,7 +127,7 @@ def test_daemonic_workers_get_the_fix_not_a_multiprocessing_error():
 def test_only_transient_errors_are_retried():
     from prefect.states import Failed
 
-    from tasks.retries import retry_transient
+    from prefect_ddp.tasks.retries import retry_transient
 
     assert retry_transient(None, None, Failed(data=ConnectionError("reset"))) is True
     for permanent in (FileNotFoundError("gone"), PermissionError("denied"), ValueError("empty")):

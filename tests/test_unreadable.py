@@ -20,17 +20,24 @@ from prefect import flow
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from blocks.data_location import DataLocation
-from tasks.aggregation import check_stopped
-from tasks.config import ClusterConfig
-from tasks.dataset import S3ImageFolder, eval_transform
-from tasks.device_batches import ToDevice, encoded_collate
-from tasks.indexing import index_images
-from tasks.manifest import Manifest
-from tasks.report import unreadable_text
-from tasks.shards import ShardDataset, ShardLoader, write_shards
-from tasks.training import TrainJob, evaluate, make_loaders, train_classifier, train_one_epoch
-from tasks.unreadable import UnreadableLimit
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.config import ClusterConfig
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
+from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
+from prefect_ddp.tasks.data.indexing import index_images
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader
+from prefect_ddp.tasks.data.shard_writer import write_shards
+from prefect_ddp.tasks.results.aggregation import check_stopped
+from prefect_ddp.tasks.results.report import unreadable_text
+from prefect_ddp.tasks.training.recipe import (
+    TrainJob,
+    evaluate,
+    make_loaders,
+    train_classifier,
+    train_one_epoch,
+)
+from prefect_ddp.tasks.training.unreadable import UnreadableLimit
 from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
 from tests.conftest import BUCKET, truncated_jpeg
 from tests.flow_runs import run_tiny_flow

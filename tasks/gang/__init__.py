@@ -37,14 +37,39 @@ scripts and notebooks), `trial` (reporting to a sweep), `results` and `errors` (
 comes back), and `run` with `run_gang` at the front.
 """
 
-from tasks.gang.context import RankContext
-from tasks.gang.errors import GangError, GangRefused, GangStopped, GangTimeout
-from tasks.gang.plan import free_port
-from tasks.gang.results import GangAttempt, GangResults
-from tasks.gang.run import run_gang
-from tasks.gang.trial import TrialLink
+from prefect_ddp.tasks.gang.context import RankContext
+from prefect_ddp.tasks.gang.errors import (
+    GangError,
+    GangRefused,
+    GangStopped,
+    GangTimeout,
+)
+from prefect_ddp.tasks.gang.plan import cluster_workers, free_port
+from prefect_ddp.tasks.gang.process_group import (
+    all_gather_strings,
+    all_reduce_sum,
+    broadcast_bytes,
+    process_group,
+    sync_buffers,
+    wrap_ddp,
+)
+from prefect_ddp.tasks.gang.results import GangAttempt, GangResults
+from prefect_ddp.tasks.gang.run import current_dask_runner, run_gang
+from prefect_ddp.tasks.gang.states import crash_unfinished_task_runs
+from prefect_ddp.tasks.gang.stopping import stop_all_gangs, stop_scope
+from prefect_ddp.tasks.gang.trial import (
+    PRUNED_AT,
+    REPORTED_AT,
+    TrialLink,
+    current_trial,
+    scheduler_queue,
+    training_trial,
+)
 
 __all__ = [
-    "GangAttempt", "GangError", "GangRefused", "GangResults", "GangStopped", "GangTimeout", "RankContext", "TrialLink",
-    "free_port", "run_gang",
+    "PRUNED_AT", "REPORTED_AT", "GangAttempt", "GangError", "GangRefused", "GangResults", "GangStopped",
+    "GangTimeout", "RankContext", "TrialLink", "all_gather_strings", "all_reduce_sum", "broadcast_bytes",
+    "cluster_workers", "crash_unfinished_task_runs", "current_dask_runner", "current_trial", "free_port",
+    "process_group", "run_gang", "scheduler_queue", "stop_all_gangs", "stop_scope", "sync_buffers",
+    "training_trial", "wrap_ddp",
 ]

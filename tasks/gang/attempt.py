@@ -19,15 +19,19 @@ from prefect.settings import PREFECT_API_URL
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from tasks.gang.context import RankContext
-from tasks.gang.errors import GangError
-from tasks.gang.plan import free_port, plan_ranks
-from tasks.gang.rank import run_rank
-from tasks.gang.stopping import stop_flag
-from tasks.gang.supervise import Deadline, stop, supervise
-from tasks.gang.trial import TrialLink
-from tasks.gang.worker_checks import check_workers, flow_api_url, output_marker, probe_worker
-from tasks.reporting import run_logger
+from prefect_ddp.tasks.gang.context import RankContext
+from prefect_ddp.tasks.gang.errors import GangError
+from prefect_ddp.tasks.gang.plan import free_port, plan_ranks
+from prefect_ddp.tasks.gang.rank import run_rank
+from prefect_ddp.tasks.gang.stopping import stop_flag
+from prefect_ddp.tasks.gang.supervise import Deadline, stop, supervise
+from prefect_ddp.tasks.gang.trial import TrialLink
+from prefect_ddp.tasks.gang.worker_checks import (
+    check_workers,
+    output_marker,
+    probe_worker,
+)
+from prefect_ddp.tasks.reporting import flow_api_url, run_logger
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.gang.errors import GangStopped
-from tasks.gang.stopping import stop_requested
-from tasks.gang.trial import TrialLink
+from prefect_ddp.tasks.gang.errors import GangStopped
+from prefect_ddp.tasks.gang.stopping import stop_requested
+from prefect_ddp.tasks.gang.trial import TrialLink
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tasks.gang.results import GangAttempt
+from prefect_ddp.tasks.gang.results import GangAttempt
 
 
 class GangError(RuntimeError):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from tasks.private_folder import private_folder
+from prefect_ddp.tasks.private_folder import private_folder
 
 ONE_GPU_PER_WORKER = (
     "Start one worker process per GPU, and no more workers on a host than it has GPUs: dask-cuda "

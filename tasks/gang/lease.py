@@ -26,9 +26,9 @@ from contextlib import contextmanager
 
 import distributed
 
-from tasks.gang.errors import GangError
-from tasks.gang.plan import by_host, cluster_workers
-from tasks.reporting import run_logger
+from prefect_ddp.tasks.gang.errors import GangError
+from prefect_ddp.tasks.gang.plan import by_host, cluster_workers
+from prefect_ddp.tasks.reporting import run_logger
 
 PREFIX = "prefect-ddp-worker-lease"
 LOCK_PREFIX = f"{PREFIX}:"

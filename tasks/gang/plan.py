@@ -8,11 +8,11 @@ from urllib.parse import urlparse
 
 import distributed
 
-from tasks.gang.context import RankContext
-from tasks.gang.trial import TrialLink
-from tasks.gang.errors import GangRefused
-from tasks.gang.gpu_claims import ONE_GPU_PER_WORKER, GpuClaim
-from tasks.process_group import default_backend
+from prefect_ddp.tasks.gang.context import RankContext
+from prefect_ddp.tasks.gang.errors import GangRefused
+from prefect_ddp.tasks.gang.gpu_claims import ONE_GPU_PER_WORKER, GpuClaim
+from prefect_ddp.tasks.gang.process_group import default_backend
+from prefect_ddp.tasks.gang.trial import TrialLink
 
 
 def cluster_workers(client: distributed.Client) -> list[str]:

@@ -17,11 +17,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Cancelled, State
 
-from tasks.gang.context import RankContext
-from tasks.gang.errors import GangStopped
-from tasks.gang.plan import host_of
-from tasks.gang.stopping import stop_requested
-from tasks.process_group import process_group
+from prefect_ddp.tasks.gang.context import RankContext
+from prefect_ddp.tasks.gang.errors import GangStopped
+from prefect_ddp.tasks.gang.plan import host_of
+from prefect_ddp.tasks.gang.process_group import process_group
+from prefect_ddp.tasks.gang.stopping import stop_requested
 
 R = TypeVar("R")
 

@@ -11,17 +11,21 @@ from prefect.context import get_run_context
 from prefect.runtime import flow_run
 from prefect_dask import DaskTaskRunner
 
-from tasks.gang.attempt import GangSpec, run_attempt
-from tasks.gang.context import RankContext
-from tasks.gang.errors import GangError, GangStopped, GangTimeout
-from tasks.gang.lease import leased_workers
-from tasks.gang.results import COMPLETED, GangAttempt, GangResults
-from tasks.gang.sending import prepare_to_send
-from tasks.gang.stopping import scope_stopped
-from tasks.gang.supervise import Deadline, wait_for_workers
-from tasks.gang.trial import TrialLink
-from tasks.gang.errors import GangRefused
-from tasks.reporting import run_logger
+from prefect_ddp.tasks.gang.attempt import GangSpec, run_attempt
+from prefect_ddp.tasks.gang.context import RankContext
+from prefect_ddp.tasks.gang.errors import (
+    GangError,
+    GangRefused,
+    GangStopped,
+    GangTimeout,
+)
+from prefect_ddp.tasks.gang.lease import leased_workers
+from prefect_ddp.tasks.gang.results import COMPLETED, GangAttempt, GangResults
+from prefect_ddp.tasks.gang.sending import prepare_to_send
+from prefect_ddp.tasks.gang.stopping import scope_stopped
+from prefect_ddp.tasks.gang.supervise import Deadline, wait_for_workers
+from prefect_ddp.tasks.gang.trial import TrialLink
+from prefect_ddp.tasks.reporting import run_logger
 
 R = TypeVar("R")
 

@@ -20,8 +20,8 @@ from typing import Any
 import cloudpickle
 import distributed
 
-from tasks.gang.errors import GangError
-from tasks.reporting import run_logger
+from prefect_ddp.tasks.gang.errors import GangError
+from prefect_ddp.tasks.reporting import run_logger
 
 
 def _import_by_name(module: types.ModuleType) -> tuple[Any, tuple[str]]:

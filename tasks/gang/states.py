@@ -14,7 +14,7 @@ from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId
 from prefect.states import Crashed
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from tasks.reporting import run_logger
+from prefect_ddp.tasks.reporting import run_logger
 
 # The server records a task run from the events its worker sends, a moment after they
 # happen: a rank stopped right after it started may not be recorded yet, and the final

@@ -22,7 +22,7 @@ from contextvars import ContextVar
 
 import distributed
 
-from tasks.reporting import run_logger
+from prefect_ddp.tasks.reporting import run_logger
 
 PREFIX = "prefect-ddp-stop"
 READ_EVERY_S = 1.0

@@ -19,12 +19,12 @@ from datetime import timedelta
 import distributed
 from prefect_dask.task_runners import PrefectDaskFuture
 
-from tasks.gang.context import RankContext
-from tasks.gang.errors import GangError, GangTimeout
-from tasks.gang.plan import cluster_workers
-from tasks.gang.states import crash_unfinished_task_runs
-from tasks.gang.stopping import StopFlag
-from tasks.reporting import run_logger
+from prefect_ddp.tasks.gang.context import RankContext
+from prefect_ddp.tasks.gang.errors import GangError, GangTimeout
+from prefect_ddp.tasks.gang.plan import cluster_workers
+from prefect_ddp.tasks.gang.states import crash_unfinished_task_runs
+from prefect_ddp.tasks.gang.stopping import StopFlag
+from prefect_ddp.tasks.reporting import run_logger
 
 # Surviving gloo ranks fail within ~5 s of a peer's death (DESIGN 4), and ranks between
 # steps see the stop flag within a second or so of a step; give them this long to end on

@@ -3,7 +3,7 @@
 The study (Optuna's) is the sweep's: only the sweep's process opens it, so a sweep works on
 a cluster that shares no disk with it, and one database engine serves every report. Rank 0
 sends each epoch's metric to the sweep through a queue in the Dask scheduler and waits for
-the pruner's answer on another (the sweep's end is `tasks.trial_relay.TrialRelay`); the
+the pruner's answer on another (the sweep's end is `prefect_ddp.tasks.sweeps.trial_relay.TrialRelay`); the
 answer is broadcast, so every rank ends at the same epoch boundary and no collective is
 left waiting for a rank that stopped.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import distributed
 
-from tasks.process_group import broadcast_flag
-from tasks.selection import Direction, Selection
+from prefect_ddp.tasks.gang.process_group import broadcast_flag
+from prefect_ddp.tasks.selection import Direction, Selection
 
 REPORTED_AT = "reported_at:"
 PRUNED_AT = "pruned_at"

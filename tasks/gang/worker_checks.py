@@ -46,10 +46,15 @@ from typing import Any
 
 import distributed
 
-from tasks.gang.errors import GangRefused
-from tasks.gang.gpu_claims import GpuClaim, claim_gpu
-from tasks.reporting import in_prefect_run, markdown_table, markdown_text, run_logger
-from tasks.storage import is_local_url
+from prefect_ddp.tasks.gang.errors import GangRefused
+from prefect_ddp.tasks.gang.gpu_claims import GpuClaim, claim_gpu
+from prefect_ddp.tasks.reporting import (
+    in_prefect_run,
+    markdown_table,
+    markdown_text,
+    run_logger,
+)
+from prefect_ddp.tasks.urls import is_local_url
 
 API_CHECK_TIMEOUT_S = 5.0
 
@@ -74,16 +79,6 @@ class Finding:
 
     def message(self) -> str:
         return f"{self.setting} on {', '.join(self.workers)}: {self.problem} Fix: {self.fix}"
-
-
-def flow_api_url() -> str:
-    """The Prefect API this process records runs on, also when it is a temporary server."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL
-
-    # Without a configured URL the client's is the temporary server's, which Prefect
-    # starts once per process and reuses.
-    return (PREFECT_API_URL.value() or str(get_client(sync_client=True).api_url)).rstrip("/")
 
 
 def api_error(api_url: str) -> str | None:

@@ -26,7 +26,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
-from tasks.manifest import Manifest, digest
+from prefect_ddp.tasks.data.manifest import Manifest, digest
 
 
 class Split(BaseModel):

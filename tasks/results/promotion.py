@@ -15,7 +15,7 @@ model beside another model's card:
                                              never changed
     <output>/<name>/latest.json              the pointer: which version is kept, its metric
                                              and run; swapped by compare-and-swap
-                                             (tasks.pointer), so the rule is applied to
+                                             (prefect_ddp.tasks.results.pointer), so the rule is applied to
                                              the model actually kept, never to a stale read
 
 A reader reads the pointer once and then only the version it names, which never changes.
@@ -30,12 +30,20 @@ from prefect import task
 from pydantic import BaseModel
 from torch import nn
 
-from blocks.data_location import DataLocation
-from tasks.model import load_backbone_state
-from tasks.pointer import Document, read_json_document, update_json
-from tasks.reporting import run_logger
-from tasks.retries import retry_transient
-from tasks.storage import child_url, load_torch, read_bytes, read_json, remove_tree, safe_segment, write_bytes, write_json
+from prefect_ddp.tasks.data.storage import (
+    load_torch,
+    read_bytes,
+    read_json,
+    remove_tree,
+    write_bytes,
+    write_json,
+)
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.reporting import run_logger
+from prefect_ddp.tasks.results.pointer import Document, read_json_document, update_json
+from prefect_ddp.tasks.retries import retry_transient
+from prefect_ddp.tasks.training.model import load_backbone_state
+from prefect_ddp.tasks.urls import child_url, safe_segment
 
 METRIC = "best_val_acc"
 POINTER = "latest.json"
@@ -57,12 +65,12 @@ class Promotion(BaseModel):
 class WarmStart(BaseModel):
     """The kept model a run starts from: where its weights are and whether its head fits."""
 
-    model: DataLocation  # url: versions/RUN/model.pt, with the output's credentials
+    model: Location  # url: versions/RUN/model.pt, with the output's credentials
     with_head: bool
     run: str
 
 
-def kept_location(output_base: DataLocation, name: str) -> DataLocation:
+def kept_location(output_base: Location, name: str) -> Location:
     """`<output>/<name>`, with the output's credentials; `name` becomes one safe segment."""
     return output_base.with_url(child_url(output_base.url, safe_segment(name)))
 
@@ -78,12 +86,12 @@ def decide(new_metric: float, current: Document | None) -> tuple[bool, str]:
     return False, f"{METRIC} {new_metric:.4f} is worse than {old:.4f} of {run}, which stays"
 
 
-def read_pointer(kept: DataLocation) -> Document | None:
+def read_pointer(kept: Location) -> Document | None:
     """Which version is kept now (with its metric and run), or None before the first promotion."""
     return read_json_document(child_url(kept.url, POINTER), kept.storage_options())
 
 
-def write_version(summary: dict[str, Any], run_output: DataLocation, version: DataLocation,
+def write_version(summary: dict[str, Any], run_output: Location, version: Location,
                   record: dict[str, Any]) -> None:
     """Copy the run's model and card into its version folder, metrics.json last."""
     source, target = run_output.storage_options(), version.storage_options()
@@ -94,7 +102,7 @@ def write_version(summary: dict[str, Any], run_output: DataLocation, version: Da
 
 
 @task(name="promote", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
-def promote(summary: dict[str, Any], run_output: DataLocation, kept: DataLocation,
+def promote(summary: dict[str, Any], run_output: Location, kept: Location,
             run: dict[str, str]) -> Promotion:
     """Keep this run's model under `kept` when it is at least as good as the one kept there.
 
@@ -127,13 +135,13 @@ def promote(summary: dict[str, Any], run_output: DataLocation, kept: DataLocatio
     )
 
 
-def version_location(kept: DataLocation, run_output: DataLocation) -> DataLocation:
+def version_location(kept: Location, run_output: Location) -> Location:
     """`<kept>/versions/<run folder>`: one per flow run, so no two runs ever share one."""
     run_folder = run_output.url.rstrip("/").rsplit("/", 1)[-1]
     return kept.with_url(child_url(kept.url, VERSIONS, safe_segment(run_folder)))
 
 
-def find_warm_start(kept: DataLocation, backbone: str, classes: list[str]) -> WarmStart | None:
+def find_warm_start(kept: Location, backbone: str, classes: list[str]) -> WarmStart | None:
     """The kept model to start from, or None when there is none or it is another backbone."""
     log = run_logger()
     pointer = read_pointer(kept)

@@ -11,13 +11,14 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from blocks.data_location import DataLocation
-from tasks.manifest import Manifest
-from tasks.plots import markdown_image, training_curves_png
-from tasks.promotion import Promotion, WarmStart
-from tasks.reporting import EPOCH_COLUMNS, markdown_table
-from tasks.retries import retry_transient
-from tasks.storage import child_url, write_bytes
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.storage import write_bytes
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, markdown_table
+from prefect_ddp.tasks.results.plots import markdown_image, training_curves_png
+from prefect_ddp.tasks.results.promotion import Promotion, WarmStart
+from prefect_ddp.tasks.retries import retry_transient
+from prefect_ddp.tasks.urls import child_url
 
 
 def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None, pruned_at: int | None = None,
@@ -115,7 +116,7 @@ def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, ou
 
 
 @task(name="report", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
-def publish_report(summary: dict[str, Any], manifest: Manifest, output: DataLocation,
+def publish_report(summary: dict[str, Any], manifest: Manifest, output: Location,
                    promotion: Promotion | None, warm: WarmStart | None, in_sweep: bool = False) -> str:
     """Write `curves.png` and `report.md` beside the model and leave the `training-report` artifact."""
     options = output.storage_options()

@@ -1,7 +1,7 @@
 """The sweep's end of a trial's link: its gang's reports go into the study, the pruner answers.
 
 Runs in the sweep's process, beside the trial's flow run, for as long as the trial trains:
-a thread takes each report rank 0 put in the trial's queue (tasks.gang.trial.TrialLink),
+a thread takes each report rank 0 put in the trial's queue (prefect_ddp.tasks.gang.trial.TrialLink),
 records it on the Optuna trial, asks the sweep's pruner, and puts the answer back. The
 ranks never open the study, so it may live where only the sweep's process can reach it
 (SQLite on the flow's host), and every report goes through the sweep's one storage
@@ -18,9 +18,9 @@ from typing import Any
 import distributed
 import optuna
 
-from tasks.gang.trial import PRUNED_AT, REPORTED_AT, TrialLink, scheduler_queue
-from tasks.reporting import run_logger
-from tasks.selection import Direction
+from prefect_ddp.tasks.gang import PRUNED_AT, REPORTED_AT, TrialLink, scheduler_queue
+from prefect_ddp.tasks.reporting import run_logger
+from prefect_ddp.tasks.selection import Direction
 
 POLL_S = 0.5
 CHANNEL_PREFIX = "prefect-ddp-trial"

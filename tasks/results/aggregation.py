@@ -10,18 +10,19 @@ from typing import Any
 
 from prefect import task
 
-from blocks.data_location import DataLocation
-from tasks.manifest import Manifest
-from tasks.retries import retry_transient
-from tasks.splitting import Split
-from tasks.storage import child_url, exists, write_json
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.splitting import Split
+from prefect_ddp.tasks.data.storage import exists, write_json
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.retries import retry_transient
+from prefect_ddp.tasks.urls import child_url
 
 GLOBAL_METRICS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "train_samples", "val_samples",
                   "unreadable")
 
 
 def check_stopped(results: list[dict[str, Any]]) -> None:
-    """Fail the run when its ranks stopped because too many images were unreadable (tasks.unreadable).
+    """Fail the run when its ranks stopped because too many images were unreadable (prefect_ddp.tasks.training.unreadable).
 
     The ranks stop together and return the reason rather than raise it: a rank that raised
     would be taken for a failed one, and the gang re-formed only to meet the same images.
@@ -56,7 +57,7 @@ def attempt_rows(gang_attempts: list[dict[str, Any]], resumes: list[dict[str, An
 def summarize(results: list[dict[str, Any]], split: Split,
               gang_attempts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The run's record. `best_epoch` is the epoch whose weights rank 0 kept in model.pt (by
-    tasks.selection's rule), so the summary, the report and promotion name that model."""
+    prefect_ddp.tasks.selection's rule), so the summary, the report and promotion name that model."""
     history = global_history(results)
     best = next(h for h in history if h["epoch"] == results[0]["best_epoch"])
     return {
@@ -80,7 +81,7 @@ def summarize(results: list[dict[str, Any]], split: Split,
 
 @task(name="aggregate", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
 def aggregate(
-    results: list[dict[str, Any]], manifest: Manifest, split: Split, output: DataLocation,
+    results: list[dict[str, Any]], manifest: Manifest, split: Split, output: Location,
     gang_attempts: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Write metrics, manifest and split under the run's output; return the summary.

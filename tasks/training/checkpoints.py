@@ -17,8 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tasks.process_group import broadcast_bytes
-from tasks.storage import exists, read_bytes, read_json, save_torch, write_json
+from prefect_ddp.tasks.data.storage import (
+    exists,
+    read_bytes,
+    read_json,
+    save_torch,
+    write_json,
+)
+from prefect_ddp.tasks.gang import broadcast_bytes
 
 # The recipe fields that change what a resumed training would compute.
 RECIPE_FIELDS = {"batch_size", "image_size", "optimizer", "lr", "momentum", "weight_decay",

@@ -6,14 +6,14 @@ Read top to bottom like torchvision's reference `train.py`: `train_one_epoch`, `
 about world size: at world size 1 there is no process group and the wrappers do nothing.
 
 An image that turns out unreadable when a loader reads it (gone, or not decoding) holds
-its place in its batch as a stand-in (tasks.dataset) that the loop masks out of the loss
+its place in its batch as a stand-in (prefect_ddp.tasks.data.dataset) that the loop masks out of the loss
 and the counts (`readable_loss`), and is counted against data.max_unreadable_fraction
-(tasks.unreadable).
+(prefect_ddp.tasks.training.unreadable).
 
 Rank 0 writes a checkpoint (a plain dict: model, optimizer, lr_scheduler, scaler, epoch,
-history, with the job's fingerprint: tasks.checkpoints) after every epoch; a re-formed gang
+history, with the job's fingerprint: prefect_ddp.tasks.training.checkpoints) after every epoch; a re-formed gang
 resumes from it, and only from its own job's. `model.pt` holds the best epoch's weights
-(tasks.selection), not the last epoch's.
+(prefect_ddp.tasks.selection), not the last epoch's.
 """
 
 from __future__ import annotations
@@ -27,44 +27,50 @@ from functools import partial
 from typing import Any
 
 import torch
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    update_progress_artifact,
-)
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from blocks.data_location import DataLocation
-from tasks.byte_cache import ByteCache
-from tasks.checkpoints import TrainingState, job_fingerprint, record_attempt
-from tasks.config import ModelConfig, TrainingConfig
-from tasks.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform, unreadable_positions
-from tasks.device_batches import ToDevice, encoded_collate
-from tasks.gang import RankContext
-from tasks.manifest import Manifest
-from tasks.model import build_model, model_card
-from tasks.process_group import all_reduce_sum, sync_buffers, wrap_ddp
-from tasks.promotion import WarmStart, load_warm_start
-from tasks.reporting import EPOCH_COLUMNS, BackgroundPublisher, in_prefect_run, markdown_table, run_logger
-from tasks.selection import Selection, best_index, is_better
-from tasks.shards import ShardDataset, ShardLoader, open_shards
-from tasks.splitting import Split
-from tasks.storage import child_url, save_torch, write_json
-from tasks.unreadable import UnreadableLimit, UnreadableTally
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
+from prefect_ddp.tasks.data.byte_cache import ByteCache
+from prefect_ddp.tasks.data.dataset import (
+    S3ImageFolder,
+    eval_transform,
+    forked_workers,
+    train_transform,
+    unreadable_positions,
+)
+from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
+from prefect_ddp.tasks.data.splitting import Split
+from prefect_ddp.tasks.data.storage import save_torch, write_json
+from prefect_ddp.tasks.gang import RankContext, all_reduce_sum, sync_buffers, wrap_ddp
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.reporting import (
+    run_logger,
+)
+from prefect_ddp.tasks.results.promotion import WarmStart, load_warm_start
+from prefect_ddp.tasks.selection import Selection, best_index, is_better
+from prefect_ddp.tasks.training.checkpoints import (
+    TrainingState,
+    job_fingerprint,
+    record_attempt,
+)
+from prefect_ddp.tasks.training.model import build_model, model_card
+from prefect_ddp.tasks.training.progress import ProgressReporter
+from prefect_ddp.tasks.training.unreadable import UnreadableLimit, UnreadableTally
+from prefect_ddp.tasks.urls import child_url
 
 CHECKPOINT = "checkpoint.pt"
 ATTEMPTS = "attempts.json"
-PROGRESS_INTERVAL_S = 5.0
-PROGRESS_CLOSE_TIMEOUT_S = 30.0
 
 
 class TrainJob(BaseModel):
     """Everything a rank needs, as plain values: data, split, model and recipe."""
 
-    source: DataLocation
-    output: DataLocation  # url: this run's output folder
+    source: Location
+    output: Location  # url: this run's output folder
     manifest: Manifest
     split: Split
     model: ModelConfig
@@ -72,13 +78,19 @@ class TrainJob(BaseModel):
     warm_start: WarmStart | None = None  # the deployment's kept model, resolved by the flow
     unreadable: UnreadableLimit = UnreadableLimit()  # decode-check's exclusions and data.max_unreadable_fraction
 
+    @field_validator("source", "output")
+    @classmethod
+    def _plain_settings(cls, location: Location) -> Location:
+        """A `DataLocation` block given here travels to the ranks as its plain settings only."""
+        return location.plain()
+
 
 @dataclass
 class PassSums:
     """One pass over a rank's batches: the sums the gang's metrics add up, and what it left out.
 
     `count` counts only the images trained or validated on: the stand-ins for unreadable
-    images (tasks.dataset) add nothing to the sums, and their keys go to `unreadable`.
+    images (prefect_ddp.tasks.data.dataset) add nothing to the sums, and their keys go to `unreadable`.
     """
 
     loss_sum: float = 0.0
@@ -103,7 +115,7 @@ class PassSums:
 def readable_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy summed over the batch's readable images, and how many there are.
 
-    Stand-ins for unreadable images (negative labels, tasks.dataset) add nothing. They are
+    Stand-ins for unreadable images (negative labels, prefect_ddp.tasks.data.dataset) add nothing. They are
     masked, not cut out of the batch: no device sync, and a batch with none readable keeps
     its graph, so its zero loss still runs backward, and DDP's gradient all-reduce with it.
     """
@@ -162,7 +174,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     some images twice; a plain stride covers every val image exactly once. With
     training.images_per_shard the train set is read from the shards that the flow's
     write-shards step wrote; that dataset batches itself and gives every rank the same
-    number of steps (tasks.shards).
+    number of steps (prefect_ddp.tasks.data.shard_reader).
     """
     cfg, m = job.training, job.manifest
     options = job.source.storage_options()
@@ -209,7 +221,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
 def loader_workers(cfg: TrainingConfig) -> int:
     """training.num_workers, or with none given, the rank's share of its host's cores less one.
 
-    The gang sets each rank's torch threads to that share (tasks.gang.rank.limit_threads).
+    The gang sets each rank's torch threads to that share (prefect_ddp.tasks.gang.rank.limit_threads).
     """
     return cfg.num_workers if cfg.num_workers is not None else max(0, torch.get_num_threads() - 1)
 
@@ -264,57 +276,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
     raise ValueError(f"Invalid scheduler {cfg.scheduler!r}. Only cosine, plateau and none are supported.")
 
 
-class ProgressReporter:
-    """Rank 0's live view in the Prefect UI: a progress bar and a table of epochs so far.
-
-    Updates go through a BackgroundPublisher: a slow or hanging API never holds up a step.
-    """
-
-    def __init__(self, ctx: RankContext, epochs: int, log: Any) -> None:
-        # Outside a Prefect run (a unit test, a plain script) there is no run to attach to.
-        enabled = ctx.is_main and in_prefect_run()
-        self.publisher = BackgroundPublisher(log) if enabled else None
-        self.epochs = epochs
-        self.artifact_id = None  # touched only by the publisher's thread
-        self.last_update = -PROGRESS_INTERVAL_S
-        self._set_progress(0.0)
-
-    def _publish_progress(self, percent: float) -> None:
-        if self.artifact_id is None:
-            self.artifact_id = create_progress_artifact(
-                percent, key="training-progress", description=f"Epochs done of {self.epochs}"
-            )
-        else:
-            update_progress_artifact(self.artifact_id, percent)
-
-    def _set_progress(self, percent: float) -> None:
-        if self.publisher:
-            self.publisher.submit("progress", lambda: self._publish_progress(percent))
-            self.last_update = time.monotonic()
-
-    def step(self, epoch: int, done: int, total: int) -> None:
-        """Within an epoch: move the bar, at most every PROGRESS_INTERVAL_S seconds."""
-        if time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S:
-            self._set_progress(100.0 * (epoch + done / max(total, 1)) / self.epochs)
-
-    def epoch_done(self, history: list[dict[str, Any]]) -> None:
-        self._set_progress(100.0 * len(history) / self.epochs)
-        if self.publisher:
-            rows = [[h[k] for k in EPOCH_COLUMNS] for h in history]
-            self.publisher.submit("table", lambda: create_markdown_artifact(
-                key="training-epochs",
-                description="Per-epoch metrics, all ranks reduced",
-                markdown="# Training so far\n\n" + markdown_table(EPOCH_COLUMNS, rows),
-            ))
-
-    def close(self) -> None:
-        """Send the last updates; a hanging API costs at most PROGRESS_CLOSE_TIMEOUT_S."""
-        if self.publisher:
-            self.publisher.close(PROGRESS_CLOSE_TIMEOUT_S)
-
-
 class BestWeights:
-    """Rank 0's `model.pt`: the weights of the best epoch so far (tasks.selection), with its card.
+    """Rank 0's `model.pt`: the weights of the best epoch so far (prefect_ddp.tasks.selection), with its card.
 
     Written after the epoch's checkpoint, whenever an epoch beats the best before it, so the
     model a run ships, a sweep points at and promotion compares is the epoch the reports
@@ -414,7 +377,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     """Per-rank entry point: train, validate, checkpoint; rank 0 keeps the best epoch's model.
 
     Every rank stops early together when a sweep prunes the run, or when too many images
-    turn out unreadable (tasks.unreadable): it then returns why, for the flow to fail with.
+    turn out unreadable (prefect_ddp.tasks.training.unreadable): it then returns why, for the flow to fail with.
     """
     log = run_logger()
     # Rank 0 speaks for the gang; the others log at debug so the run's log stays readable.

@@ -15,14 +15,20 @@ from optuna.trial import TrialState
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from blocks.data_location import DataLocation
-from tasks.gang.trial import REPORTED_AT
-from tasks.plots import markdown_image, png_bytes
-from tasks.reporting import markdown_table, run_logger
-from tasks.search_space import describe
-from tasks.storage import child_url, safe_segment, write_bytes, write_json
-from tasks.selection import best_index
-from tasks.sweep import INTERRUPTED, OUTCOME, SweepSettings, direction_of
+from prefect_ddp.tasks.data.storage import write_bytes, write_json
+from prefect_ddp.tasks.gang import REPORTED_AT
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.reporting import markdown_table, run_logger
+from prefect_ddp.tasks.results.plots import markdown_image, png_bytes
+from prefect_ddp.tasks.selection import best_index
+from prefect_ddp.tasks.sweeps.search_space import describe
+from prefect_ddp.tasks.sweeps.settings import (
+    INTERRUPTED,
+    OUTCOME,
+    SweepSettings,
+    direction_of,
+)
+from prefect_ddp.tasks.urls import child_url, safe_segment
 
 MIN_TRIALS_FOR_IMPORTANCE = 3
 
@@ -36,7 +42,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             continue
         curve = sorted(trial.intermediate_values.items())
         outcome = trial.user_attrs.get(OUTCOME, {})
-        # The epoch whose weights the trial kept (tasks.selection): the one its model holds.
+        # The epoch whose weights the trial kept (prefect_ddp.tasks.selection): the one its model holds.
         best_epoch = curve[best_index([v for _, v in curve], direction_of(study))][0] if curve else None
         start = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
         rows.append({
@@ -117,7 +123,7 @@ def sweep_markdown(settings: SweepSettings, rows: list[dict[str, Any]], best: di
 
 
 @task(name="sweep-report")
-def publish_sweep_report(study: optuna.Study, settings: SweepSettings, output: DataLocation) -> dict[str, Any]:
+def publish_sweep_report(study: optuna.Study, settings: SweepSettings, output: Location) -> dict[str, Any]:
     """The comparison artifact and `<output>/<name>/sweep.json`; returns what sweep.json holds."""
     rows = trial_rows(study)
     weights = importances(study)

@@ -6,7 +6,7 @@ and left out of the manifest, so they never reach training; when more than
 `data.max_unreadable_fraction` of them are, the run stops instead. A failed fetch
 (throttling, a dropped connection) is retried, never taken for a corrupt image. Images it
 did not check (`data.validate_sample`) or that change later are left out by training when
-it meets them, and counted with these (tasks.unreadable).
+it meets them, and counted with these (prefect_ddp.tasks.training.unreadable).
 """
 
 from __future__ import annotations
@@ -22,14 +22,16 @@ from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 from pydantic import BaseModel
 
-from blocks.data_location import DataLocation
-from tasks.config import DataConfig
-from tasks.dataset import SHOWN_KEYS, open_rgb
-from tasks.gang.states import crash_unfinished_task_runs
-from tasks.manifest import Manifest
-from tasks.reporting import markdown_table
-from tasks.retries import retry_transient
-from tasks.storage import fetch_objects, filesystem, is_s3, object_read_options
+from prefect_ddp.tasks.config import DataConfig
+from prefect_ddp.tasks.data.dataset import SHOWN_KEYS, open_rgb
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
+from prefect_ddp.tasks.data.storage import filesystem
+from prefect_ddp.tasks.gang import crash_unfinished_task_runs
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.reporting import markdown_table
+from prefect_ddp.tasks.retries import retry_transient
+from prefect_ddp.tasks.urls import is_s3
 
 CHUNK_SIZE = 256
 FETCH_CONCURRENCY = 32
@@ -48,7 +50,7 @@ class DecodeResult(BaseModel):
 
 
 @task(name="validate-source", retries=1, retry_delay_seconds=[5], retry_condition_fn=retry_transient)
-def validate_source(location: DataLocation) -> None:
+def validate_source(location: Location) -> None:
     """Fail early, with a message a person can act on, when the url cannot be read.
 
     One Prefect retry, 5 s later, not more: botocore already retries each request (5
@@ -78,7 +80,7 @@ def validate_source(location: DataLocation) -> None:
     raise empty
 
 
-def _empty_source_error(fs: AbstractFileSystem, location: DataLocation) -> FileNotFoundError:
+def _empty_source_error(fs: AbstractFileSystem, location: Location) -> FileNotFoundError:
     """Why `location` holds nothing: its bucket is not there, or the prefix is empty."""
     bucket = location.url.split("://", 1)[1].split("/", 1)[0]
     if is_s3(location.url) and not fs.exists(bucket):  # s3fs answers False, never raises, here
@@ -93,7 +95,7 @@ def _empty_source_error(fs: AbstractFileSystem, location: DataLocation) -> FileN
     )
 
 
-def _block_name(location: DataLocation) -> str:
+def _block_name(location: Location) -> str:
     name = getattr(location, "_block_document_name", None)
     which = f"data-location block {name!r}" if name else "the data-location block"
     key = f" (aws_access_key_id {location.aws_access_key_id!r})" if location.aws_access_key_id else ""
@@ -121,7 +123,7 @@ def _excluded(position: int, error: Exception) -> DecodeResult:
 
 
 @task(name="decode-check", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient)
-def decode_chunk(location: DataLocation, keys: list[str], positions: list[int]) -> list[DecodeResult]:
+def decode_chunk(location: Location, keys: list[str], positions: list[int]) -> list[DecodeResult]:
     """Fetch and decode one chunk of images on a Dask worker.
 
     Only images that fail to decode or are missing are left out. A fetch that still fails
@@ -132,13 +134,13 @@ def decode_chunk(location: DataLocation, keys: list[str], positions: list[int]) 
     fs, root = filesystem(location.url, options)
     paths = [f"{root}/{key}" for key in keys]
     # s3fs, not obstore: this Dask worker forks the ranks' DataLoader workers later, and
-    # obstore started here would leave them reading with s3fs (tasks.storage.fetch_objects).
+    # obstore started here would leave them reading with s3fs (prefect_ddp.tasks.data.object_reads.fetch_objects).
     fetched = fetch_objects(fs, paths, FETCH_CONCURRENCY, FETCH_ATTEMPTS, keep_fork_safe=True)
     _raise_fetch_failures(location, fetched)
     return [decode_result(position, fetched[path]) for position, path in zip(positions, paths)]
 
 
-def _raise_fetch_failures(location: DataLocation, fetched: dict[str, bytes | Exception]) -> None:
+def _raise_fetch_failures(location: Location, fetched: dict[str, bytes | Exception]) -> None:
     failed = {path: result for path, result in fetched.items()
               if isinstance(result, Exception) and not isinstance(result, FileNotFoundError)}
     if not failed:
@@ -175,7 +177,7 @@ def chunked(items: Sequence[int], size: int) -> list[list[int]]:
 
 def validate_dataset(
     runner: DaskTaskRunner,
-    location: DataLocation,
+    location: Location,
     manifest: Manifest,
     per_class: int | None = None,
     max_unreadable_fraction: float = DEFAULT_MAX_UNREADABLE,

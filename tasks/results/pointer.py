@@ -27,7 +27,8 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from tasks.storage import filesystem, is_local_url, is_s3, write_bytes
+from prefect_ddp.tasks.data.storage import filesystem, write_bytes
+from prefect_ddp.tasks.urls import is_local_url, is_s3
 
 Document = dict[str, Any]
 # Who loses a race reads and decides again; this many overtakings in a row is no race.

@@ -1,10 +1,10 @@
 """Take the README's screenshots again: the Run form, a run's graph, the training report,
 and a sweep's comparison.
 
-    python -m deployments.screenshots          # writes docs/images/*.png
+    python -m tests.support.screenshots          # writes docs/images/*.png
 
 It starts a Prefect server on a fresh database, serves the laptop deployments
-(`deployments.serve`) on the demo images, submits a run and a sweep from the UI's Run form
+(`prefect_ddp.deployments.serve`) on the demo images, submits a run and a sweep from the UI's Run form
 in headless Chromium, waits for them, and photographs what a person sees. About 4 minutes
 on 2 cores.
 """
@@ -20,9 +20,14 @@ from playwright.sync_api import expect
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from deployments.browser import VIEWPORT, flow_run_by_name, prefect_ui, wait_for_final_state
-from deployments.local_services import prefect_server
-from deployments.serve import DEPLOYMENT, serving
+from prefect_ddp.deployments.local_services import prefect_server
+from prefect_ddp.deployments.serve import DEPLOYMENT, serving
+from tests.support.browser import (
+    VIEWPORT,
+    flow_run_by_name,
+    prefect_ui,
+    wait_for_final_state,
+)
 
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 

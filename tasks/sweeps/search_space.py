@@ -44,7 +44,11 @@ class Dimension(BaseModel):
 
     def distribution(self) -> Any:
         """The Optuna distribution this dimension draws from."""
-        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+        from optuna.distributions import (
+            CategoricalDistribution,
+            FloatDistribution,
+            IntDistribution,
+        )
 
         if self.kind in ("grid", "choice"):
             return CategoricalDistribution(self.values)

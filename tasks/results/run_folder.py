@@ -17,9 +17,10 @@ from typing import Any
 
 from prefect import task
 
-from blocks.data_location import DataLocation
-from tasks.retries import retry_transient
-from tasks.storage import child_url, exists, read_json, safe_segment, write_json
+from prefect_ddp.tasks.data.storage import exists, read_json, write_json
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.retries import retry_transient
+from prefect_ddp.tasks.urls import child_url, safe_segment
 
 RUN_RECORD = "run.json"
 
@@ -35,7 +36,7 @@ class OutputNotWritable(PermissionError):
 
 
 @task(name="claim-output", retries=3, retry_delay_seconds=[2, 10, 30], retry_condition_fn=retry_transient)
-def claim_run_folder(out: DataLocation, run: dict[str, Any]) -> None:
+def claim_run_folder(out: Location, run: dict[str, Any]) -> None:
     """Write `run.json` (who owns this folder) below `out.url`; refuse a folder another run owns."""
     options = out.storage_options()
     record_url = child_url(out.url, RUN_RECORD)

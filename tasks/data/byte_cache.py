@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.private_folder import private_folder
+from prefect_ddp.tasks.private_folder import private_folder
 
 FOLDER_ENV = "PREFECT_DDP_CACHE_DIR"
 # The folder's running total of entry bytes. At the top of the folder, where no entry is

@@ -7,10 +7,10 @@ about a second), so `training.decode_on="device"` moves the decode there instead
 loader hands over each image's encoded bytes and the rank decodes the batch's JPEGs in one
 call to torchvision's nvjpeg decoder (`torchvision.io.decode_jpeg(..., device="cuda")`),
 then augments on the GPU with the same torchvision transforms. Images that are not JPEGs
-(PNG, 16-bit, CMYK) are still decoded on the CPU by `tasks.dataset.open_rgb`.
+(PNG, 16-bit, CMYK) are still decoded on the CPU by `prefect_ddp.tasks.data.dataset.open_rgb`.
 
 An image whose decode fails there (or that is gone: its bytes arrive empty) is left out as
-the loader leaves out those it decodes itself (tasks.dataset): a stand-in takes its place,
+the loader leaves out those it decodes itself (prefect_ddp.tasks.data.dataset): a stand-in takes its place,
 labelled with its position, which the encoded batch carries for that. What a decoder
 accepts without an error is trained on as it decodes.
 
@@ -28,7 +28,14 @@ from torch.utils.data import default_collate
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
-from tasks.dataset import EncodedImage, Sample, blank_image, decoded, unreadable_label, with_stand_ins
+from prefect_ddp.tasks.data.dataset import (
+    EncodedImage,
+    Sample,
+    blank_image,
+    decoded,
+    unreadable_label,
+    with_stand_ins,
+)
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -67,7 +74,7 @@ def decode_on(device: torch.device, images: list[torch.Tensor]) -> list[torch.Te
 
 
 def decode_other(device: torch.device, data: torch.Tensor) -> torch.Tensor | None:
-    """An image that is not a JPEG, decoded on the CPU (`tasks.dataset.decoded`) and moved to `device`."""
+    """An image that is not a JPEG, decoded on the CPU (`prefect_ddp.tasks.data.dataset.decoded`) and moved to `device`."""
     image = decoded(data.numpy().tobytes())
     return None if image is None else v2.functional.pil_to_tensor(image).to(device)
 

@@ -3,7 +3,7 @@
 dask-pytorch-ddp's class of this name listed the bucket on every rank and sent a HEAD and
 a GET through a new boto3 resource per image. This one takes the manifest, so nothing is
 listed, and implements `__getitems__`, which the DataLoader calls with a whole batch of
-indices: the batch's images are fetched concurrently (`tasks.storage.fetch_objects`, exact
+indices: the batch's images are fetched concurrently (`prefect_ddp.tasks.data.object_reads.fetch_objects`, exact
 paths, never glob patterns), so their latencies overlap, then decoded. A batch that cannot
 be fetched within `fetch_timeout_s` fails the rank with the images' names rather than
 stalling the gang. Any fsspec URL works (s3://, file://, local path).
@@ -12,7 +12,7 @@ An image that is gone (deleted since it was listed) or does not decode (decode-c
 not sample it, or it changed since) is left out rather than failing the rank: the rank
 would fail again in every re-formed gang, as the image stays unreadable. Its place in the
 batch holds a stand-in labelled `unreadable_label(position)`, which the training loop
-masks out of the loss and the counts and names (tasks.unreadable), so that no rank takes
+masks out of the loss and the counts and names (prefect_ddp.tasks.training.unreadable), so that no rank takes
 a step more or less than the others (DDP would hang in a collective) and no batch
 shrinks to the one image BatchNorm cannot train on, or to none. Other fetch failures
 (throttling, resets, timeouts, permissions) are retried and then fail the batch as before.
@@ -34,10 +34,11 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from tasks.byte_cache import ByteCache
-from tasks.config import TrainingConfig
-from tasks.model import IMAGENET_MEAN, IMAGENET_STD
-from tasks.storage import ProcessFilesystem, fetch_objects, object_read_options
+from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.byte_cache import ByteCache
+from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
+from prefect_ddp.tasks.data.storage import ProcessFilesystem
+from prefect_ddp.tasks.training.model import IMAGENET_MEAN, IMAGENET_STD
 
 FETCH_ATTEMPTS = 4
 BLANK_SIDE = 8
@@ -102,13 +103,13 @@ def decoded(data: bytes | None) -> Image.Image | None:
         return None
     try:
         return open_rgb(data)
-    except Exception:  # any decoder error means unreadable, as decode-check takes it (tasks.validation)
+    except Exception:  # any decoder error means unreadable, as decode-check takes it (prefect_ddp.tasks.data.validation)
         return None
 
 
 def encoded_tensor(data: bytes | None) -> torch.Tensor:
     """`data` as a uint8 tensor; an empty one for an image that is gone, which then fails to
-    decode on the rank like any unreadable image (tasks.device_batches)."""
+    decode on the rank like any unreadable image (prefect_ddp.tasks.data.device_batches)."""
     if not data:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -220,7 +221,7 @@ class S3ImageFolder(Dataset):
         cache: keeps fetched bytes on local disk, so later epochs read them from there;
             its entries are keyed on the endpoint `storage_options` name as well.
 
-    >>> from tasks.dataset import S3ImageFolder, eval_transform
+    >>> from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
     >>> dataset = S3ImageFolder("s3://bucket/flowers", ["daisy/1.jpg"], [0], {}, eval_transform(224))
     >>> len(dataset)
     1

@@ -2,7 +2,7 @@
 
 Optuna is the engine (ask/tell with its samplers and pruners). Each trial's gang reports
 its metric after every epoch through `ctx.report`; the report reaches this process
-through the trial's relay (tasks.trial_relay), which records it on the study and asks the
+through the trial's relay (prefect_ddp.tasks.sweeps.trial_relay), which records it on the study and asks the
 pruner. Only this process opens the study, so it may live where the cluster cannot reach
 (SQLite on the flow's host: below a local output, or in a private folder of the user's
 for an S3 output), or in a database named by a `study-storage` block (its URL holds a
@@ -25,97 +25,51 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
 import distributed
 import optuna
 from optuna.trial import TrialState
-from prefect_dask import DaskTaskRunner
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from prefect_dask import DaskTaskRunner
 
-from blocks.data_location import DataLocation
-from blocks.saved import load_block
-from blocks.study_storage import StudyStorage
-from tasks.gang import run_gang
-from tasks.gang.run import current_dask_runner
-from tasks.gang.stopping import stop_all_gangs, stop_scope
-from tasks.gang.trial import PRUNED_AT, TrialLink
-from tasks.private_folder import private_folder
-from tasks.reporting import run_logger
-from tasks.search_space import Dimension, Value, describe, distributions, grid, grid_size, with_params
-from tasks.selection import Direction, best_index
-from tasks.storage import absolute_url, child_url, is_local_url, safe_segment
-from tasks.trial_relay import TrialRelay
+from prefect_ddp.blocks.saved import load_block
+from prefect_ddp.blocks.study_storage import StudyStorage
+from prefect_ddp.tasks.gang import (
+    PRUNED_AT,
+    TrialLink,
+    current_dask_runner,
+    run_gang,
+    stop_all_gangs,
+    stop_scope,
+)
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.private_folder import private_folder
+from prefect_ddp.tasks.reporting import run_logger
+from prefect_ddp.tasks.selection import best_index
+from prefect_ddp.tasks.sweeps.search_space import (
+    Dimension,
+    describe,
+    distributions,
+    grid,
+    grid_size,
+    with_params,
+)
+from prefect_ddp.tasks.sweeps.settings import INTERRUPTED, OUTCOME, SweepSettings, direction_of
+from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
+from prefect_ddp.tasks.sweeps.trial_relay import TrialRelay
+from prefect_ddp.tasks.urls import absolute_url, child_url, is_local_url, safe_segment
 
-# Trial outcomes, kept on the Optuna trial as user attributes.
-OUTCOME = "outcome"
-INTERRUPTED = "interrupted"
 # Which sweep runs the study now, kept on the study: {"id", "name", "beat"}.
 OWNER = "running_sweep"
 HEARTBEAT_S = 10.0
 OWNER_STALE_S = 60.0
 CLAIM_SETTLE_S = 0.5
 STUDY_DIR_ENV = "PREFECT_DDP_STUDY_DIR"
-
-
-class SweepSettings(BaseModel):
-    """How a sweep searches: how many trials, how many at once, what it optimises and how."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field("sweep", description="Names the study; running the same name again continues it.")
-    n_trials: int = Field(8, ge=1, le=1000, description="Trials in the study, counting finished ones.")
-    concurrency: int = Field(2, ge=1, le=64, description="Trials training at the same time, each on its own workers.")
-    ranks_per_trial: int = Field(1, ge=1, le=256, description="Workers (DDP ranks) each trial trains on.")
-    metric: str = Field("val_acc", description="The per-epoch metric to optimise, as the trials report it.")
-    direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether more of the metric is better.")
-    sampler: Literal["grid", "random", "tpe"] = Field(
-        "tpe", description="grid: every combination (every dimension kind grid); random; tpe: Optuna's TPE."
-    )
-    pruner: Literal["none", "median", "hyperband"] = Field(
-        "median", description="Stops trials early: median (worse than the median so far), hyperband, or none."
-    )
-    startup_trials: int = Field(
-        2, ge=0, le=100, description="Trials that must finish before the median pruner stops others."
-    )
-    seed: int = Field(0, ge=0, description="Seed of the sampler.")
-    first_trials: list[dict[str, Value]] = Field(
-        default_factory=list, description="Parameter sets to try first, e.g. a configuration known to work."
-    )
-    storage: str | None = Field(
-        None, description="Optuna storage URL without a password (sqlite:///PATH, or a database that needs "
-        "none); a URL with a password belongs in storage_block. Empty: SQLite on the sweep's host, in "
-        "OUTPUT/NAME/study.db for a local output, else in the user's data folder."
-    )
-    storage_block: str | None = Field(
-        None, description="Name of a saved study-storage block: a database URL with its password, kept secret."
-    )
-    lease_timeout_s: int = Field(
-        1800, ge=0, description="How long a trial waits for free workers before it fails."
-    )
-    promote: bool = Field(
-        False, description="At the end, keep the best trial's model under output.model_name (or the "
-        "deployment's name) when it is at least as good as the model kept there. Trials never promote on their own."
-    )
-
-    @model_validator(mode="after")
-    def _no_password_in_parameters(self) -> SweepSettings:
-        if self.storage and self.storage_block:
-            raise ValueError(f"settings got both storage={self.storage!r} and storage_block={self.storage_block!r}; "
-                             "give one of them (or neither, for SQLite on the sweep's host).")
-        if self.storage and urlsplit(self.storage).password:
-            raise ValueError(
-                "settings.storage holds a password: as a parameter it would be shown in the UI and stored with "
-                "every run. Save the URL in a study-storage block (StudyStorage(url=...).save('NAME')) and set "
-                "settings.storage_block='NAME' instead."
-            )
-        return self
 
 
 def study_storage(settings: SweepSettings, output_url: str) -> str:
@@ -316,17 +270,13 @@ def tell(study: Any, trial: Any, outcome: dict[str, Any]) -> None:
     if PRUNED_AT in recorded.user_attrs:
         study.tell(trial, state=TrialState.PRUNED)
     elif outcome["state"] == "completed" and values:
-        # The best epoch's value (tasks.selection): the epoch whose weights the trial kept.
+        # The best epoch's value (prefect_ddp.tasks.selection): the epoch whose weights the trial kept.
         study.tell(trial, values[best_index(values, direction_of(study))])
     else:
         reason = outcome.get("message") or "it reported no metric: call ctx.report(epoch, metrics) every epoch"
         log.warning("Trial %d failed: %s", trial.number, reason)
         study.tell(trial, state=TrialState.FAIL)
     log.info("Trial %d: %s.", trial.number, study.get_trials(deepcopy=False)[trial.number].state.name.lower())
-
-
-def direction_of(study: optuna.Study) -> Direction:
-    return "maximize" if study.direction == optuna.study.StudyDirection.MAXIMIZE else "minimize"
 
 
 def trial_run_name(number: int, params: dict[str, Any]) -> str:
@@ -352,7 +302,7 @@ def sweep(
     settings: SweepSettings | None = None,
     *,
     task_runner: DaskTaskRunner | None = None,
-    output: DataLocation | str = "./outputs",
+    output: Location | str = "./outputs",
 ) -> dict[str, Any]:
     """Sweep any per-rank training function over `space`, on the current flow's Dask cluster.
 
@@ -370,7 +320,7 @@ def sweep(
         settings: trials, concurrency, metric and direction, sampler, pruner, name.
         task_runner: the DaskTaskRunner; default: the current flow's.
         output: where `sweep.json`, the plots and the trials' folders go: a local folder
-            (relative to the working directory) or an s3:// URL (a `DataLocation` for its
+            (relative to the working directory) or an s3:// URL (a `Location` for its
             credentials); see `study_storage` for where the study goes.
 
     Returns:
@@ -381,12 +331,10 @@ def sweep(
         ...       {"lr": {"kind": "log_uniform", "low": 1e-4, "high": 1e-1}},
         ...       SweepSettings(n_trials=8, metric="loss", direction="minimize"))
     """
-    from tasks.sweep_report import publish_sweep_report
-
     settings = settings or SweepSettings()
     space = {path: Dimension.model_validate(dimension) for path, dimension in space.items()}
     runner = task_runner or current_dask_runner()
-    output = output if isinstance(output, DataLocation) else DataLocation(url=absolute_url(output))
+    output = output if isinstance(output, Location) else Location(url=absolute_url(output))
     study = open_study(settings, space, study_storage(settings, output.url), max_epochs=config.get("epochs", "auto"))
 
     def train_trial(trial: Any, link: TrialLink) -> dict[str, Any]:

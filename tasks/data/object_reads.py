@@ -1,40 +1,33 @@
-"""Reading and writing through fsspec, so s3://, file:// and plain paths behave alike.
+"""Whole-object reads of images: one GET each, a batch at a time, with retries and a deadline.
 
-Outputs are written under a prefix that the user chose; `child_url` keeps every name the
-project derives (run names, file names) inside it. Whole-object reads of images
-(`fetch_objects`) go through obstore where the source is S3: bench/s3_clients.py measured
-its GETs at 0.14-0.22 ms of CPU each against s3fs's 1.1-1.5 ms (bench/RESULTS.md).
-Listing, writes and other filesystems stay on fsspec.
+Where the source is S3 the GETs go through obstore: bench/s3_clients.py measured them at
+0.14-0.22 ms of CPU each against s3fs's 1.1-1.5 ms (bench/RESULTS.md). obstore does not
+survive fork, so a process forked after it started reads through s3fs instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import io
 import json
 import logging
 import os
-import posixpath
-import re
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import datetime, timedelta, timezone
 from typing import Any
-from urllib.parse import urlparse
 
 import botocore.session
-import fsspec
 import obstore
-import torch
 from fsspec import AbstractFileSystem
 from fsspec.asyn import AsyncFileSystem, _run_coros_in_chunks, sync
 from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 from obstore.store import S3Store
 from s3fs import S3FileSystem
+
+from prefect_ddp.tasks.urls import is_s3
 
 # Failures that come back the same on every attempt: retrying them only delays the message.
 PERMANENT_FETCH_ERRORS = (FileNotFoundError, PermissionError)
@@ -48,7 +41,7 @@ DEFAULT_REQUEST_ATTEMPTS = 5
 OBSTORE_READ_TIMEOUT = timedelta(seconds=60)
 OBSTORE_REQUEST_TIMEOUT = timedelta(days=1)
 CREDENTIALS_TTL = timedelta(minutes=5)  # botocore renews credentials 10-15 minutes before they expire
-# The s3fs options obstore can honour (what DataLocation.storage_options and
+# The s3fs options obstore can honour (what Location.storage_options and
 # object_read_options produce); any other keeps the reads on s3fs.
 OBSTORE_OPTIONS = {"anon", "key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "max_concurrency"}
 OBSTORE_CLIENT_KWARGS = {"region_name", "endpoint_url"}
@@ -60,127 +53,6 @@ _stores: dict[tuple[str, str], S3Store] = {}  # (options as JSON, bucket) -> sto
 _stores_lock = threading.Lock()
 # The process that started obstore's runtime (tokio's), inherited by forked children.
 _runtime_pid: int | None = None
-
-
-def filesystem(url: str, storage_options: dict[str, Any]) -> tuple[AbstractFileSystem, str]:
-    """Return the filesystem for `url` and the path inside it, without a trailing slash."""
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
-    return fs, path.rstrip("/")
-
-
-class ProcessFilesystem:
-    """The filesystem of `url`, made again in each process that asks for it.
-
-    Datasets hold one of these instead of a filesystem: a client made before a DataLoader
-    forks would share its event loop and sockets with the children.
-    """
-
-    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
-        self.url = url
-        self.storage_options = storage_options
-        self._made: tuple[int, AbstractFileSystem, str] | None = None
-
-    def get(self) -> tuple[AbstractFileSystem, str]:
-        """(filesystem, the path of `url` in it), made in this process."""
-        if self._made is None or self._made[0] != os.getpid():
-            self._made = (os.getpid(), *filesystem(self.url, self.storage_options))
-        return self._made[1], self._made[2]
-
-
-def child_url(base: str, *parts: str) -> str:
-    """Join `parts` below `base`, refusing any part that would step outside of it.
-
-    Args:
-        base: the output prefix the user chose.
-        parts: single path segments (run names, file names).
-
-    >>> child_url("s3://b/out", "run-1", "model.pt")
-    's3://b/out/run-1/model.pt'
-    """
-    for part in parts:
-        if not part or part in (".", "..") or "/" in part or "\\" in part or "\x00" in part:
-            raise ValueError(
-                f"Path segment {part!r} is not allowed below {base!r}: use a plain name "
-                "without '/', '\\\\', '.' or '..'."
-            )
-    return posixpath.join(base.rstrip("/"), *parts)
-
-
-def safe_segment(name: str) -> str:
-    """`name` as one harmless path segment: a flow run renamed 'a/../b' becomes 'a-..-b'."""
-    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip(".-")
-    return cleaned or "run"
-
-
-def write_bytes(url: str, data: bytes, storage_options: dict[str, Any]) -> None:
-    """Write `data` so that readers see the old object or the whole new one, never a part.
-
-    S3 makes a PUT visible only once complete; on a filesystem we write a temporary
-    sibling and rename it over the target.
-    """
-    fs, path = filesystem(url, storage_options)
-    parent = posixpath.dirname(path)
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    if "s3" in fs.protocol:
-        fs.pipe_file(path, data)
-        return
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    fs.pipe_file(tmp, data)
-    fs.mv(tmp, path)
-
-
-def read_bytes(url: str, storage_options: dict[str, Any]) -> bytes:
-    fs, path = filesystem(url, storage_options)
-    return fs.cat_file(path)
-
-
-def write_json(url: str, obj: Any, storage_options: dict[str, Any]) -> None:
-    write_bytes(url, json.dumps(obj, indent=2, sort_keys=True).encode(), storage_options)
-
-
-def read_json(url: str, storage_options: dict[str, Any]) -> Any:
-    return json.loads(read_bytes(url, storage_options))
-
-
-def save_torch(url: str, obj: Any, storage_options: dict[str, Any]) -> None:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    write_bytes(url, buffer.getvalue(), storage_options)
-
-
-def load_torch(url: str, storage_options: dict[str, Any]) -> Any:
-    """Load tensors saved by `save_torch`; weights_only because the bytes come from storage."""
-    return torch.load(io.BytesIO(read_bytes(url, storage_options)), weights_only=True, map_location="cpu")
-
-
-def exists(url: str, storage_options: dict[str, Any]) -> bool:
-    fs, path = filesystem(url, storage_options)
-    return fs.exists(path)
-
-
-def remove_tree(url: str, storage_options: dict[str, Any]) -> None:
-    """Delete `url` and everything below it; nothing to delete is no error."""
-    fs, path = filesystem(url, storage_options)
-    try:
-        fs.rm(path, recursive=True)
-    except FileNotFoundError:
-        pass
-
-
-def is_s3(url: str) -> bool:
-    return url.startswith(("s3://", "s3a://"))
-
-
-def absolute_url(url: str) -> str:
-    """A plain local path made absolute (ranks run in other processes, in other folders);
-    URLs (s3://, file://) as they are."""
-    return url if "://" in url else os.path.abspath(url)
-
-
-def is_local_url(url: str) -> bool:
-    """A path on this host's disk: a plain path or file://, not s3:// or another store."""
-    return urlparse(url).scheme in ("", "file")
 
 
 def object_read_options(url: str, storage_options: dict[str, Any], concurrency: int) -> dict[str, Any]:

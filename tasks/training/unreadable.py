@@ -1,9 +1,9 @@
 """Images found unreadable during training: counted against `data.max_unreadable_fraction`, reported.
 
-decode-check leaves out what it finds before any rank starts (tasks.validation). An image
+decode-check leaves out what it finds before any rank starts (prefect_ddp.tasks.data.validation). An image
 it did not check (`data.validate_sample`), or one deleted or rewritten since, can still
-fail when a loader reads it: the loaders leave it out of its batch (tasks.dataset) and
-the training loop collects its key (tasks.training). This module keeps the count.
+fail when a loader reads it: the loaders leave it out of its batch (prefect_ddp.tasks.data.dataset) and
+the training loop collects its key (prefect_ddp.tasks.training.recipe). This module keeps the count.
 
 - After every epoch the ranks pool the keys they met (`all_gather_strings`): every rank
   holds the same set, so all decide alike at the same epoch boundary.
@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
-from tasks.config import DataConfig
-from tasks.dataset import SHOWN_KEYS
-from tasks.manifest import Manifest
-from tasks.process_group import all_gather_strings
-from tasks.reporting import run_logger
+from prefect_ddp.tasks.config import DataConfig
+from prefect_ddp.tasks.data.dataset import SHOWN_KEYS
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.gang import all_gather_strings
+from prefect_ddp.tasks.reporting import run_logger
 
 REPORTED_KEYS = 20  # keys named in metrics.json and the report; each epoch's record holds all
 

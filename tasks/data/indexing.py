@@ -17,11 +17,12 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.context import TaskRunContext
 
-from blocks.data_location import DataLocation
-from tasks.manifest import IMAGE_EXTENSIONS, Manifest
-from tasks.reporting import markdown_table
-from tasks.retries import retry_transient
-from tasks.storage import filesystem, is_s3
+from prefect_ddp.tasks.data.manifest import IMAGE_EXTENSIONS, Manifest
+from prefect_ddp.tasks.data.storage import filesystem
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.reporting import markdown_table
+from prefect_ddp.tasks.retries import retry_transient
+from prefect_ddp.tasks.urls import is_s3
 
 MIN_CLASSES = 2
 # Class folders listed at once. botocore's connection pool holds 10 connections by default
@@ -65,7 +66,7 @@ def build_manifest(root: str, listing: dict[str, int]) -> Manifest:
     )
 
 
-def list_folder(location: DataLocation) -> dict[str, int]:
+def list_folder(location: Location) -> dict[str, int]:
     """`{path relative to root: size in bytes}` for every object below the location.
 
     On S3 each class folder is listed concurrently: one recursive listing is a chain of
@@ -119,7 +120,7 @@ async def find_per_folder(
 
 def _listing_cache_key(context: TaskRunContext, parameters: dict) -> str:
     # Keyed on where the data is, not on the credentials used to read it.
-    location: DataLocation = parameters["location"]
+    location: Location = parameters["location"]
     where = f"{location.url}|{location.endpoint_url}|{location.region_name}"
     return "image-index-" + hashlib.sha256(where.encode()).hexdigest()[:24]
 
@@ -134,7 +135,7 @@ def _listing_cache_key(context: TaskRunContext, parameters: dict) -> str:
     # JSON, not pickle: a cached manifest is read back from storage.
     result_serializer="json",
 )
-def index_images(location: DataLocation) -> Manifest:
+def index_images(location: Location) -> Manifest:
     """List the image folder once and leave an index summary artifact."""
     manifest = build_manifest(location.url, list_folder(location))
     counts = manifest.class_counts()

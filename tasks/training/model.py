@@ -14,10 +14,10 @@ import torchvision
 from prefect import task
 from torch import nn
 
-from blocks.data_location import DataLocation
-from tasks.config import BACKBONES, ModelConfig
-from tasks.retries import retry_transient
-from tasks.storage import exists, load_torch
+from prefect_ddp.tasks.config import BACKBONES, ModelConfig
+from prefect_ddp.tasks.data.storage import exists, load_torch
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.retries import retry_transient
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -96,7 +96,7 @@ def load_starting_weights(uri: str, storage_options: dict[str, Any]) -> dict[str
 
 
 @task(name="check-model", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
-def check_starting_weights(config: ModelConfig, num_classes: int, location: DataLocation) -> None:
+def check_starting_weights(config: ModelConfig, num_classes: int, location: Location) -> None:
     """Fail before the data check and training when the starting weights are missing or do not fit.
 
     A state_dict URI is loaded into the backbone here, once; a torchvision weights name is

@@ -1,0 +1,1 @@
+"""What a run leaves: its folder, metrics, report and the promoted model."""

@@ -1,0 +1,1 @@
+"""Hyperparameter sweeps: Optuna asks, trials train as gangs, the sweep compares them."""

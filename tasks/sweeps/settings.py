@@ -1,0 +1,74 @@
+"""A sweep's settings and the words its trials leave on the study, shared by the sweep and its report."""
+
+from __future__ import annotations
+
+from typing import Literal
+from urllib.parse import urlsplit
+
+import optuna
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from prefect_ddp.tasks.selection import Direction
+from prefect_ddp.tasks.sweeps.search_space import Value
+
+# Trial outcomes, kept on the Optuna trial as user attributes.
+OUTCOME = "outcome"
+INTERRUPTED = "interrupted"
+
+
+class SweepSettings(BaseModel):
+    """How a sweep searches: how many trials, how many at once, what it optimises and how."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("sweep", description="Names the study; running the same name again continues it.")
+    n_trials: int = Field(8, ge=1, le=1000, description="Trials in the study, counting finished ones.")
+    concurrency: int = Field(2, ge=1, le=64, description="Trials training at the same time, each on its own workers.")
+    ranks_per_trial: int = Field(1, ge=1, le=256, description="Workers (DDP ranks) each trial trains on.")
+    metric: str = Field("val_acc", description="The per-epoch metric to optimise, as the trials report it.")
+    direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether more of the metric is better.")
+    sampler: Literal["grid", "random", "tpe"] = Field(
+        "tpe", description="grid: every combination (every dimension kind grid); random; tpe: Optuna's TPE."
+    )
+    pruner: Literal["none", "median", "hyperband"] = Field(
+        "median", description="Stops trials early: median (worse than the median so far), hyperband, or none."
+    )
+    startup_trials: int = Field(
+        2, ge=0, le=100, description="Trials that must finish before the median pruner stops others."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the sampler.")
+    first_trials: list[dict[str, Value]] = Field(
+        default_factory=list, description="Parameter sets to try first, e.g. a configuration known to work."
+    )
+    storage: str | None = Field(
+        None, description="Optuna storage URL without a password (sqlite:///PATH, or a database that needs "
+        "none); a URL with a password belongs in storage_block. Empty: SQLite on the sweep's host, in "
+        "OUTPUT/NAME/study.db for a local output, else in the user's data folder."
+    )
+    storage_block: str | None = Field(
+        None, description="Name of a saved study-storage block: a database URL with its password, kept secret."
+    )
+    lease_timeout_s: int = Field(
+        1800, ge=0, description="How long a trial waits for free workers before it fails."
+    )
+    promote: bool = Field(
+        False, description="At the end, keep the best trial's model under output.model_name (or the "
+        "deployment's name) when it is at least as good as the model kept there. Trials never promote on their own."
+    )
+
+    @model_validator(mode="after")
+    def _no_password_in_parameters(self) -> SweepSettings:
+        if self.storage and self.storage_block:
+            raise ValueError(f"settings got both storage={self.storage!r} and storage_block={self.storage_block!r}; "
+                             "give one of them (or neither, for SQLite on the sweep's host).")
+        if self.storage and urlsplit(self.storage).password:
+            raise ValueError(
+                "settings.storage holds a password: as a parameter it would be shown in the UI and stored with "
+                "every run. Save the URL in a study-storage block (StudyStorage(url=...).save('NAME')) and set "
+                "settings.storage_block='NAME' instead."
+            )
+        return self
+
+
+def direction_of(study: optuna.Study) -> Direction:
+    return "maximize" if study.direction == optuna.study.StudyDirection.MAXIMIZE else "minimize"

@@ -1,0 +1,68 @@
+"""Rank 0's live view of training in the Prefect UI, kept apart from the recipe.
+
+The recipe (tasks/training/recipe.py) calls `step`, `epoch_done` and `close`; everything
+Prefect-specific about showing them (artifacts, a background publisher so a slow API
+never holds up a step) lives here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+
+from prefect_ddp.tasks.gang import RankContext
+from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, BackgroundPublisher, in_prefect_run, markdown_table
+
+PROGRESS_INTERVAL_S = 5.0
+PROGRESS_CLOSE_TIMEOUT_S = 30.0
+
+
+class ProgressReporter:
+    """Rank 0's live view in the Prefect UI: a progress bar and a table of epochs so far.
+
+    Updates go through a BackgroundPublisher: a slow or hanging API never holds up a step.
+    """
+
+    def __init__(self, ctx: RankContext, epochs: int, log: Any) -> None:
+        # Outside a Prefect run (a unit test, a plain script) there is no run to attach to.
+        enabled = ctx.is_main and in_prefect_run()
+        self.publisher = BackgroundPublisher(log) if enabled else None
+        self.epochs = epochs
+        self.artifact_id = None  # touched only by the publisher's thread
+        self.last_update = -PROGRESS_INTERVAL_S
+        self._set_progress(0.0)
+
+    def _publish_progress(self, percent: float) -> None:
+        if self.artifact_id is None:
+            self.artifact_id = create_progress_artifact(
+                percent, key="training-progress", description=f"Epochs done of {self.epochs}"
+            )
+        else:
+            update_progress_artifact(self.artifact_id, percent)
+
+    def _set_progress(self, percent: float) -> None:
+        if self.publisher:
+            self.publisher.submit("progress", lambda: self._publish_progress(percent))
+            self.last_update = time.monotonic()
+
+    def step(self, epoch: int, done: int, total: int) -> None:
+        """Within an epoch: move the bar, at most every PROGRESS_INTERVAL_S seconds."""
+        if time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S:
+            self._set_progress(100.0 * (epoch + done / max(total, 1)) / self.epochs)
+
+    def epoch_done(self, history: list[dict[str, Any]]) -> None:
+        self._set_progress(100.0 * len(history) / self.epochs)
+        if self.publisher:
+            rows = [[h[k] for k in EPOCH_COLUMNS] for h in history]
+            self.publisher.submit("table", lambda: create_markdown_artifact(
+                key="training-epochs",
+                description="Per-epoch metrics, all ranks reduced",
+                markdown="# Training so far\n\n" + markdown_table(EPOCH_COLUMNS, rows),
+            ))
+
+    def close(self) -> None:
+        """Send the last updates; a hanging API costs at most PROGRESS_CLOSE_TIMEOUT_S."""
+        if self.publisher:
+            self.publisher.close(PROGRESS_CLOSE_TIMEOUT_S)
