@@ -33,13 +33,7 @@ from prefect_ddp.tasks.config import (
 )
 from prefect_ddp.tasks.data.storage import read_json
 from prefect_ddp.tasks.gang import TrialLink, training_trial
-from prefect_ddp.tasks.results.promotion import (
-    POINTER,
-    Promotion,
-    kept_location,
-    promote,
-    read_pointer,
-)
+from prefect_ddp.tasks.results.promotion import POINTER, Promotion, kept_location, promote, read_pointer
 from prefect_ddp.tasks.sweeps.search_space import Dimension, with_params
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from prefect_ddp.tasks.sweeps.sweep import open_study, run_trials, study_storage, trial_run_name

@@ -49,15 +49,10 @@ from prefect_ddp.tasks.data.splitting import split_dataset
 from prefect_ddp.tasks.data.validation import validate_dataset, validate_source
 from prefect_ddp.tasks.gang import cluster_workers, current_trial, run_gang
 from prefect_ddp.tasks.results.aggregation import aggregate
-from prefect_ddp.tasks.results.promotion import (
-    WarmStart,
-    find_warm_start,
-    kept_location,
-    promote,
-)
+from prefect_ddp.tasks.results.promotion import find_warm_start, kept_location, promote
 from prefect_ddp.tasks.results.report import publish_report
 from prefect_ddp.tasks.results.run_folder import claim_run_folder, run_folder_name
-from prefect_ddp.tasks.training.model import check_starting_weights
+from prefect_ddp.tasks.training.model import WarmStart, check_starting_weights
 from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit
 from prefect_ddp.tasks.urls import absolute_url, child_url

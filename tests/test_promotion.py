@@ -20,14 +20,8 @@ from prefect_ddp.tasks.data.storage import (
     write_json,
 )
 from prefect_ddp.tasks.results.pointer import read_json_document
-from prefect_ddp.tasks.results.promotion import (
-    find_warm_start,
-    kept_location,
-    load_warm_start,
-    promote,
-    read_pointer,
-)
-from prefect_ddp.tasks.training.model import build_model, model_card
+from prefect_ddp.tasks.results.promotion import find_warm_start, kept_location, promote, read_pointer
+from prefect_ddp.tasks.training.model import build_model, load_warm_start, model_card
 
 CLASSES = ["circle", "square", "triangle"]
 

@@ -38,13 +38,16 @@ from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import ProcessFilesystem
-from prefect_ddp.tasks.training.model import IMAGENET_MEAN, IMAGENET_STD
 
 FETCH_ATTEMPTS = 4
 BLANK_SIDE = 8
 DEFAULT_FETCH_TIMEOUT_S = TrainingConfig.model_fields["fetch_timeout_s"].default
 SHOWN_KEYS = 3
 
+
+# torchvision's ImageNet statistics: the pretrained backbones expect inputs normalised by them.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 def open_rgb(data: bytes) -> Image.Image:
     """Decode an image fully (verify() alone misses truncated JPEGs) into 8-bit RGB.

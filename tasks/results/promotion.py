@@ -28,10 +28,8 @@ from typing import Any
 
 from prefect import task
 from pydantic import BaseModel
-from torch import nn
 
 from prefect_ddp.tasks.data.storage import (
-    load_torch,
     read_bytes,
     read_json,
     remove_tree,
@@ -42,7 +40,7 @@ from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.results.pointer import Document, read_json_document, update_json
 from prefect_ddp.tasks.retries import retry_transient
-from prefect_ddp.tasks.training.model import load_backbone_state
+from prefect_ddp.tasks.training.model import WarmStart
 from prefect_ddp.tasks.urls import child_url, safe_segment
 
 METRIC = "best_val_acc"
@@ -60,14 +58,6 @@ class Promotion(BaseModel):
     kept_url: str | None  # the version folder kept now (this run's when promoted)
     previous_run: str | None = None
     previous_metric: float | None = None
-
-
-class WarmStart(BaseModel):
-    """The kept model a run starts from: where its weights are and whether its head fits."""
-
-    model: Location  # url: versions/RUN/model.pt, with the output's credentials
-    with_head: bool
-    run: str
 
 
 def kept_location(output_base: Location, name: str) -> Location:
@@ -159,12 +149,3 @@ def find_warm_start(kept: Location, backbone: str, classes: list[str]) -> WarmSt
         with_head=card["classes"] == classes,
         run=pointer["run"]["name"],
     )
-
-
-def load_warm_start(model: nn.Module, warm: WarmStart) -> None:
-    """Load the kept weights: all of them when the classes match, else all but the head."""
-    state = load_torch(warm.model.url, warm.model.storage_options())
-    if warm.with_head:
-        model.load_state_dict(state)
-    else:
-        load_backbone_state(model, state, warm.model.url)

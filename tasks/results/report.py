@@ -16,8 +16,9 @@ from prefect_ddp.tasks.data.storage import write_bytes
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, markdown_table
 from prefect_ddp.tasks.results.plots import markdown_image, training_curves_png
-from prefect_ddp.tasks.results.promotion import Promotion, WarmStart
+from prefect_ddp.tasks.results.promotion import Promotion
 from prefect_ddp.tasks.retries import retry_transient
+from prefect_ddp.tasks.training.model import WarmStart
 from prefect_ddp.tasks.urls import child_url
 
 

@@ -12,15 +12,14 @@ from typing import Any
 import torch
 import torchvision
 from prefect import task
+from pydantic import BaseModel
 from torch import nn
 
 from prefect_ddp.tasks.config import BACKBONES, ModelConfig
+from prefect_ddp.tasks.data.dataset import IMAGENET_MEAN, IMAGENET_STD
 from prefect_ddp.tasks.data.storage import exists, load_torch
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.retries import retry_transient
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def classifier_path(model: nn.Module) -> tuple[nn.Module, str]:
@@ -139,3 +138,20 @@ def load_model(card: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Modul
     replace_head(model, len(card["classes"]))
     model.load_state_dict(state)
     return model.eval()
+
+
+class WarmStart(BaseModel):
+    """The kept model a run starts from: where its weights are and whether its head fits."""
+
+    model: Location  # url: versions/RUN/model.pt, with the output's credentials
+    with_head: bool
+    run: str
+
+
+def load_warm_start(model: nn.Module, warm: WarmStart) -> None:
+    """Load the kept weights: all of them when the classes match, else all but the head."""
+    state = load_torch(warm.model.url, warm.model.storage_options())
+    if warm.with_head:
+        model.load_state_dict(state)
+    else:
+        load_backbone_state(model, state, warm.model.url)

@@ -50,14 +50,13 @@ from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import (
     run_logger,
 )
-from prefect_ddp.tasks.results.promotion import WarmStart, load_warm_start
 from prefect_ddp.tasks.selection import Selection, best_index, is_better
 from prefect_ddp.tasks.training.checkpoints import (
     TrainingState,
     job_fingerprint,
     record_attempt,
 )
-from prefect_ddp.tasks.training.model import build_model, model_card
+from prefect_ddp.tasks.training.model import WarmStart, build_model, load_warm_start, model_card
 from prefect_ddp.tasks.training.progress import ProgressReporter
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit, UnreadableTally
 from prefect_ddp.tasks.urls import child_url
