@@ -1,6 +1,6 @@
 """prefect-ddp's public API in one import: the DDP gang, sweeps, the flows and the blocks.
 
-    from prefect_ddp import RankContext, run_gang, sweep, load_model
+    from prefect_ddp import RankContext, run_gang, sweep, load_model, load_torch
 
 Everything here is what users build on; the modules under `prefect_ddp.tasks`,
 `prefect_ddp.flows` and `prefect_ddp.blocks` may change shape between releases, these
@@ -36,6 +36,7 @@ _HOMES = {
     "run_gang": "prefect_ddp.tasks.gang",
     "all_reduce_sum": "prefect_ddp.tasks.gang",
     "load_model": "prefect_ddp.tasks.training.model",
+    "load_torch": "prefect_ddp.tasks.data.storage",
     "Dimension": "prefect_ddp.tasks.sweeps.search_space",
     "SweepSettings": "prefect_ddp.tasks.sweeps.settings",
     "sweep": "prefect_ddp.tasks.sweeps.sweep",

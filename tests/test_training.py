@@ -9,6 +9,7 @@ from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.gang import RankContext
+from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.training.checkpoints import CheckpointMismatch, TrainingState
 from prefect_ddp.tasks.training.model import load_model
 from prefect_ddp.tasks.training.recipe import (
@@ -180,3 +181,17 @@ def test_the_model_file_holds_the_weights_of_the_epoch_reported_best_not_the_las
     assert card["epoch"] == result["best_epoch"] and card["selected_by"] == "highest val_acc"
     assert (sums.loss_sum / sums.count, sums.correct / sums.count) == (pytest.approx(best["val_loss"], rel=1e-4),
                                                                         best["val_acc"])
+
+
+def test_a_job_carries_plain_settings_to_the_ranks_never_the_block(tmp_path):
+    """A rank gets `Location`s: no Prefect block (and its API client) travels to a worker."""
+    job = local_job(tmp_path, epochs=1)
+    block = DataLocation(url="s3://bucket/images", endpoint_url="http://127.0.0.1:9", aws_access_key_id="AKIA1",
+                         aws_secret_access_key="hidden")
+    job = job.model_copy(update={"source": block})
+    revalidated = TrainJob.model_validate(job.model_dump())
+    plain = TrainJob(**{**dict(job), "source": block})
+    for settings in (revalidated.source, plain.source):
+        assert type(settings) is Location
+        assert settings.storage_options()["secret"] == "hidden" and "hidden" not in repr(settings)
+        assert settings.endpoint_url == "http://127.0.0.1:9"
