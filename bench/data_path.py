@@ -5,8 +5,9 @@ Readers, each behind a DataLoader (batch 32, the training's eval transform, no s
   measured in the same run on the same JPEGs;
 - our S3ImageFolder (tasks/data/dataset.py): one GET per image, a batch fetched concurrently;
 - dask-pytorch-ddp 0.2.2's S3ImageFolder: a new boto3 resource, a HEAD and a GET per image
-  (DESIGN 5). It is installed into bench/.cache on first use, never into the project's
-  environment; where it cannot be installed its rows are skipped and the output says why;
+  (docs/architecture.md, "Data: per-image reads"). It is installed into bench/.cache on
+  first use, never into the project's environment; where it cannot be installed its rows
+  are skipped and the output says why;
 - our S3ImageFolder with the byte cache (tasks/data/byte_cache.py, `training.cache_gb`), filled
   by an epoch before the timing: the epochs after the first, which send no GET;
 - our ShardDataset (tasks/data/shard_writer.py and shard_reader.py, `training.images_per_shard`): tar shards written once
@@ -15,9 +16,9 @@ Readers, each behind a DataLoader (batch 32, the training's eval transform, no s
 
 The S3 readers read through moto on loopback and through bench.s3_front, which waits
 30 ms (`--latency-ms`) before each response, as real S3 takes tens of milliseconds, and
-which, unlike moto, does not cap near 250 GETs/s (DESIGN 8). Two image sets: 64 px
-shapes and photo-sized 500x375 JPEGs. DataLoader workers: 0 and 2, forked and persistent
-as tasks/training/recipe.py makes them.
+which, unlike moto, does not cap near 250 GETs/s (docs/architecture.md, "Facts: moto").
+Two image sets: 64 px shapes and photo-sized 500x375 JPEGs. DataLoader workers: 0 and 2,
+forked and persistent as tasks/training/recipe.py makes them.
 
 Each measurement starts with a warm-up epoch of one batch per worker (it forks the workers
 and creates the S3 clients), then times `--repeats` epochs and keeps the fastest. CPU time

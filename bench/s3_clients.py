@@ -1,10 +1,10 @@
 """S3 clients side by side (issue 12): GETs/s and client CPU per GET, a batch fetched at once.
 
 bench.data_path found that s3fs / aiobotocore spends about 1.2 ms of CPU per GET, 2.5x the
-decode of a 64 px JPEG, so the data path's speed on small images is the client's. DESIGN 5
-leaves the client to measurement. Each client here fetches the same objects the way the
-dataset would: a batch of `--batch` keys, all in flight at once, one GET per object, whole
-objects only. The contenders:
+decode of a 64 px JPEG, so the data path's speed on small images is the client's.
+docs/architecture.md, "Data: per-image reads", left the client to measurement. Each client
+here fetches the same objects the way the dataset would: a batch of `--batch` keys, all in
+flight at once, one GET per object, whole objects only. The contenders:
 
 - **s3fs**: the project's way, `prefect_ddp.tasks.data.object_reads.fetch_objects` on an s3fs built with
   `object_read_options` (no HEAD, connection pool sized to the batch);

@@ -1,11 +1,11 @@
 """A light, read-only S3 endpoint on loopback that answers every request after a fixed latency.
 
 moto answers in milliseconds but only about 200-300 GETs per second on this 2-core machine
-(DESIGN 8), so a data-path benchmark through moto measures moto. Real S3 answers in tens
-of milliseconds and scales far past what one client asks. This front stands in for it: it
-serves objects from memory (files loaded from a folder at start), ignores authentication,
-waits `latency_ms` before each response, and counts requests by kind, so a benchmark can
-check how many HTTP requests a client sends per image.
+(docs/architecture.md, "Facts: moto"), so a data-path benchmark through moto measures moto.
+Real S3 answers in tens of milliseconds and scales far past what one client asks. This front
+stands in for it: it serves objects from memory (files loaded from a folder at start),
+ignores authentication, waits `latency_ms` before each response, and counts requests by
+kind, so a benchmark can check how many HTTP requests a client sends per image.
 
 It is one asyncio process with a hand-rolled HTTP/1.1 parser (keep-alive, no pipelining
 needed): BaseHTTPRequestHandler costs a thread and a slow parse per request, which on two

@@ -1,7 +1,8 @@
 """moto's S3 server, started with an image folder already in its bucket.
 
 Putting 100k objects through moto's HTTP API runs at moto's request rate (a few hundred
-per second on this 2-core machine, DESIGN 8), minutes of setup for a benchmark that
+per second on this 2-core machine; docs/architecture.md,
+"Facts: moto"), minutes of setup for a benchmark that
 measures listings. This process writes the objects straight into moto's in-memory
 backend, then serves it: what clients list over HTTP is the same.
 

@@ -6,13 +6,15 @@ Clusters this module creates are set up for training, which Dask's defaults are 
   start DataLoader worker processes. The nanny reads this setting each time it (re)starts
   a worker, so it is set for the whole process, not inside a `with`.
 - The nanny's `MALLOC_TRIM_THRESHOLD_=65536` is dropped: it made a 2-rank resnet18 loop
-  1.5x slower here (system CPU 5 s -> 24 s; DESIGN 4).
+  1.5x slower here (system CPU 5 s -> 24 s; docs/architecture.md,
+  "Facts: Dask").
 - The worker's profiler is off: sampling every thread's stack every 10 ms cost a rank's
   loop 4 % here (the dashboard's profile page stays empty).
 - Workers get the Prefect API URL this process uses, so rank task runs, logs and artifacts
   land in the flow's run. Without PREFECT_API_URL that is the temporary server Prefect
   started for this process: workers not told its URL would each start their own (three
-  servers for two workers, "database is locked", rank artifacts lost; DESIGN 9).
+  servers for two workers, "database is locked", rank artifacts lost;
+  docs/architecture.md, "Facts: Prefect").
 
 Owners of an existing cluster (`address=`) set up their workers the same way; the gang
 checks each worker before any rank starts (tasks/gang/worker_checks.py) and names what

@@ -80,7 +80,8 @@ def prefect_server(log_dir: Path, database: Path | None = None, port: int | None
     """
     port = port or free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    # The UI calls 127.0.0.1:4200/api unless told its own server's address (DESIGN 9).
+    # The UI calls 127.0.0.1:4200/api unless told its own server's address
+    # (docs/architecture.md, "Facts: Prefect").
     env = dict(os.environ, **SERVER_ENVIRONMENT, PREFECT_UI_API_URL=api_url, **(settings or {}))
     env.pop("PREFECT_API_URL", None)
     if database:

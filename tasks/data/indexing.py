@@ -26,7 +26,7 @@ from prefect_ddp.tasks.urls import is_s3
 
 MIN_CLASSES = 2
 # Class folders listed at once. botocore's connection pool holds 10 connections by default
-# (DESIGN 9), so more would only queue inside it.
+# (docs/architecture.md, "Facts: storage clients"), so more would only queue inside it.
 LISTING_CONCURRENCY = 10
 
 

@@ -86,11 +86,11 @@ def fetch_objects(
     One GET per object, never a HEAD. On S3 the GETs are obstore's (5-9x less CPU than
     s3fs's, bench/RESULTS.md) wherever `obstore_settings` can express `fs`'s options;
     otherwise, and on every other filesystem, fsspec's. Paths are exact: fsspec's `cat` of
-    a list expands keys holding `[`, `*` or `?` as glob patterns (DESIGN 9), so an image
-    named `x[1].jpg` would vanish or come back as `x1.jpg`. Failures other than missing or
-    forbidden objects are retried `attempts` times in all, with exponential backoff.
-    Everything, retries included, ends within `timeout_s`: paths still unfetched then map to
-    a TimeoutError.
+    a list expands keys holding `[`, `*` or `?` as glob patterns (docs/architecture.md,
+    "Facts: storage clients"), so an image named `x[1].jpg` would vanish or come back as
+    `x1.jpg`. Failures other than missing or forbidden objects are retried `attempts` times
+    in all, with exponential backoff. Everything, retries included, ends within `timeout_s`:
+    paths still unfetched then map to a TimeoutError.
 
     obstore's runtime does not survive fork (tokio-rs/tokio#4301): a process forked after
     its parent started it would hang in its first GET. So such a process reads with s3fs

@@ -1,7 +1,8 @@
 """Tar shards of the training images: one sequential GET per shard instead of one per image.
 
 Per-image mode (the default) sends one GET per image per epoch; where latency or request
-cost dominates (small images, large sets, DESIGN 5) the `training.images_per_shard` option
+cost dominates (small images, large sets; docs/architecture.md,
+"Data: tar shards") the `training.images_per_shard` option
 packs the training images into tar shards once and reads those instead:
 
     write:  manifest + split.train --(one GET per image, concurrently)--> shard-000000.tar ...

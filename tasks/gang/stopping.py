@@ -1,13 +1,13 @@
 """Asking a gang's ranks to stop between steps, through a flag in the Dask scheduler.
 
 A rank's thread cannot be interrupted from outside: cancelling its Dask future leaves it
-running, and only restarting its worker ends it (DESIGN 4). So before the supervisor
-cancels anything it sets a flag, a `distributed.Event` named for the attempt, and each
-rank's `ctx.check_stop()` reads it between steps through its worker's client and leaves
-the loop; the rank then destroys its process group and its worker is free for the next
-gang with no restart. Reads are rate-limited so that calling it after every optimizer
-step costs one scheduler round trip a second. The flag lives in the scheduler, so it
-reaches ranks on an external cluster from a flow process that is being cancelled.
+running, and only restarting its worker ends it (docs/architecture.md, "Gang: supervision").
+So before the supervisor cancels anything it sets a flag, a `distributed.Event` named for
+the attempt, and each rank's `ctx.check_stop()` reads it between steps through its worker's
+client and leaves the loop; the rank then destroys its process group and its worker is free
+for the next gang with no restart. Reads are rate-limited so that calling it after every
+optimizer step costs one scheduler round trip a second. The flag lives in the scheduler, so
+it reaches ranks on an external cluster from a flow process that is being cancelled.
 """
 
 from __future__ import annotations

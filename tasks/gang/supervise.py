@@ -1,9 +1,9 @@
 """The supervisor: watch a gang's ranks, stop them all at the first sign of trouble.
 
-Facts it handles (DESIGN 4): when a rank raises, its peers fail milliseconds later on
-the closed connection; when a worker dies, the nanny restarts it at a new address and its
-rank's task sits in `no-worker` forever; a rank blocked in a collective cannot be
-interrupted, only its worker restarted.
+Facts it handles (docs/architecture.md, "Gang: supervision"): when a rank raises, its peers
+fail milliseconds later on the closed connection; when a worker dies, the nanny restarts it
+at a new address and its rank's task sits in `no-worker` forever; a rank blocked in a
+collective cannot be interrupted, only its worker restarted.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from prefect_ddp.tasks.gang.states import crash_unfinished_task_runs
 from prefect_ddp.tasks.gang.stopping import StopFlag
 from prefect_ddp.tasks.reporting import run_logger
 
-# Surviving gloo ranks fail within ~5 s of a peer's death (DESIGN 4), and ranks between
-# steps see the stop flag within a second or so of a step; give them this long to end on
+# Surviving gloo ranks fail within ~5 s of a peer's death (docs/architecture.md,
+# "Facts: torch and gloo"), and ranks between steps see the stop flag within a second or
+# so of a step; give them this long to end on
 # their own before they are cancelled and their workers restarted.
 FAILURE_GRACE_S = 15.0
 # When one rank raises, its peers fail milliseconds later on the closed connection; wait

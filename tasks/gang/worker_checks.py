@@ -13,7 +13,7 @@ What is fatal, and why:
 - a daemonic worker, when the training function starts processes (DataLoader workers):
   multiprocessing forbids it, and nothing in a running worker can change it;
 - a Prefect API a rank would not report to, or cannot reach: its task runs, logs and
-  artifacts would be lost, or land on another server (DESIGN 9).
+  artifacts would be lost, or land on another server (docs/architecture.md, "Facts: Prefect").
 - a local output folder (a plain path or file://) that a rank's worker cannot see: it runs
   on another host, or in a container with a filesystem of its own. Its rank 0 would write
   checkpoints and the model to its own disk, and the flow would find no model after the

@@ -1,6 +1,7 @@
 """Training curves as a PNG that the Prefect UI shows inline.
 
-The UI renders a markdown artifact's image given as a data URI (DESIGN 9), so a report
+The UI renders a markdown artifact's image given as a data URI (docs/architecture.md,
+"Facts: Prefect"), so a report
 carries its plot with it and needs no image host. Figures are built with matplotlib's
 object API, not pyplot, so no global figure state is shared between threads.
 """
