@@ -8,6 +8,7 @@ checkout is not in the way: only the wheel's files and the dependencies are on t
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -23,8 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("wheel")
+    # Built from a copy: setuptools leaves build/ and *.egg-info beside the sources it builds.
+    source = folder / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".*", "build", "*.egg-info", "__pycache__", "*-output", "outputs", "docs", "bench"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(folder), str(ROOT)], check=True, capture_output=True, text=True)
+                    "--wheel-dir", str(folder), str(source)], check=True, capture_output=True, text=True)
     (built,) = folder.glob("prefect_ddp-*.whl")
     return built
 
