@@ -112,7 +112,7 @@ def dask_cluster(prefect_api: str):
 def deployments(prefect_api: str, prefect_home: Path, image_location: DataLocation) -> Iterator[dict[str, str]]:
     """prefect.yaml deployed to the session's server, a process worker polling its pool, and
     the test images saved as block `test-images`; yields the Prefect CLI's environment."""
-    from tests.deployed import deployed_with_worker
+    from tests.support.deployed import deployed_with_worker
 
     image_location.save("test-images", overwrite=True)
     with deployed_with_worker(prefect_home, prefect_home / "worker.log") as env:

@@ -38,9 +38,9 @@ from prefect_ddp.tasks.data.validation import (
     decode_check,
 )
 from prefect_ddp.tasks.gang import free_port
-from tests.api_helpers import assert_no_task_run_left_running
+from tests.support.api_helpers import assert_no_task_run_left_running
 from tests.conftest import truncated_jpeg
-from tests.flow_runs import block_copy
+from tests.support.flow_runs import block_copy
 
 BLOCK = "bad-data"
 COLOUR = (200, 100, 50)

@@ -30,8 +30,8 @@ from prefect_ddp.tasks.data.dataset import (
     forget_parent_exit_hooks,
     forked_workers,
 )
-from tests.faulty_s3 import FaultyS3, faulty_s3
-from tests.flow_runs import block_copy
+from tests.support.faulty_s3 import FaultyS3, faulty_s3
+from tests.support.flow_runs import block_copy
 
 KEYS = [f"{cls}/{i:04d}.jpg" for cls in ("circle", "square", "triangle") for i in range(4)]
 

@@ -1,4 +1,4 @@
-"""Storage faults on the data path, through the fault-injecting S3 front (tests/faulty_s3.py).
+"""Storage faults on the data path, through the fault-injecting S3 front (tests/support/faulty_s3.py).
 
 Throttling and dropped connections are retried and never mistaken for corrupt images; a
 stalled endpoint fails a batch within the fetch limit; a worker killed mid decode-check
@@ -27,9 +27,9 @@ from prefect_ddp.tasks.data.dataset import FETCH_ATTEMPTS as DATASET_ATTEMPTS
 from prefect_ddp.tasks.data.dataset import FetchTimeout, S3ImageFolder, eval_transform
 from prefect_ddp.tasks.data.object_reads import fetch_objects
 from prefect_ddp.tasks.data.validation import FETCH_ATTEMPTS, decode_chunk
-from tests.api_helpers import assert_no_task_run_left_running
-from tests.faulty_s3 import FaultyS3, faulty_s3
-from tests.flow_runs import block_copy
+from tests.support.api_helpers import assert_no_task_run_left_running
+from tests.support.faulty_s3 import FaultyS3, faulty_s3
+from tests.support.flow_runs import block_copy
 
 KEYS = ["circle/0000.jpg", "circle/0001.jpg", "square/0000.jpg"]
 

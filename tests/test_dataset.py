@@ -8,9 +8,9 @@ from torch.utils.data import DataLoader
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers
 from prefect_ddp.tasks.data.indexing import build_manifest, list_folder
 from prefect_ddp.tasks.data.validation import decode_chunk
-from tests.faulty_s3 import faulty_s3
-from tests.flow_runs import block_copy
-from tests.image_folders import local_image_folder
+from tests.support.faulty_s3 import faulty_s3
+from tests.support.flow_runs import block_copy
+from tests.support.image_folders import local_image_folder
 
 
 @pytest.fixture(scope="module")

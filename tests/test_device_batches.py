@@ -28,7 +28,7 @@ from prefect_ddp.tasks.training.recipe import (
     batch_inputs,
     train_classifier,
 )
-from tests.image_folders import local_image_folder
+from tests.support.image_folders import local_image_folder
 from tests.test_training import CTX, local_job
 
 

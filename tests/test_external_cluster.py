@@ -35,10 +35,10 @@ from prefect_ddp.tasks.gang.worker_checks import (
     find_problems,
     probe_worker,
 )
-from tests.api_helpers import all_logs, assert_no_task_run_left_running, rank_task_runs
-from tests.external_dask import TRAINING_ENV, dask_processes, owner_environment
-from tests.flow_runs import run_tiny_flow
-from tests.gang_functions import report_rank
+from tests.support.api_helpers import all_logs, assert_no_task_run_left_running, rank_task_runs
+from tests.support.external_dask import TRAINING_ENV, dask_processes, owner_environment
+from tests.support.flow_runs import run_tiny_flow
+from tests.support.gang_functions import report_rank
 
 UNREACHABLE_API = "http://127.0.0.1:9/api"  # the discard port: nothing listens
 

@@ -1,5 +1,5 @@
 """Image reads through obstore (prefect_ddp.tasks.data.object_reads.fetch_objects on S3), against the session's moto
-server, the fault-injecting front (tests/faulty_s3.py) and a small server that refuses
+server, the fault-injecting front (tests/support/faulty_s3.py) and a small server that refuses
 every GET.
 
 What is checked: one GET per object and keys as written; fetch_objects' own retries, not
@@ -31,8 +31,8 @@ from prefect_ddp.tasks.data.object_reads import (
     obstore_settings,
 )
 from prefect_ddp.tasks.data.storage import filesystem
-from tests.faulty_s3 import FaultyS3, faulty_s3
-from tests.flow_runs import block_copy
+from tests.support.faulty_s3 import FaultyS3, faulty_s3
+from tests.support.flow_runs import block_copy
 
 # Keys fsspec would expand as patterns, a space, unicode, a plus and a percent sign, plus
 # one obstore cannot name as it is (an empty segment), which s3fs reads.

@@ -41,8 +41,8 @@ from prefect_ddp.tasks.data.storage import read_json
 from prefect_ddp.tasks.gang import free_port, process_group
 from prefect_ddp.tasks.urls import child_url
 from tests.conftest import BUCKET
-from tests.faulty_s3 import FaultyS3, faulty_s3
-from tests.flow_runs import block_copy, run_tiny_flow
+from tests.support.faulty_s3 import FaultyS3, faulty_s3
+from tests.support.flow_runs import block_copy, run_tiny_flow
 
 CLASSES = ["a", "b", "c"]
 

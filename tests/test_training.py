@@ -22,7 +22,7 @@ from prefect_ddp.tasks.training.recipe import (
     make_loaders,
     train_classifier,
 )
-from tests.image_folders import local_image_folder
+from tests.support.image_folders import local_image_folder
 
 
 def local_job(tmp_path, epochs: int) -> TrainJob:

@@ -38,10 +38,10 @@ from prefect_ddp.tasks.training.recipe import (
     train_one_epoch,
 )
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit
-from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
+from tests.support.api_helpers import assert_no_task_run_left_running, rank_task_runs
 from tests.conftest import BUCKET, truncated_jpeg
-from tests.flow_runs import run_tiny_flow
-from tests.image_folders import local_image_folder
+from tests.support.flow_runs import run_tiny_flow
+from tests.support.image_folders import local_image_folder
 from tests.test_bad_data import encoded
 from tests.test_training import CTX, local_job
 
