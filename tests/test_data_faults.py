@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import fsspec
 import pytest
@@ -28,16 +27,10 @@ from prefect_ddp.tasks.data.dataset import FetchTimeout, S3ImageFolder, eval_tra
 from prefect_ddp.tasks.data.object_reads import fetch_objects
 from prefect_ddp.tasks.data.validation import FETCH_ATTEMPTS, decode_chunk
 from tests.support.api_helpers import assert_no_task_run_left_running
-from tests.support.faulty_s3 import FaultyS3, faulty_s3
+from tests.support.faulty_s3 import FaultyS3
 from tests.support.flow_runs import block_copy
 
 KEYS = ["circle/0000.jpg", "circle/0001.jpg", "square/0000.jpg"]
-
-
-@pytest.fixture
-def front(s3_endpoint: str) -> Iterator[FaultyS3]:
-    with faulty_s3(s3_endpoint) as front:
-        yield front
 
 
 @pytest.fixture
@@ -51,6 +44,7 @@ def object_key(location: DataLocation, key: str) -> str:
     return f"{location.url.removeprefix('s3://')}/{key}"
 
 
+@pytest.mark.unit
 def test_fetch_objects_takes_paths_literally_and_retries_only_what_may_pass():
     fs = fsspec.filesystem("memory")
     fs.pipe({"/d/x[1].jpg": b"bracket", "/d/x1.jpg": b"other", "/d/y*.jpg": b"star"})

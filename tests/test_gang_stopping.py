@@ -296,6 +296,7 @@ CTX = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backen
                   worker_address="local", master_addr="127.0.0.1", master_port=0)
 
 
+@pytest.mark.unit
 def test_check_stop_does_nothing_outside_a_dask_worker_or_without_a_flag():
     assert CTX.check_stop() is None
     assert replace(CTX, stop_flag="prefect-ddp-stop:x").check_stop() is None

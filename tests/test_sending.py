@@ -47,6 +47,7 @@ def test_a_function_that_cannot_be_sent_fails_before_any_rank_starts(dask_cluste
         unsendable()
 
 
+@pytest.mark.unit
 def test_torch_module_like_objects_are_sent_by_name():
     import cloudpickle
     import torch
