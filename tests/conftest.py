@@ -19,6 +19,7 @@ import io
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,8 +179,12 @@ class UnitGuard:
         import torch.distributed
 
         self.started: list[str] = []
+        self.service_threads = set(threading.enumerate()) - {threading.main_thread()}
         self.patch = pytest.MonkeyPatch()
         popen_init = subprocess.Popen.__init__
+        process_start = multiprocessing.process.BaseProcess.start
+        scheduler_init = distributed.Scheduler.__init__
+        init_process_group = torch.distributed.init_process_group
 
         def popen(popen_self, args, *rest, **kwargs):
             program = kwargs.get("executable") or (args if isinstance(args, (str, bytes, os.PathLike)) else args[0])
@@ -187,10 +192,22 @@ class UnitGuard:
                 self.refuse(f"a Python child process {args!r}")
             popen_init(popen_self, args, *rest, **kwargs)
 
-        self.patch.setattr(subprocess.Popen, "__init__", popen)
-        self.patch.setattr(multiprocessing.process.BaseProcess, "start", lambda p: self.refuse(f"a process {p!r}"))
-        self.patch.setattr(distributed.Scheduler, "__init__", lambda *a, **k: self.refuse("a Dask scheduler"))
-        self.patch.setattr(torch.distributed, "init_process_group", lambda *a, **k: self.refuse("a process group"))
+        self.patch.setattr(subprocess.Popen, "__init__", self.in_test_thread(popen, popen_init))
+        self.patch.setattr(multiprocessing.process.BaseProcess, "start", self.in_test_thread(
+            lambda p: self.refuse(f"a process {p!r}"), process_start))
+        self.patch.setattr(distributed.Scheduler, "__init__", self.in_test_thread(
+            lambda *a, **k: self.refuse("a Dask scheduler"), scheduler_init))
+        self.patch.setattr(torch.distributed, "init_process_group", self.in_test_thread(
+            lambda *a, **k: self.refuse("a process group"), init_process_group))
+
+    def in_test_thread(self, guarded, original):
+        """`guarded` in the test's thread and the threads it starts; `original` in the threads
+        that were running before it: the session's services (a Dask nanny restarting a worker
+        of the shared cluster, a server's threads) keep working beside a unit test."""
+        def call(*args, **kwargs):
+            chosen = original if threading.current_thread() in self.service_threads else guarded
+            return chosen(*args, **kwargs)
+        return call
 
     def refuse(self, what: str):
         self.started.append(what)
