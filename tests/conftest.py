@@ -4,13 +4,22 @@ Started once per session (the Prefect server alone takes 11-14 s) and shared by 
 that needs them; unit tests that need none of them start none of them. The Prefect server
 is a real `prefect server start`, so the CLI, a work pool's worker and the browser tests
 use the same one as the flows run from this process.
+
+The tiers (pyproject's markers; README, "Layout"): `unit` tests start no service, no Dask
+cluster, no process group and no child process. Two checks keep them so: a unit test that
+requests a fixture of SERVICE_FIXTURES fails before its fixtures are set up, and one that
+starts a Python child process, a multiprocessing process, a Dask scheduler or a process
+group while its fixtures or body run fails too (UnitGuard). `gpu` tests skip where torch
+sees no CUDA device.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,10 +36,15 @@ from prefect_ddp.deployments.local_services import (
     prefect_server,
 )
 from prefect_ddp.deployments.sample_data import shapes_dataset
+from tests.support.faulty_s3 import FaultyS3, faulty_s3
 
 BUCKET = "test-images"
 PER_CLASS = 10
 IMAGE_SIDE = 32
+# Fixtures that start a service or stand on one (the moto server, the Prefect server, the
+# Dask cluster); a `unit` test may request none of them, directly or through another fixture.
+SERVICE_FIXTURES = frozenset({"prefect_api", "s3_endpoint", "s3_fs", "image_location", "dask_cluster",
+                              "deployments", "front"})
 
 
 def truncated_jpeg() -> bytes:
@@ -112,8 +126,128 @@ def dask_cluster(prefect_api: str):
 def deployments(prefect_api: str, prefect_home: Path, image_location: DataLocation) -> Iterator[dict[str, str]]:
     """prefect.yaml deployed to the session's server, a process worker polling its pool, and
     the test images saved as block `test-images`; yields the Prefect CLI's environment."""
-    from tests.deployed import deployed_with_worker
+    from tests.support.deployed import deployed_with_worker
 
     image_location.save("test-images", overwrite=True)
     with deployed_with_worker(prefect_home, prefect_home / "worker.log") as env:
         yield env
+
+
+@pytest.fixture
+def front(s3_endpoint: str) -> Iterator[FaultyS3]:
+    """The fault-injecting, request-counting S3 front (tests/support/faulty_s3.py) before the
+    session's moto server: fresh per test, so its counts and rules start empty."""
+    with faulty_s3(s3_endpoint) as front:
+        yield front
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests skip, saying why, where torch sees no CUDA device."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu test: torch.cuda.is_available() is False here (no CUDA device or "
+                                   "driver); it runs on a machine with one")
+    for item in gpu_tests:
+        item.add_marker(skip)
+
+
+class StartedInUnitTest(RuntimeError):
+    """Raised where a `unit` test starts what the unit tier leaves out."""
+
+
+def _is_python(program) -> bool:
+    return program == sys.executable or os.path.basename(os.fsdecode(program)).startswith("python")
+
+
+class UnitGuard:
+    """While a `unit` test's fixtures and body run: no Python child process (a Prefect, moto or
+    Dask server, a script, Prefect's temporary server), no multiprocessing process (DataLoader
+    workers, spawned ranks), no Dask scheduler (a LocalCluster, even in-process) and no process
+    group. What it starts is refused, and the test fails even if the code under test swallowed
+    the refusal. Other programs (`mount`, matplotlib's `fc-list`) are left alone."""
+
+    def __init__(self) -> None:
+        import multiprocessing.process
+        import subprocess
+
+        import distributed
+        import torch.distributed
+
+        self.started: list[str] = []
+        self.service_threads = set(threading.enumerate()) - {threading.main_thread()}
+        self.patch = pytest.MonkeyPatch()
+        popen_init = subprocess.Popen.__init__
+        process_start = multiprocessing.process.BaseProcess.start
+        scheduler_init = distributed.Scheduler.__init__
+        init_process_group = torch.distributed.init_process_group
+
+        def popen(popen_self, args, *rest, **kwargs):
+            program = kwargs.get("executable") or (args if isinstance(args, (str, bytes, os.PathLike)) else args[0])
+            if not kwargs.get("shell") and _is_python(program):
+                self.refuse(f"a Python child process {args!r}")
+            popen_init(popen_self, args, *rest, **kwargs)
+
+        self.patch.setattr(subprocess.Popen, "__init__", self.in_test_thread(popen, popen_init))
+        self.patch.setattr(multiprocessing.process.BaseProcess, "start", self.in_test_thread(
+            lambda p: self.refuse(f"a process {p!r}"), process_start))
+        self.patch.setattr(distributed.Scheduler, "__init__", self.in_test_thread(
+            lambda *a, **k: self.refuse("a Dask scheduler"), scheduler_init))
+        self.patch.setattr(torch.distributed, "init_process_group", self.in_test_thread(
+            lambda *a, **k: self.refuse("a process group"), init_process_group))
+
+    def in_test_thread(self, guarded, original):
+        """`guarded` in the test's thread and the threads it starts; `original` in the threads
+        that were running before it: the session's services (a Dask nanny restarting a worker
+        of the shared cluster, a server's threads) keep working beside a unit test."""
+        def call(*args, **kwargs):
+            chosen = original if threading.current_thread() in self.service_threads else guarded
+            return chosen(*args, **kwargs)
+        return call
+
+    def refuse(self, what: str):
+        self.started.append(what)
+        raise StartedInUnitTest(f"a unit test started {what}; the unit tier starts no services or processes "
+                                "(take the unit mark off this test)")
+
+
+UNIT_GUARD = pytest.StashKey[UnitGuard]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A `unit` test that asks for a service fails before any fixture starts one; the guard
+    goes up before its fixtures are set up (this runs before pytest's own setup)."""
+    if item.get_closest_marker("unit") is None:
+        return
+    services = sorted(SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())))
+    if services:
+        pytest.fail(f"{item.nodeid} is marked unit but requests {', '.join(services)} (directly or through "
+                    "another fixture), which start services: take the unit mark off, or the fixture out.",
+                    pytrace=False)
+    item.stash[UNIT_GUARD] = UnitGuard()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    result = yield
+    guard = item.stash.get(UNIT_GUARD, None)
+    if guard is not None and guard.started:
+        pytest.fail(f"{item.nodeid} is marked unit but started {'; '.join(guard.started)}", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
+    try:
+        return (yield)
+    finally:
+        guard = item.stash.get(UNIT_GUARD, None)
+        if guard is not None:
+            guard.patch.undo()
+            del item.stash[UNIT_GUARD]
+

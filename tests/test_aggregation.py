@@ -3,6 +3,8 @@ import pytest
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.results.aggregation import global_history, summarize
 
+pytestmark = pytest.mark.unit
+
 
 def history(*val_accs):
     return [{"epoch": i + 1, "train_loss": 1.0, "train_acc": 0.5, "val_loss": 1 - acc, "val_acc": acc,

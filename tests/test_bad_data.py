@@ -38,9 +38,9 @@ from prefect_ddp.tasks.data.validation import (
     decode_check,
 )
 from prefect_ddp.tasks.gang import free_port
-from tests.api_helpers import assert_no_task_run_left_running
+from tests.support.api_helpers import assert_no_task_run_left_running
 from tests.conftest import truncated_jpeg
-from tests.flow_runs import block_copy
+from tests.support.flow_runs import block_copy
 
 BLOCK = "bad-data"
 COLOUR = (200, 100, 50)
@@ -67,6 +67,7 @@ MODE_IMAGES: dict[str, tuple[Callable[[], bytes], tuple[int, int, int]]] = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", MODE_IMAGES)
 def test_each_colour_mode_decodes_to_8_bit_rgb(mode):
     make, pixel = MODE_IMAGES[mode]
@@ -77,6 +78,7 @@ def test_each_colour_mode_decodes_to_8_bit_rgb(mode):
     assert decode_check(data) == (24, 24)
 
 
+@pytest.mark.unit
 def test_the_dataset_serves_every_mode_as_a_3_channel_tensor(tmp_path):
     for mode, (make, _) in MODE_IMAGES.items():
         (tmp_path / f"{mode.replace(';', '')}.png").write_bytes(make())
@@ -92,12 +94,14 @@ def results(errors: list[str | None]) -> tuple[Manifest, list[DecodeResult]]:
     return manifest, [DecodeResult(position=i, error=e) for i, e in enumerate(errors) if e]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad, checked, limit", [(0, 10, 0.0), (1, 10, 0.1), (3, 10, 0.3), (9, 10, 1.0)])
 def test_a_share_of_unreadable_images_up_to_the_limit_is_left_out(bad, checked, limit):
     manifest, unreadable = results(["OSError: truncated"] * bad + [None] * (checked - bad))
     check_unreadable(manifest, checked, unreadable, limit)
 
 
+@pytest.mark.unit
 def test_a_share_above_the_limit_names_count_share_files_and_setting():
     manifest, unreadable = results(["OSError: truncated"] * 3 + [None] * 7)
     with pytest.raises(ValueError, match=r"3 of the 10 images checked under 's3://b/p' \(30.0%\) could not be "

@@ -14,8 +14,8 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.results.run_folder import OutputNotWritable
-from tests.api_helpers import assert_no_task_run_left_running
-from tests.flow_runs import assert_failed_cleanly, run_tiny_flow, snapshot
+from tests.support.api_helpers import assert_no_task_run_left_running
+from tests.support.flow_runs import assert_failed_cleanly, run_tiny_flow, snapshot
 
 
 @pytest.fixture(scope="module")

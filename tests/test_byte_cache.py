@@ -30,16 +30,9 @@ from prefect_ddp.tasks.data.dataset import (
     forget_parent_exit_hooks,
     forked_workers,
 )
-from tests.faulty_s3 import FaultyS3, faulty_s3
-from tests.flow_runs import block_copy
+from tests.support.flow_runs import block_copy
 
 KEYS = [f"{cls}/{i:04d}.jpg" for cls in ("circle", "square", "triangle") for i in range(4)]
-
-
-@pytest.fixture
-def front(s3_endpoint: str) -> Iterator[FaultyS3]:
-    with faulty_s3(s3_endpoint) as front:
-        yield front
 
 
 def image_folder(location: DataLocation, s3_fs, cache: ByteCache) -> S3ImageFolder:
@@ -74,6 +67,7 @@ def test_the_cache_stops_adding_at_its_budget(image_location, s3_fs, front, tmp_
     assert len(KEYS) < sum(front.gets.values()) < 2 * len(KEYS)  # the cached few were not fetched again
 
 
+@pytest.mark.unit
 def test_an_object_rewritten_with_another_size_is_fetched_again(tmp_path):
     cache = ByteCache(10**6, tmp_path)
     cache.put("s3://b/a.jpg", 3, b"old")
@@ -81,6 +75,7 @@ def test_an_object_rewritten_with_another_size_is_fetched_again(tmp_path):
     assert cache.get("s3://b/a.jpg", 5) is None
 
 
+@pytest.mark.unit
 def test_an_empty_budget_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="max_bytes must be positive; got 0. Use no cache"):
         ByteCache(0)
@@ -121,6 +116,7 @@ def test_four_processes_on_one_host_keep_to_one_budget(tmp_path):
     assert ByteCache(BUDGET, tmp_path / "cache").bytes_on_disk() == BUDGET
 
 
+@pytest.mark.unit
 def test_a_hit_takes_no_lock_and_a_write_waits_for_it(tmp_path):
     cache = ByteCache(BUDGET, tmp_path)
     cache.put("s3://b/kept.jpg", 4, b"kept")
@@ -133,6 +129,7 @@ def test_a_hit_takes_no_lock_and_a_write_waits_for_it(tmp_path):
         assert write.result(timeout=10) is True
 
 
+@pytest.mark.unit
 def test_an_entry_cut_short_is_a_miss(tmp_path):
     cache = ByteCache(BUDGET, tmp_path)
     cache.put("s3://b/a.jpg", 4, b"full")
@@ -211,6 +208,7 @@ def test_a_full_disk_ends_adding_without_a_failure_or_a_partial_file(tmp_path, c
     assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
 
 
+@pytest.mark.unit
 def test_the_default_folder_is_the_users_own_cache_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("PREFECT_DDP_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
@@ -225,6 +223,7 @@ def test_the_default_folder_is_the_users_own_cache_folder(tmp_path, monkeypatch)
     assert stat.S_IMODE((tmp_path / "chosen").stat().st_mode) == 0o700
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o1733])
 def test_a_folder_others_can_write_to_is_not_used(tmp_path, caplog, mode):
     folder = tmp_path / "cache"
@@ -239,6 +238,7 @@ def test_a_folder_others_can_write_to_is_not_used(tmp_path, caplog, mode):
                      rf"Fix: chmod 700 {re.escape(str(folder))}", caplog.text)
 
 
+@pytest.mark.unit
 def test_a_folder_of_another_user_is_not_used(tmp_path, caplog):
     if os.geteuid() != 0:
         pytest.skip("Only root can give a folder to another user.")
@@ -252,6 +252,7 @@ def test_a_folder_of_another_user_is_not_used(tmp_path, caplog):
     assert re.search(rf"{re.escape(str(folder))} is owned by uid 65534 .*set PREFECT_DDP_CACHE_DIR", caplog.text)
 
 
+@pytest.mark.unit
 def test_the_same_url_and_size_from_two_endpoints_are_two_entries(tmp_path):
     first = ByteCache(BUDGET, tmp_path).for_storage({"endpoint_url": "http://first:9000"})
     second = ByteCache(BUDGET, tmp_path).for_storage({"client_kwargs": {"endpoint_url": "http://second:9000"}})
@@ -261,6 +262,7 @@ def test_the_same_url_and_size_from_two_endpoints_are_two_entries(tmp_path):
     assert (first.get("s3://b/a.jpg", 5), second.get("s3://b/a.jpg", 5)) == (b"first", b"other")
 
 
+@pytest.mark.unit
 def test_an_etag_where_known_is_part_of_the_key(tmp_path):
     cache = ByteCache(BUDGET, tmp_path)
     cache.put("s3://b/a.jpg", 3, b"old", etag='"1"')

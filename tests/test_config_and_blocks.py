@@ -9,26 +9,31 @@ from prefect_ddp.tasks.data.storage import write_bytes
 from prefect_ddp.tasks.urls import child_url
 
 
+@pytest.mark.unit
 def test_data_needs_a_url_or_a_block():
     with pytest.raises(ValidationError, match="data needs `url`.*or `block`"):
         DataConfig()
 
 
+@pytest.mark.unit
 def test_cluster_rejects_block_and_address_together():
     with pytest.raises(ValidationError, match="both block='gpu-box' and address='tcp://h:8786'"):
         ClusterConfig(block="gpu-box", address="tcp://h:8786")
 
 
+@pytest.mark.unit
 def test_misspelt_parameters_are_rejected():
     with pytest.raises(ValidationError, match="epoch"):
         TrainingConfig(epoch=3)
 
 
+@pytest.mark.unit
 def test_bounds_are_enforced():
     with pytest.raises(ValidationError, match="val_fraction"):
         DataConfig(url="s3://b/p", val_fraction=1.0)
 
 
+@pytest.mark.unit
 def test_secret_stays_out_of_repr_and_reaches_storage_options():
     location = DataLocation(url="s3://b/p", aws_access_key_id="AKIA", aws_secret_access_key="s3cr3t",
                             endpoint_url="http://127.0.0.1:9", region_name="eu-west-1")
@@ -40,11 +45,13 @@ def test_secret_stays_out_of_repr_and_reaches_storage_options():
     assert isinstance(location.with_url("s3://b/other").aws_secret_access_key, SecretStr)
 
 
+@pytest.mark.unit
 def test_anonymous_and_local_locations():
     assert DataLocation(url="s3://pub/p", anonymous=True, aws_access_key_id="x").storage_options() == {"anon": True}
     assert DataLocation(url="/data/images").storage_options() == {}
 
 
+@pytest.mark.unit
 def test_cluster_block_with_address_connects_instead_of_creating():
     runner = DaskCluster(address="tcp://10.0.0.5:8786").task_runner()
     assert runner.address == "tcp://10.0.0.5:8786"
@@ -52,6 +59,7 @@ def test_cluster_block_with_address_connects_instead_of_creating():
     assert local.cluster_kwargs == {"n_workers": 3, "threads_per_worker": 1}
 
 
+@pytest.mark.unit
 def test_training_clusters_are_not_daemonic_and_do_not_trim_malloc():
     assert TRAINING_DASK_CONFIG["distributed.worker.daemon"] is False
     assert TRAINING_DASK_CONFIG["distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"] is None
@@ -65,12 +73,14 @@ def test_workers_of_a_training_cluster_run_without_the_profiler(dask_cluster):
     assert set(settings.values()) == {False}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("part", ["..", ".", "", "a/b", "..\\x", "/etc"])
 def test_child_url_refuses_to_escape_the_prefix(part):
     with pytest.raises(ValueError, match="is not allowed below 's3://b/out'"):
         child_url("s3://b/out", part)
 
 
+@pytest.mark.unit
 def test_local_writes_are_atomic(tmp_path):
     target = tmp_path / "run" / "metrics.json"
     write_bytes(str(target), b"{}", {})
@@ -79,6 +89,7 @@ def test_local_writes_are_atomic(tmp_path):
     assert [p.name for p in target.parent.iterdir()] == ["metrics.json"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, expected", [("crafty-owl", "crafty-owl"), ("a/../b", "a-..-b"), ("..", "run"), ("nightly run #3", "nightly-run-3")])
 def test_run_names_become_one_safe_segment(name, expected):
     from prefect_ddp.tasks.urls import safe_segment
@@ -87,6 +98,7 @@ def test_run_names_become_one_safe_segment(name, expected):
     child_url("s3://b/out", safe_segment(name))  # never raises
 
 
+# Not `unit` (it starts nothing): botocore's retries and backoff take 7-10 s.
 def test_an_unreachable_endpoint_is_named_in_the_error():
     from prefect_ddp.tasks.data.validation import validate_source
 

@@ -1,4 +1,4 @@
-"""Storage faults on the data path, through the fault-injecting S3 front (tests/faulty_s3.py).
+"""Storage faults on the data path, through the fault-injecting S3 front (tests/support/faulty_s3.py).
 
 Throttling and dropped connections are retried and never mistaken for corrupt images; a
 stalled endpoint fails a batch within the fetch limit; a worker killed mid decode-check
@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import fsspec
 import pytest
@@ -27,17 +26,11 @@ from prefect_ddp.tasks.data.dataset import FETCH_ATTEMPTS as DATASET_ATTEMPTS
 from prefect_ddp.tasks.data.dataset import FetchTimeout, S3ImageFolder, eval_transform
 from prefect_ddp.tasks.data.object_reads import fetch_objects
 from prefect_ddp.tasks.data.validation import FETCH_ATTEMPTS, decode_chunk
-from tests.api_helpers import assert_no_task_run_left_running
-from tests.faulty_s3 import FaultyS3, faulty_s3
-from tests.flow_runs import block_copy
+from tests.support.api_helpers import assert_no_task_run_left_running
+from tests.support.faulty_s3 import FaultyS3
+from tests.support.flow_runs import block_copy
 
 KEYS = ["circle/0000.jpg", "circle/0001.jpg", "square/0000.jpg"]
-
-
-@pytest.fixture
-def front(s3_endpoint: str) -> Iterator[FaultyS3]:
-    with faulty_s3(s3_endpoint) as front:
-        yield front
 
 
 @pytest.fixture
@@ -51,6 +44,7 @@ def object_key(location: DataLocation, key: str) -> str:
     return f"{location.url.removeprefix('s3://')}/{key}"
 
 
+@pytest.mark.unit
 def test_fetch_objects_takes_paths_literally_and_retries_only_what_may_pass():
     fs = fsspec.filesystem("memory")
     fs.pipe({"/d/x[1].jpg": b"bracket", "/d/x1.jpg": b"other", "/d/y*.jpg": b"star"})

@@ -8,9 +8,9 @@ from torch.utils.data import DataLoader
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers
 from prefect_ddp.tasks.data.indexing import build_manifest, list_folder
 from prefect_ddp.tasks.data.validation import decode_chunk
-from tests.faulty_s3 import faulty_s3
-from tests.flow_runs import block_copy
-from tests.image_folders import local_image_folder
+from tests.support.faulty_s3 import faulty_s3
+from tests.support.flow_runs import block_copy
+from tests.support.image_folders import local_image_folder
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +51,14 @@ def test_a_missing_object_is_left_out_as_unreadable(image_location):
     assert (label, missing) == (0, -2) and torch.equal(stand_in, image)
 
 
+@pytest.mark.unit
 def test_local_folders_work_too(tmp_path):
     manifest = local_image_folder(tmp_path, per_class=2)
     dataset = S3ImageFolder(str(tmp_path), manifest.paths, manifest.labels, {}, eval_transform(32))
     assert len(dataset) == 6 and dataset[5][1] == 2
 
 
+@pytest.mark.unit
 def test_keys_and_labels_must_pair_up():
     with pytest.raises(ValueError, match="Got 2 keys, 1 labels and no sizes; they must pair up"):
         S3ImageFolder("s3://b/p", ["a/1.jpg", "a/2.jpg"], [0], {}, eval_transform(32))
@@ -95,6 +97,7 @@ def test_keys_with_glob_characters_pass_the_decode_check(glob_location):
     assert [(r.error, r.width) for r in results] == [(None, side) for side in GLOB_KEYS.values()]
 
 
+@pytest.mark.unit
 def test_keys_with_glob_characters_load_as_themselves_from_local_folders(tmp_path):
     for key, side in GLOB_KEYS.items():
         (tmp_path / key).parent.mkdir(exist_ok=True)

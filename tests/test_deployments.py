@@ -20,7 +20,7 @@ from prefect.client.schemas.filters import (
 )
 
 from prefect_ddp.tasks.results.run_folder import run_folder_name
-from tests.deployed import REPO, check, prefect_cli
+from tests.support.deployed import REPO, check, prefect_cli
 
 TINY_TRAINING = '{"batch_size": 4, "image_size": 32, "num_workers": 0}'
 

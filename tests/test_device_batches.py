@@ -28,7 +28,7 @@ from prefect_ddp.tasks.training.recipe import (
     batch_inputs,
     train_classifier,
 )
-from tests.image_folders import local_image_folder
+from tests.support.image_folders import local_image_folder
 from tests.test_training import CTX, local_job
 
 
@@ -42,6 +42,7 @@ def image_bytes(mode: str, fmt: str) -> bytes:
     return buffer.getvalue()
 
 
+@pytest.mark.unit
 def test_jpegs_and_other_formats_decode_as_the_loader_would():
     images = [image_bytes("RGB", "JPEG"), image_bytes("L", "PNG"), image_bytes("I;16", "PNG")]
     decoded = decode_on(torch.device("cpu"), [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in images])
@@ -52,6 +53,7 @@ def test_jpegs_and_other_formats_decode_as_the_loader_would():
         assert (tensor.int() - expected.int()).abs().max() <= 2
 
 
+@pytest.mark.unit
 def test_encoded_batches_become_the_same_tensors_the_loader_makes(tmp_path):
     manifest = local_image_folder(tmp_path, per_class=2)
     positions = range(len(manifest.paths))
@@ -73,6 +75,7 @@ def test_encoded_batches_become_the_same_tensors_the_loader_makes(tmp_path):
     assert (on_device - decoded).abs().max() < 0.05  # normalised units: within the IDCT's rounding
 
 
+@pytest.mark.unit
 def test_decoded_batches_are_only_moved():
     batch, labels = torch.rand(2, 3, 8, 8), torch.tensor([0, 1])
     moved, moved_labels = ToDevice(torch.device("cpu"))(batch, labels)
@@ -81,6 +84,7 @@ def test_decoded_batches_are_only_moved():
     assert moved.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.unit
 def test_cpu_ranks_train_in_full_precision_and_keep_the_default_layout():
     log = logging.getLogger("test")
     assert autocast_dtype(TrainingConfig(amp=True), torch.device("cpu"), log) is None
@@ -91,8 +95,8 @@ def test_cpu_ranks_train_in_full_precision_and_keep_the_default_layout():
     assert train.transform is None
 
 
+@pytest.mark.unit
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_ranks_decode_with_nvjpeg_in_bfloat16_channels_last():
     device = torch.device("cuda:0")
     log = logging.getLogger("test")

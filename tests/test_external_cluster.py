@@ -35,10 +35,10 @@ from prefect_ddp.tasks.gang.worker_checks import (
     find_problems,
     probe_worker,
 )
-from tests.api_helpers import all_logs, assert_no_task_run_left_running, rank_task_runs
-from tests.external_dask import TRAINING_ENV, dask_processes, owner_environment
-from tests.flow_runs import run_tiny_flow
-from tests.gang_functions import report_rank
+from tests.support.api_helpers import all_logs, assert_no_task_run_left_running, rank_task_runs
+from tests.support.external_dask import TRAINING_ENV, dask_processes, owner_environment
+from tests.support.flow_runs import run_tiny_flow
+from tests.support.gang_functions import report_rank
 
 UNREACHABLE_API = "http://127.0.0.1:9/api"  # the discard port: nothing listens
 
@@ -106,6 +106,7 @@ WELL_SET_UP = {"host": "h", "cpus": 2, "cuda": False, "gpus": [], "gpu_claim": N
                "rank_api_url": "http://p:4200/api", "api_error": None, "output_folder": None, "sees_output": None}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("changes, needs_child_processes, fatal, message", [
     ({"daemon": True}, True, True, r"distributed.worker.daemon=True on tcp://w:1: its processes are daemonic.*"
      r"this gang's ranks start them \(training.num_workers > 0\).*Fix: start the workers with `DASK_DISTRIBUTED__WORKER__DAEMON=False"),
@@ -136,6 +137,7 @@ def test_each_setting_is_named_with_its_fix(changes, needs_child_processes, fata
         assert any(re.search(message, w) for w in warned)
 
 
+@pytest.mark.unit
 def test_well_set_up_workers_raise_nothing_and_one_problem_is_named_once_for_all_its_workers():
     probes = {f"tcp://w:{n}": WELL_SET_UP for n in range(3)}
     assert find_problems(probes, "http://p:4200/api", needs_child_processes=True) == []
@@ -144,6 +146,7 @@ def test_well_set_up_workers_raise_nothing_and_one_problem_is_named_once_for_all
     assert problem.workers == ("tcp://w:0", "tcp://w:1", "tcp://w:2") and not problem.fatal
 
 
+@pytest.mark.unit
 def test_a_server_that_answers_at_all_is_reachable_and_a_closed_port_is_not():
     import http.server
     import threading

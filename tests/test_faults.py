@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from prefect_ddp.blocks.data_location import DataLocation
-from tests.api_helpers import assert_no_task_run_left_running
-from tests.faulty_s3 import faulty_s3
-from tests.flow_runs import block_copy, run_tiny_flow
+from tests.support.api_helpers import assert_no_task_run_left_running
+from tests.support.faulty_s3 import faulty_s3
+from tests.support.flow_runs import block_copy, run_tiny_flow
 
 FETCH_TIMEOUT_S = 5
 

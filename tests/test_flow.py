@@ -26,7 +26,7 @@ from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.data.storage import load_torch
 from prefect_ddp.tasks.training.model import load_model
-from tests.api_helpers import rank_task_runs
+from tests.support.api_helpers import rank_task_runs
 
 STEP_ARTIFACTS = {"image-index", "dataset-validation", "train-val-split", "training-progress",
                   "training-epochs", "training-report"}

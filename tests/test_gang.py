@@ -11,8 +11,8 @@ import pytest
 
 from prefect_ddp.tasks.gang import GangError, GangTimeout
 from prefect_ddp.tasks.gang.supervise import FAILURE_GRACE_S
-from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
-from tests.gang_functions import gang_flow
+from tests.support.api_helpers import assert_no_task_run_left_running, rank_task_runs
+from tests.support.gang_functions import gang_flow
 
 
 def test_one_rank_per_worker_agreeing_on_the_world(dask_cluster):

@@ -31,6 +31,7 @@ def cpu_probes(addresses: list[str]) -> dict[str, dict]:
     return {a: {"cuda": False, "gpus": [], "cpus": 8} for a in addresses}
 
 
+@pytest.mark.unit
 def test_local_ranks_count_within_each_host():
     probes = cpu_probes(ADDRESSES)
     ranks = plan_ranks(ADDRESSES, probes, port=29511, attempt=0, output_url=None, init_timeout_s=30)
@@ -38,6 +39,7 @@ def test_local_ranks_count_within_each_host():
     assert {(r.master_addr, r.master_port) for r in ranks} == {("10.0.0.1", 29511)}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cuda, backend, device", [
     ({"a": True, "b": True}, "nccl", "cuda:0"),
     ({"a": True, "b": False}, "gloo", "cpu"),
@@ -60,6 +62,7 @@ def claimed(claims: dict[str, GpuClaim]) -> dict[str, dict]:
 
 # The device was the local rank within the gang, so a second gang on the host got the same
 # cuda:0 and cuda:1; now it is the GPU the worker process claimed, whatever its rank.
+@pytest.mark.unit
 @pytest.mark.parametrize("claims, devices", [
     # dask-cuda: each worker's CUDA_VISIBLE_DEVICES lists its own GPU first, and it claims that one
     ({"tcp://h:1": GpuClaim("A", 0), "tcp://h:2": GpuClaim("B", 0)}, ["cuda:0", "cuda:0"]),
@@ -73,6 +76,7 @@ def test_each_rank_gets_the_gpu_its_worker_claimed(claims, devices):
     assert [r.device for r in ranks] == devices and {r.backend for r in ranks} == {"nccl"}
 
 
+@pytest.mark.unit
 def test_ranks_whose_workers_hold_one_gpu_are_refused_with_the_fix():
     claims = {"tcp://h:1": GpuClaim("A", 0), "tcp://h:2": GpuClaim("B", 1), "tcp://h:3": GpuClaim("A", 0)}
     with pytest.raises(GangRefused, match=r"Ranks would share a GPU: A is held by the workers of 2 ranks "
@@ -81,6 +85,7 @@ def test_ranks_whose_workers_hold_one_gpu_are_refused_with_the_fix():
         plan_ranks(list(claims), claimed(claims), 1, 0, None, 30)
 
 
+@pytest.mark.unit
 def test_a_worker_that_cannot_keep_claims_is_refused_with_the_fix(tmp_path):
     (tmp_path / "home").write_text("a file where the claims folder's parent should be")
     claim = claim_gpu(["A", "B"], "worker tcp://h:1", tmp_path / "home" / "gpu-claims")  # claims nothing
@@ -89,6 +94,7 @@ def test_a_worker_that_cannot_keep_claims_is_refused_with_the_fix(tmp_path):
         plan_ranks(["tcp://h:1"], claimed({"tcp://h:1": claim}), 1, 0, None, 30)
 
 
+@pytest.mark.unit
 def test_an_ipv6_master_is_the_bare_host_and_its_init_method_has_brackets():
     addresses = ["tcp://[fd00::1]:4001", "tcp://[fd00::2]:4001"]
     ranks = plan_ranks(addresses, cpu_probes(addresses), 29500, 0, None, 30)
@@ -102,6 +108,7 @@ IF_INET6 = Path("/proc/net/if_inet6")  # Linux: one line per IPv6 address; ::1 i
 IPV6_LOOPBACK = socket.has_ipv6 and IF_INET6.exists() and "0" * 31 + "1" in IF_INET6.read_text()
 
 
+@pytest.mark.unit
 @pytest.mark.skipif(not socket.has_ipv6, reason="Python here was built without IPv6")
 def test_a_free_port_is_free_on_ipv4_and_ipv6_alike():
     port = free_port()
@@ -112,7 +119,6 @@ def test_a_free_port_is_free_on_ipv4_and_ipv6_alike():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_plain_workers_on_this_gpu_host_claim_gpus_of_their_own_or_are_refused(tmp_path):
     import distributed
 
@@ -152,6 +158,7 @@ def test_two_gloo_ranks_meet_at_an_ipv6_master(tmp_path):
     assert out.read_text() == "[3.0]"
 
 
+@pytest.mark.unit
 def test_world_size_one_needs_no_process_group_and_wrappers_do_nothing():
     model = torch.nn.Linear(2, 2)
     with process_group(backend="gloo", rank=0, world_size=1, master_addr="127.0.0.1", master_port=1,
@@ -173,6 +180,7 @@ def test_a_second_group_in_one_process_is_refused():
         dist.destroy_process_group()
 
 
+@pytest.mark.unit
 def test_the_rank_that_failed_first_hand_is_named_before_its_peers():
     from prefect_ddp.tasks.gang.supervise import root_cause_first
 
@@ -183,6 +191,7 @@ def test_the_rank_that_failed_first_hand_is_named_before_its_peers():
     assert root_cause_first([own]) == own
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("limits, message", [
     ({"max_restarts": -1}, r"max_restarts=-1 is negative; it counts how often a failed gang is re-formed: 0 \(never"),
     ({"timeout": timedelta(0)}, r"timeout=datetime.timedelta\(0\) is not positive; give a positive timedelta .* or None"),
@@ -194,6 +203,7 @@ def test_meaningless_limits_are_refused_before_any_worker_is_touched(limits, mes
         run_gang(lambda ctx, config: None, {}, **limits)  # outside a flow: refused before looking for one
 
 
+@pytest.mark.unit
 def test_attempts_travel_with_results_and_errors_through_pickling():
     import pickle
 
@@ -208,6 +218,7 @@ def test_attempts_travel_with_results_and_errors_through_pickling():
                           "lists each one's workers and end]")
 
 
+@pytest.mark.unit
 def test_gloo_sends_from_the_interface_of_the_ranks_own_address():
     before = os.environ.pop("GLOO_SOCKET_IFNAME", None)
     try:

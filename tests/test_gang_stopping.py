@@ -39,10 +39,10 @@ from prefect_ddp.tasks.gang import GangError, GangStopped, RankContext, run_gang
 from prefect_ddp.tasks.gang.stopping import READ_EVERY_S, StopFlag
 from prefect_ddp.tasks.gang.supervise import FAILURE_GRACE_S
 from prefect_ddp.tasks.sweeps.sweep import SweepAlreadyRunning
-from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
-from tests.deployed import POOL
-from tests.gang_functions import call_check_stop, gang_flow, report_rank, sweep_flow
-from tests.image_folders import local_image_folder
+from tests.support.api_helpers import assert_no_task_run_left_running, rank_task_runs
+from tests.support.deployed import POOL
+from tests.support.gang_functions import call_check_stop, gang_flow, report_rank, sweep_flow
+from tests.support.image_folders import local_image_folder
 
 REPO = Path(__file__).resolve().parent.parent
 # The flow's own process, as `python my_flow.py` starts it. Python leaves SIGINT ignored in
@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 FLOW_PROCESS = """
 import json, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from tests.gang_functions import gang_flow
+from tests.support.gang_functions import gang_flow
 gang_flow(**json.loads(sys.argv[1]))
 """
 RANKS_START_S = 120
@@ -126,7 +126,7 @@ def test_a_signal_to_the_flow_process_stops_its_ranks_on_an_external_cluster(
 
 SWEEP_PROCESS = """
 import json, sys
-from tests.gang_functions import sweep_flow
+from tests.support.gang_functions import sweep_flow
 sweep_flow(**json.loads(sys.argv[1]))
 """
 
@@ -296,6 +296,7 @@ CTX = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backen
                   worker_address="local", master_addr="127.0.0.1", master_port=0)
 
 
+@pytest.mark.unit
 def test_check_stop_does_nothing_outside_a_dask_worker_or_without_a_flag():
     assert CTX.check_stop() is None
     assert replace(CTX, stop_flag="prefect-ddp-stop:x").check_stop() is None
@@ -332,7 +333,7 @@ def test_cancelling_a_deployment_run_stops_its_ranks(deployments, dask_cluster, 
     before = worker_addresses(address)
     # By module path, so that the ranks find the functions the flow names (by file path the
     # module would be "gang_functions", which the Dask workers cannot import).
-    gang_flow.from_source(source=str(REPO), entrypoint="tests.gang_functions.gang_flow").deploy(
+    gang_flow.from_source(source=str(REPO), entrypoint="tests.support.gang_functions.gang_flow").deploy(
         name="stop-on-cancel", work_pool_name=POOL, print_next_steps=False,
     )
     run = run_deployment("gang-test/stop-on-cancel", timeout=0, parameters={

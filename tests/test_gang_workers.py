@@ -28,7 +28,7 @@ import pytest
 
 from prefect_ddp.tasks.gang import GangError, cluster_workers
 from prefect_ddp.tasks.gang.lease import PREFIX, leased_workers
-from tests.external_dask import REPO
+from tests.support.external_dask import REPO
 
 # A gang's flow process that dies in its block, its lease and holder still in the scheduler.
 DIES_HOLDING = """

@@ -1,4 +1,5 @@
-"""GPU tier: runs where CUDA is present (the lent H100/H200 machine), skips elsewhere."""
+"""GPU tier: runs where CUDA is present (the lent H100/H200 machine); elsewhere the `gpu`
+tests skip (tests/conftest.py)."""
 
 import pytest
 import torch
@@ -8,15 +9,13 @@ from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.training.model import build_model
 from prefect_ddp.tasks.training.recipe import build_optimizer, evaluate, train_one_epoch
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def tiny_loader(device_batches=3):
     return [(torch.rand(4, 3, 32, 32), torch.randint(0, 3, (4,))) for _ in range(device_batches)]
 
 
+@pytest.mark.unit
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16])
 def test_amp_training_step_on_cuda_updates_weights(amp_dtype):
     device = torch.device("cuda:0")
@@ -31,6 +30,7 @@ def test_amp_training_step_on_cuda_updates_weights(amp_dtype):
     assert evaluate(model, tiny_loader(), inputs).count == 12
 
 
+# Not `unit` (it starts nothing): a mobilenet epoch on the CPU, 3-8 s on 2 busy cores.
 def test_the_same_loop_runs_on_cpu_without_amp():
     device = torch.device("cpu")
     model = build_model(ModelConfig(backbone="mobilenet_v3_small"), 3)

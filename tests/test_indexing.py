@@ -3,6 +3,7 @@ import pytest
 from prefect_ddp.tasks.data.indexing import build_manifest, list_folder
 
 
+@pytest.mark.unit
 def test_classes_in_imagefolder_order_with_case_insensitive_extensions():
     manifest = build_manifest("s3://b/p", {
         "zebra/1.JPG": 10, "ant/2.png": 20, "ant/1.Jpeg": 30, "mole/deep/3.webp": 40,
@@ -14,6 +15,7 @@ def test_classes_in_imagefolder_order_with_case_insensitive_extensions():
     assert manifest.sizes == [30, 20, 40, 10]
 
 
+@pytest.mark.unit
 def test_non_images_and_keys_outside_class_folders_are_skipped_and_counted():
     manifest = build_manifest("s3://b/p", {
         "a/1.jpg": 1, "b/1.jpg": 1, "a/notes.txt": 1, "b/.DS_Store": 1, "top.jpg": 1, "labels.csv": 1,
@@ -23,16 +25,19 @@ def test_non_images_and_keys_outside_class_folders_are_skipped_and_counted():
     assert manifest.skipped_outside_class == 1
 
 
+@pytest.mark.unit
 def test_empty_prefix_is_a_clear_error():
     with pytest.raises(ValueError, match=r"No images found under 's3://b/empty'.*found 0 objects"):
         build_manifest("s3://b/empty", {})
 
 
+@pytest.mark.unit
 def test_only_non_images_is_a_clear_error():
     with pytest.raises(ValueError, match=r"found 2 objects \(1 not images, 1 directly under the root\)"):
         build_manifest("s3://b/p", {"a/x.txt": 1, "top.png": 1})
 
 
+@pytest.mark.unit
 def test_a_single_class_is_rejected():
     with pytest.raises(ValueError, match="only one class .'cats'"):
         build_manifest("s3://b/p", {"cats/1.jpg": 1, "cats/2.jpg": 1})

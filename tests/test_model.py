@@ -11,6 +11,8 @@ from prefect_ddp.tasks.training.model import (
     model_card,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_head_is_replaced_for_every_backbone(backbone):

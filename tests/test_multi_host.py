@@ -1,5 +1,5 @@
 """Ranks on separate hosts: the flow on a Dask cluster whose scheduler and two workers each
-run in a network namespace of their own (tests/netns.py), with data and output on S3.
+run in a network namespace of their own (tests/support/netns.py), with data and output on S3.
 
 Every other test runs its ranks on one host, where the master address is loopback and
 would work by accident. Here rank 0's address must be its host's address, gloo must
@@ -42,10 +42,10 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect_ddp.blocks.cluster import TRAINING_DASK_CONFIG
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.gang.plan import host_of
-from tests.api_helpers import all_logs, assert_no_task_run_left_running
+from tests.support.api_helpers import all_logs, assert_no_task_run_left_running
 from tests.conftest import BUCKET
-from tests.flow_runs import block_copy, run_tiny_flow
-from tests.netns import Network, forward, network, unavailable
+from tests.support.flow_runs import block_copy, run_tiny_flow
+from tests.support.netns import Network, forward, network, unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 DASK = str(Path(sys.executable).with_name("dask"))

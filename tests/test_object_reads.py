@@ -1,5 +1,5 @@
 """Image reads through obstore (prefect_ddp.tasks.data.object_reads.fetch_objects on S3), against the session's moto
-server, the fault-injecting front (tests/faulty_s3.py) and a small server that refuses
+server, the fault-injecting front (tests/support/faulty_s3.py) and a small server that refuses
 every GET.
 
 What is checked: one GET per object and keys as written; fetch_objects' own retries, not
@@ -31,8 +31,7 @@ from prefect_ddp.tasks.data.object_reads import (
     obstore_settings,
 )
 from prefect_ddp.tasks.data.storage import filesystem
-from tests.faulty_s3 import FaultyS3, faulty_s3
-from tests.flow_runs import block_copy
+from tests.support.flow_runs import block_copy
 
 # Keys fsspec would expand as patterns, a space, unicode, a plus and a percent sign, plus
 # one obstore cannot name as it is (an empty segment), which s3fs reads.
@@ -46,12 +45,6 @@ def odd_objects(image_location: DataLocation, s3_fs: s3fs.S3FileSystem) -> dict[
     objects = {f"{BUCKET}/{key}": f"bytes of {key}".encode() for key in ODD_KEYS}
     s3_fs.pipe(objects)
     return objects
-
-
-@pytest.fixture
-def front(s3_endpoint: str) -> Iterator[FaultyS3]:
-    with faulty_s3(s3_endpoint) as front:
-        yield front
 
 
 def s3fs_calls(fs: s3fs.S3FileSystem) -> list[str]:
@@ -140,6 +133,7 @@ def refusing_server() -> Iterator[ThreadingHTTPServer]:
         thread.join()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("status", [403, 401])
 def test_a_refused_get_is_a_permission_error_without_the_credentials(refusing_server, status):
     refusing_server.status = status
@@ -156,6 +150,7 @@ def test_a_refused_get_is_a_permission_error_without_the_credentials(refusing_se
     assert not [text for text in texts if secret in text or token in text]
 
 
+@pytest.mark.unit
 def test_every_option_a_data_location_produces_maps_to_obstore(monkeypatch):
     monkeypatch.delenv("AWS_REGION", raising=False)
     monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
@@ -177,6 +172,7 @@ def test_every_option_a_data_location_produces_maps_to_obstore(monkeypatch):
     assert obstore_settings(botocore_style)["retry_config"] == {"max_retries": 2}, "max_attempts counts retries"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("options", [
     {"anon": True, "endpoint_url": "http://h", "profile": "dev"},
     {"anon": True, "endpoint_url": "http://h", "client_kwargs": {"verify": False}},
@@ -190,6 +186,7 @@ def test_options_obstore_cannot_honour_leave_the_reads_to_s3fs(options, monkeypa
     assert obstore_settings(options) is None
 
 
+@pytest.mark.unit
 def test_no_credentials_anywhere_leaves_the_reads_to_s3fs(monkeypatch, tmp_path):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)

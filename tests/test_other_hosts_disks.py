@@ -27,9 +27,9 @@ from prefect_ddp.tasks.config import (
 )
 from prefect_ddp.tasks.gang import GangRefused
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
-from tests.api_helpers import rank_task_runs
-from tests.external_dask import TRAINING_ENV, dask_processes, owner_environment
-from tests.flow_runs import assert_failed_cleanly, run_tiny_flow
+from tests.support.api_helpers import rank_task_runs
+from tests.support.external_dask import TRAINING_ENV, dask_processes, owner_environment
+from tests.support.flow_runs import assert_failed_cleanly, run_tiny_flow
 
 if os.geteuid() != 0 or shutil.which("unshare") is None:
     pytestmark = pytest.mark.skip(reason="needs root and unshare(1) for workers in a mount namespace")

@@ -28,17 +28,20 @@ REPO = Path(__file__).resolve().parent.parent
 HTML_TAG = re.compile(r"</?[A-Za-z][^>]*>")
 
 
+@pytest.mark.unit
 def test_a_shortcut_changes_one_field_and_keeps_the_others():
     deployed = TrainingConfig(epochs=10, batch_size=64, lr=0.1)
     changed = with_overrides(deployed, epochs=2, lr=None, batch_size=None)
     assert (changed.epochs, changed.batch_size, changed.lr) == (2, 64, 0.1)
 
 
+@pytest.mark.unit
 def test_shortcuts_are_validated_like_the_fields_they_set():
     with pytest.raises(ValidationError, match=r"lr\n  Input should be greater than 0"):
         with_overrides(TrainingConfig(), lr=0)
 
 
+@pytest.mark.unit
 def test_data_url_alone_is_enough_and_neither_names_both_ways():
     assert with_overrides(DataConfig.model_construct(), url="s3://b/p", block=None).url == "s3://b/p"
     with pytest.raises(ValidationError, match="Set data.url or data.block, or the shortcuts data_url or data_block"):
@@ -61,6 +64,7 @@ def test_the_flow_refuses_bad_parameters_before_any_cluster_starts(prefect_api, 
         state.result()
 
 
+@pytest.mark.unit
 def test_warm_start_outside_a_deployment_needs_a_model_name():
     with pytest.raises(ValueError, match="model.warm_start=true .* sets no output.model_name"):
         kept_model_name(OutputConfig(), ModelConfig(warm_start=True))
@@ -83,11 +87,13 @@ def ui_texts() -> dict[str, str]:
     return texts
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, text", ui_texts().items())
 def test_no_text_the_ui_shows_holds_an_html_tag(name, text):
     assert not HTML_TAG.findall(text), f"{name} holds {HTML_TAG.findall(text)}, which the UI drops"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("flow", [transfer_learning, hyperparameter_sweep], ids=lambda f: f.name)
 def test_every_form_field_has_help_text(flow):
     schema = parameter_schema(flow).model_dump()

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.image_folders import local_image_folder
+from tests.support.image_folders import local_image_folder
 
 REPO = Path(__file__).resolve().parent.parent
 # The command line of the temporary server Prefect starts for a process without an API URL.
@@ -40,7 +40,7 @@ def test_one_temporary_server_serves_the_flow_and_every_rank(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env |= {"PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     script = subprocess.Popen(
-        [sys.executable, "-m", "tests.plain_script_run", str(tmp_path / "images"), str(tmp_path / "out")],
+        [sys.executable, "-m", "tests.support.plain_script_run", str(tmp_path / "images"), str(tmp_path / "out")],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     servers: set[int] = set()

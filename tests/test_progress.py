@@ -14,6 +14,8 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from prefect_ddp.tasks.reporting import BackgroundPublisher
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def hanging_api() -> Iterator[str]:

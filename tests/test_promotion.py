@@ -44,6 +44,7 @@ def kept_version(kept: DataLocation) -> Path:
     return Path(read_pointer(kept)["version"])
 
 
+@pytest.mark.unit
 def test_a_worse_run_does_not_replace_the_kept_model_and_a_better_one_does(tmp_path):
     kept = kept_location(DataLocation(url=str(tmp_path)), "nightly")
     for name, acc, expect_promoted, expect_kept in [
@@ -65,6 +66,7 @@ def test_a_worse_run_does_not_replace_the_kept_model_and_a_better_one_does(tmp_p
     assert (version / "model.pt").read_bytes() == (tmp_path / "tie" / "model.pt").read_bytes()
 
 
+@pytest.mark.unit
 def test_the_reason_says_what_was_compared(tmp_path):
     kept = kept_location(DataLocation(url=str(tmp_path)), "nightly")
     promote.fn(*finished_run(tmp_path, "good", 0.8), kept, {"name": "good", "flow_run_id": "1"})
@@ -74,6 +76,7 @@ def test_the_reason_says_what_was_compared(tmp_path):
     assert promotion.kept_url == str(tmp_path / "nightly" / "versions" / "good")
 
 
+@pytest.mark.unit
 def test_a_deployment_name_cannot_escape_the_output_prefix():
     assert kept_location(DataLocation(url="s3://bucket/out"), "../../etc").url == "s3://bucket/out/etc"
 
@@ -135,6 +138,7 @@ def test_concurrent_promotions_keep_the_better_model_whole(output):
         assert json.loads(read_bytes(f"{version}/metrics.json", options))["run"]["name"] == best
 
 
+@pytest.mark.unit
 def test_warm_start_loads_every_weight_when_the_classes_match(tmp_path):
     kept = kept_location(DataLocation(url=str(tmp_path)), "nightly")
     summary, run = finished_run(tmp_path, "kept", 0.9)
@@ -148,6 +152,7 @@ def test_warm_start_loads_every_weight_when_the_classes_match(tmp_path):
     assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved)
 
 
+@pytest.mark.unit
 def test_warm_start_keeps_a_fresh_head_when_the_classes_changed(tmp_path):
     kept = kept_location(DataLocation(url=str(tmp_path)), "nightly")
     summary, run = finished_run(tmp_path, "kept", 0.9)
@@ -162,6 +167,7 @@ def test_warm_start_keeps_a_fresh_head_when_the_classes_changed(tmp_path):
     assert model.state_dict()["classifier.3.weight"].shape[0] == 4
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("backbone, promoted", [("mobilenet_v3_small", False), ("resnet18", True)])
 def test_no_warm_start_without_a_kept_model_of_that_backbone(tmp_path, backbone, promoted):
     kept = kept_location(DataLocation(url=str(tmp_path)), "nightly")

@@ -6,6 +6,7 @@ import base64
 import io
 import re
 
+import pytest
 from PIL import Image
 
 from prefect_ddp.tasks.data.manifest import Manifest
@@ -17,6 +18,8 @@ from prefect_ddp.tasks.results.report import (
     report_markdown,
     trained_images_text,
 )
+
+pytestmark = pytest.mark.unit
 
 HISTORY = [{"epoch": e, "train_loss": 1.0 / e, "train_acc": 0.3 * e, "val_loss": 1.2 / e, "val_acc": 0.25 * e,
             "lr": 0.01, "seconds": 1.5, "train_samples": 28} for e in (1, 2, 3)]

@@ -18,8 +18,8 @@ from prefect.client.schemas.filters import (
 )
 
 from prefect_ddp.blocks.data_location import DataLocation
-from tests.api_helpers import all_logs
-from tests.flow_runs import block_copy, run_tiny_flow
+from tests.support.api_helpers import all_logs
+from tests.support.flow_runs import block_copy, run_tiny_flow
 
 
 def server_records(flow_run_id) -> dict[str, str]:

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_a_function_in_a_script_that_reads_dataset_classes_trains(dask_cluster, prefect_api):
     script = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "main_script_train.py"), dask_cluster.scheduler_address],
+        [sys.executable, str(REPO / "tests" / "support" / "main_script_train.py"), dask_cluster.scheduler_address],
         cwd=REPO, env=dict(os.environ, PREFECT_API_URL=prefect_api), capture_output=True, text=True, timeout=180,
     )
     assert script.returncode == 0, script.stderr[-3000:]
@@ -47,6 +47,7 @@ def test_a_function_that_cannot_be_sent_fails_before_any_rank_starts(dask_cluste
         unsendable()
 
 
+@pytest.mark.unit
 def test_torch_module_like_objects_are_sent_by_name():
     import cloudpickle
     import torch

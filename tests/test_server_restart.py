@@ -21,8 +21,8 @@ from prefect.client.schemas.filters import (
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from prefect_ddp.deployments.local_services import free_port, prefect_server
-from tests.api_helpers import assert_no_task_run_left_running
-from tests.image_folders import local_image_folder
+from tests.support.api_helpers import assert_no_task_run_left_running
+from tests.support.image_folders import local_image_folder
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_a_run_outlives_a_prefect_server_restart_during_training(tmp_path: Path)
     (tmp_path / "after").mkdir()
     with prefect_server(tmp_path / "before", database=database, port=port) as api_url:
         run = subprocess.Popen(
-            [sys.executable, "-m", "tests.long_run_script", str(images), str(tmp_path / "outputs"), "30"],
+            [sys.executable, "-m", "tests.support.long_run_script", str(images), str(tmp_path / "outputs"), "30"],
             env=dict(os.environ, PREFECT_API_URL=api_url), stdout=subprocess.PIPE, text=True,
         )
         wait_for_running_ranks(api_url)

@@ -12,7 +12,6 @@ import io
 import json
 import math
 import tarfile
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,8 +40,8 @@ from prefect_ddp.tasks.data.storage import read_json
 from prefect_ddp.tasks.gang import free_port, process_group
 from prefect_ddp.tasks.urls import child_url
 from tests.conftest import BUCKET
-from tests.faulty_s3 import FaultyS3, faulty_s3
-from tests.flow_runs import block_copy, run_tiny_flow
+from tests.support.faulty_s3 import FaultyS3
+from tests.support.flow_runs import block_copy, run_tiny_flow
 
 CLASSES = ["a", "b", "c"]
 
@@ -67,12 +66,6 @@ def numbered(image_location: DataLocation, s3_fs) -> tuple[DataLocation, Manifes
     manifest = Manifest(root=f"s3://{BUCKET}/numbered", classes=CLASSES, paths=paths,
                         sizes=[len(files[p]) for p in paths], labels=[CLASSES.index(p[0]) for p in paths])
     return image_location.with_url(manifest.root), manifest
-
-
-@pytest.fixture
-def front(s3_endpoint: str) -> Iterator[FaultyS3]:
-    with faulty_s3(s3_endpoint) as front:
-        yield front
 
 
 def write(location: DataLocation, manifest: Manifest, output: str, per_shard: int, positions=None):
@@ -134,6 +127,7 @@ MIXES = [  # shard sizes, world size, each rank's loader workers, batch size
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("images", "world", "workers", "batch"), MIXES)
 def test_the_plan_trains_every_image_but_fewer_than_world_times_batch(images, world, workers, batch):
     total = sum(images)
@@ -261,6 +255,7 @@ def test_reading_a_set_that_was_never_written_names_the_folder_and_the_fix(numbe
         open_shards(f"s3://{BUCKET}/never-written/run-1", location.storage_options(), manifest, split, 6)
 
 
+@pytest.mark.unit
 def test_too_few_images_for_the_ranks_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"3 training images in 1 shard\(s\) for 2 ranks at batch size 4: a rank "
                                          r"would have none to train on. Every rank needs at least 2 images \(1 at "
@@ -299,6 +294,7 @@ def test_the_flow_trains_from_the_shards_it_wrote(image_location, dask_cluster, 
     assert "Wrote 6 shards" in artifacts[0].data
 
 
+@pytest.mark.unit
 def test_a_shard_not_written_by_pack_is_refused_with_the_fix():
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:

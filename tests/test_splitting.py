@@ -3,6 +3,8 @@ import pytest
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import stratified_split
 
+pytestmark = pytest.mark.unit
+
 
 def manifest(counts: dict[str, int]) -> Manifest:
     classes = sorted(counts)

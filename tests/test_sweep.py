@@ -31,9 +31,9 @@ from prefect_ddp.tasks.config import (
 )
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from prefect_ddp.tasks.sweeps.sweep import sweep
-from tests.api_helpers import rank_task_runs
-from tests.gang_functions import report_every_epoch
-from tests.image_folders import local_image_folder
+from tests.support.api_helpers import rank_task_runs
+from tests.support.gang_functions import report_every_epoch
+from tests.support.image_folders import local_image_folder
 
 pytestmark = pytest.mark.slow
 GOOD, BAD = 0.001, 8.0  # lr 8 with SGD diverges: its val loss is the worst at epoch 1

@@ -23,6 +23,7 @@ SPACE = {"training.lr": Dimension(kind="log_uniform", low=1e-4, high=1e-1),
          "training.batch_size": Dimension(kind="grid", values=[16, 32])}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("spec, message", [
     ({"kind": "choice"}, "kind='choice' needs values, a non-empty list; got None"),
     ({"kind": "uniform", "low": 1.0, "high": 0.5}, "kind='uniform' needs low < high; got low=1.0, high=0.5"),
@@ -34,12 +35,14 @@ def test_a_bad_dimension_says_what_it_needs(spec, message):
         Dimension.model_validate(spec)
 
 
+@pytest.mark.unit
 def test_the_grid_sampler_needs_a_grid_and_says_which_dimensions_are_not():
     with pytest.raises(ValueError, match=r"\['training.lr'\] are not"):
         make_sampler(SweepSettings(sampler="grid"), SPACE)
     assert grid({"training.batch_size": SPACE["training.batch_size"]}) == {"training.batch_size": [16, 32]}
 
 
+@pytest.mark.unit
 def test_a_metric_the_trials_never_report_is_refused():
     with pytest.raises(ValueError, match=r"settings.metric='accuracy' is not a metric transfer-learning reports each "
                        r"epoch; use one of val_acc, val_loss, train_acc, train_loss"):
@@ -47,12 +50,14 @@ def test_a_metric_the_trials_never_report_is_refused():
     check_metric(SweepSettings(metric="val_loss"))
 
 
+@pytest.mark.unit
 def test_a_path_that_names_no_parameter_is_refused():
     with pytest.raises(ValueError, match="names 'training.lrr', which is no parameter of transfer-learning"):
         check_space({"training.lrr": SPACE["training.lr"]})
     check_space(SPACE)
 
 
+@pytest.mark.unit
 def test_trial_parameters_reach_into_the_nested_config():
     base = {"training": {"lr": 0.1, "epochs": 3}, "model": {"backbone": "resnet18"}}
     changed = with_params(base, {"training.lr": 0.01, "model.backbone": "resnet50"})
@@ -61,6 +66,7 @@ def test_trial_parameters_reach_into_the_nested_config():
     assert trial_run_name(3, {"training.lr": 0.0012345, "training.batch_size": 32}) == "trial-3 lr=0.00123 batch_size=32"
 
 
+@pytest.mark.unit
 def test_a_resumed_study_retries_what_a_crash_left_running_and_counts_the_rest():
     study = optuna.create_study(direction="maximize")
     settings = SweepSettings(n_trials=4)
@@ -73,6 +79,7 @@ def test_a_resumed_study_retries_what_a_crash_left_running_and_counts_the_rest()
     assert retried.params == crashed.params  # queued again with the same parameters
 
 
+@pytest.mark.unit
 def test_the_comparison_sorts_by_the_metric_and_weighs_parameters():
     study = optuna.create_study(direction="minimize", sampler=optuna.samplers.RandomSampler(seed=1))
     for _ in range(4):

@@ -22,7 +22,7 @@ from prefect_ddp.tasks.training.recipe import (
     make_loaders,
     train_classifier,
 )
-from tests.image_folders import local_image_folder
+from tests.support.image_folders import local_image_folder
 
 
 def local_job(tmp_path, epochs: int) -> TrainJob:
@@ -40,6 +40,7 @@ CTX = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backen
                   worker_address="local", master_addr="127.0.0.1", master_port=0)
 
 
+@pytest.mark.unit
 def test_training_resumes_from_the_last_checkpoint(tmp_path):
     first = train_classifier(CTX, local_job(tmp_path, epochs=1))
     assert len(first["history"]) == 1 and (tmp_path / "run" / "checkpoints" / "checkpoint.pt").exists()
@@ -55,6 +56,7 @@ def test_training_resumes_from_the_last_checkpoint(tmp_path):
                                    {"attempt": 1, "world_size": 1, "resumed_after_epoch": 1}]
 
 
+@pytest.mark.unit
 def test_a_checkpoint_of_another_job_is_refused_and_left_as_it_was(tmp_path):
     train_classifier(CTX, local_job(tmp_path, epochs=1))
     checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint.pt"
@@ -66,6 +68,7 @@ def test_a_checkpoint_of_another_job_is_refused_and_left_as_it_was(tmp_path):
     assert checkpoint.read_bytes() == before
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("scheduler", ["cosine", "plateau", "none"])
 def test_a_gang_resumed_on_fewer_ranks_scales_its_learning_rate_down(tmp_path, scheduler):
     """Linear scaling: lr x world size. Saved at 4 ranks, resumed at 2: half the saved lr."""
@@ -95,6 +98,7 @@ def test_a_gang_resumed_on_fewer_ranks_scales_its_learning_rate_down(tmp_path, s
     assert unscaled.optimizer.param_groups[0]["lr"] == pytest.approx(saved_lr)
 
 
+@pytest.mark.unit
 def test_invalid_optimizer_and_scheduler_say_what_is_allowed():
     model = torch.nn.Linear(2, 2)
     bad_opt = TrainingConfig.model_construct(**(TrainingConfig().model_dump() | {"optimizer": "lamb"}))
@@ -105,12 +109,14 @@ def test_invalid_optimizer_and_scheduler_say_what_is_allowed():
         build_scheduler(torch.optim.SGD(model.parameters(), lr=0.1), bad_sched)
 
 
+@pytest.mark.unit
 def test_learning_rate_scales_with_world_size_when_asked():
     model = torch.nn.Linear(2, 2)
     assert build_optimizer(model, TrainingConfig(lr=0.01), 4).param_groups[0]["lr"] == pytest.approx(0.04)
     assert build_optimizer(model, TrainingConfig(lr=0.01, scale_lr_by_world_size=False), 4).param_groups[0]["lr"] == 0.01
 
 
+@pytest.mark.unit
 def test_daemonic_workers_get_the_fix_not_a_multiprocessing_error():
     import multiprocessing
 
@@ -125,6 +131,7 @@ def test_daemonic_workers_get_the_fix_not_a_multiprocessing_error():
         process.daemon = False
 
 
+@pytest.mark.unit
 def test_only_transient_errors_are_retried():
     from prefect.states import Failed
 
@@ -135,6 +142,7 @@ def test_only_transient_errors_are_retried():
         assert retry_transient(None, None, Failed(data=permanent)) is False
 
 
+# Not `unit` (it starts nothing): the whole recipe twice, 5-15 s on 2 busy cores.
 def test_training_with_cache_gb_keeps_the_images_in_the_cache_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_DDP_CACHE_DIR", str(tmp_path / "cache"))
     job = local_job(tmp_path, epochs=1)
@@ -145,6 +153,7 @@ def test_training_with_cache_gb_keeps_the_images_in_the_cache_folder(tmp_path, m
     assert len(kept) == len(job.manifest) - 1
 
 
+@pytest.mark.unit
 def test_loader_workers_default_to_the_ranks_share_of_cores_less_one():
     threads = torch.get_num_threads()
     try:
@@ -157,11 +166,13 @@ def test_loader_workers_default_to_the_ranks_share_of_cores_less_one():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.unit
 def test_a_batch_is_fetched_in_one_round_trip_unless_fetch_threads_says_otherwise():
     assert TrainingConfig(batch_size=8).fetches_in_flight() == 8
     assert TrainingConfig(batch_size=8, fetch_threads=3).fetches_in_flight() == 3
 
 
+# Not `unit` (it starts nothing): several epochs of the whole recipe, 15-50 s on 2 busy cores.
 def test_the_model_file_holds_the_weights_of_the_epoch_reported_best_not_the_last(tmp_path):
     # lr 0.03 with AdamW on this tiny set diverges after the first epoch: the validation loss
     # climbs while the accuracy never beats epoch 1's, so the best epoch is not the last.
@@ -183,6 +194,7 @@ def test_the_model_file_holds_the_weights_of_the_epoch_reported_best_not_the_las
                                                                         best["val_acc"])
 
 
+@pytest.mark.unit
 def test_a_job_carries_plain_settings_to_the_ranks_never_the_block(tmp_path):
     """A rank gets `Location`s: no Prefect block (and its API client) travels to a worker."""
     job = local_job(tmp_path, epochs=1)

@@ -38,10 +38,10 @@ from prefect_ddp.tasks.training.recipe import (
     train_one_epoch,
 )
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit
-from tests.api_helpers import assert_no_task_run_left_running, rank_task_runs
+from tests.support.api_helpers import assert_no_task_run_left_running, rank_task_runs
 from tests.conftest import BUCKET, truncated_jpeg
-from tests.flow_runs import run_tiny_flow
-from tests.image_folders import local_image_folder
+from tests.support.flow_runs import run_tiny_flow
+from tests.support.image_folders import local_image_folder
 from tests.test_bad_data import encoded
 from tests.test_training import CTX, local_job
 
@@ -69,6 +69,7 @@ def folder_dataset(manifest: Manifest, transform) -> S3ImageFolder:
 # --- the datasets -------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_missing_and_an_undecodable_image_come_back_as_stand_ins_labelled_with_their_position(spoilt):
     batch = folder_dataset(spoilt, eval_transform(32)).__getitems__(range(6))
     assert [label for _, label in batch] == [0, -2, 1, 1, -5, 2]  # -(1 + position)
@@ -79,12 +80,14 @@ def test_a_missing_and_an_undecodable_image_come_back_as_stand_ins_labelled_with
             assert any(torch.equal(image, other) for other in readable)
 
 
+@pytest.mark.unit
 def test_a_batch_with_no_readable_image_keeps_its_size_with_blank_stand_ins(spoilt):
     batch = folder_dataset(spoilt, eval_transform(32)).__getitems__([1, 4])
     assert [label for _, label in batch] == [-2, -5]
     assert all(image.shape == (3, 32, 32) and torch.isfinite(image).all() for image, _ in batch)
 
 
+@pytest.mark.unit
 def test_decoding_on_the_device_leaves_them_out_there(spoilt):
     loader = DataLoader(folder_dataset(spoilt, None), batch_size=6, collate_fn=encoded_collate)
     encoded, labels = next(iter(loader))
@@ -106,6 +109,7 @@ def epoch_batches(loader) -> list[list[int]]:
     return [labels.tolist() for _, labels in loader]
 
 
+@pytest.mark.unit
 def test_an_undecodable_image_inside_a_shard_is_left_out_and_named(tmp_path):
     # The shards hold the image's bytes as they were stored: decode-check sampled other images.
     manifest = local_image_folder(tmp_path / "images", per_class=3)
@@ -117,6 +121,7 @@ def test_an_undecodable_image_inside_a_shard_is_left_out_and_named(tmp_path):
     assert [shards.keys[-1 - label] for label in left_out] == [manifest.paths[4]]
 
 
+@pytest.mark.unit
 def test_an_image_deleted_before_the_shards_were_written_is_met_in_training_and_named(tmp_path):
     manifest = local_image_folder(tmp_path / "images", per_class=3)
     (tmp_path / "images" / manifest.paths[7]).unlink()
@@ -146,6 +151,7 @@ def readable_only(manifest: Manifest, model: nn.Module) -> tuple[float, int, int
     return loss, int((logits.argmax(1) == labels).sum()), len(keep)
 
 
+@pytest.mark.unit
 def test_evaluation_counts_only_the_images_it_read(spoilt):
     model = linear_model()
     sums = evaluate(model, DataLoader(folder_dataset(spoilt, eval_transform(32)), batch_size=3), ToDevice(CPU))
@@ -154,6 +160,7 @@ def test_evaluation_counts_only_the_images_it_read(spoilt):
     assert sorted(sums.unreadable) == [spoilt.paths[1], spoilt.paths[4]]
 
 
+@pytest.mark.unit
 def test_training_masks_them_out_of_the_loss_and_still_steps_on_a_batch_with_none_readable(spoilt):
     model = linear_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # weights stay: the sums are comparable
@@ -179,6 +186,7 @@ def spoilt_job(tmp_path: Path, epochs: int, missing: str, undecodable: str) -> T
     return job
 
 
+@pytest.mark.unit
 def test_leaving_images_out_changes_no_rank_s_steps_or_batch_sizes(tmp_path):
     # 9 training images on 2 ranks, 5 each (DistributedSampler pads one), at batch size 3.
     job = spoilt_job(tmp_path, epochs=1, missing="train", undecodable="train")
@@ -196,6 +204,7 @@ def test_leaving_images_out_changes_no_rank_s_steps_or_batch_sizes(tmp_path):
 # --- a rank: left out, counted, stopped at the limit ---------------------------------------
 
 
+# Not `unit` (it starts nothing): the whole recipe across a resume, 10-25 s on 2 busy cores.
 def test_a_rank_trains_on_the_rest_names_what_it_left_out_and_counts_each_once_across_a_resume(tmp_path):
     job = spoilt_job(tmp_path, epochs=1, missing="train", undecodable="val")
     job = job.model_copy(update={"unreadable": UnreadableLimit(limit=0.2)})  # 2 of 12 is more than the default 0.1
@@ -210,6 +219,7 @@ def test_a_rank_trains_on_the_rest_names_what_it_left_out_and_counts_each_once_a
     assert resumed["unreadable"] == first["unreadable"]
 
 
+# Not `unit` (it starts nothing): the whole recipe, 5-10 s on 2 busy cores.
 def test_past_the_limit_every_rank_stops_and_returns_the_reason_without_raising(tmp_path):
     job = spoilt_job(tmp_path, epochs=3, missing="train", undecodable="train")
     job = job.model_copy(update={"unreadable": UnreadableLimit(excluded=1, limit=0.2)})
@@ -226,6 +236,7 @@ def test_past_the_limit_every_rank_stops_and_returns_the_reason_without_raising(
         check_stopped([result])
 
 
+@pytest.mark.unit
 def test_the_report_names_what_training_left_out_beside_decode_check():
     text = unreadable_text({"decode_check": 3, "in_training": 2, "keys": ["a/1.jpg", "b/2.jpg"]})
     assert text == ("Unreadable images left out: 3 by decode-check, 2 more during training (missing or not "

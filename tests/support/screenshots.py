@@ -29,7 +29,7 @@ from tests.support.browser import (
     wait_for_final_state,
 )
 
-IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
+IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 
 
 def submit_and_wait(ui, deployment_id: str) -> str:

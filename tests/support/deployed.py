@@ -15,7 +15,7 @@ from pathlib import Path
 
 from prefect_ddp.deployments.local_services import running
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 POOL = "ddp-pool"
 
 

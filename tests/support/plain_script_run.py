@@ -1,6 +1,6 @@
 """A plain script that runs the flow with no PREFECT_API_URL, as a new user's first try does.
 
-    python -m tests.plain_script_run IMAGES OUTPUT
+    python -m tests.support.plain_script_run IMAGES OUTPUT
 
 Prefect then starts a temporary server for this process. Before exiting (which stops that
 server) it prints, as JSON, what the server recorded of the run: the rank task runs and
@@ -22,7 +22,7 @@ from prefect_ddp.tasks.config import (
     OutputConfig,
     TrainingConfig,
 )
-from tests.api_helpers import rank_task_runs
+from tests.support.api_helpers import rank_task_runs
 
 
 def main(images: str, output: str) -> None:

@@ -17,7 +17,7 @@ from prefect_ddp.tasks.config import (
     OutputConfig,
     TrainingConfig,
 )
-from tests.api_helpers import assert_no_task_run_left_running
+from tests.support.api_helpers import assert_no_task_run_left_running
 
 TINY_TRAINING = {"epochs": 1, "batch_size": 4, "image_size": 32, "num_workers": 0}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import distributed
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # The environment of a worker set up for training (README, "Existing clusters").
 TRAINING_ENV = {
     "DASK_DISTRIBUTED__WORKER__DAEMON": "False",

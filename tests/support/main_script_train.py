@@ -1,6 +1,6 @@
 """A user's script, run as __main__: the training function lives here, as in the tutorials.
 
-    python tests/main_script_train.py SCHEDULER_ADDRESS
+    python tests/support/main_script_train.py SCHEDULER_ADDRESS
 
 Its loop reads `dataset.classes` and uses `torch`, which once made cloudpickle try to send
 the submodule `torch.classes` by value ("cannot pickle '_Classes' object").

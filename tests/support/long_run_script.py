@@ -1,6 +1,6 @@
 """Run the flow from a process of its own, on a local cluster it starts, and print the outcome.
 
-    python -m tests.long_run_script IMAGES OUTPUT EPOCHS
+    python -m tests.support.long_run_script IMAGES OUTPUT EPOCHS
 
 For tests that must disturb a run from outside (restart its Prefect server): the run
 reports to PREFECT_API_URL from the environment. Prints one JSON line: the final state's
