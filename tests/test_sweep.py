@@ -31,7 +31,6 @@ from prefect_ddp.tasks.config import (
 )
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from prefect_ddp.tasks.sweeps.sweep import sweep
-from tests.support.api_helpers import rank_task_runs
 from tests.support.gang_functions import report_every_epoch
 from tests.support.image_folders import local_image_folder
 
