@@ -196,6 +196,7 @@ def transfer_learning(
             init_timeout=timedelta(seconds=cluster.init_timeout_s),
             timeout=timedelta(seconds=cluster.gang_timeout_s) if cluster.gang_timeout_s else None,
             max_restarts=cluster.max_restarts,
+            hang_timeout=timedelta(seconds=cluster.hang_timeout_s) if cluster.hang_timeout_s else None,
             lease_timeout=timedelta(seconds=cluster.lease_timeout_s),
             trial=current_trial(),
         )

@@ -173,6 +173,11 @@ class ClusterConfig(_Strict):
     max_restarts: int = Field(
         1, ge=0, le=10, description="Re-form the gang this often after a rank or worker fails."
     )
+    hang_timeout_s: int | None = Field(
+        None, ge=5, le=86400, description="Stop and re-form the gang when no rank makes progress this "
+        "long (a frozen worker is found this long after it froze); empty: the larger of 60 s and 5x the "
+        "longest gap between steps seen so far. Loading data, validation and checkpoints get 5x longer.",
+    )
     lease_timeout_s: int = Field(
         600, ge=0, le=86400,
         description="How long to wait for enough workers that no other run holds before failing.",

@@ -20,11 +20,12 @@ from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_ddp.tasks.gang.context import RankContext
-from prefect_ddp.tasks.gang.errors import GangError
+from prefect_ddp.tasks.gang.errors import GangError, GangHung
 from prefect_ddp.tasks.gang.plan import free_port, plan_ranks
+from prefect_ddp.tasks.gang.progress import HangWatch
 from prefect_ddp.tasks.gang.rank import run_rank
 from prefect_ddp.tasks.gang.stopping import stop_flag
-from prefect_ddp.tasks.gang.supervise import Deadline, stop, supervise
+from prefect_ddp.tasks.gang.supervise import Deadline, logged_failure, stop, supervise
 from prefect_ddp.tasks.gang.trial import TrialLink
 from prefect_ddp.tasks.gang.worker_checks import (
     check_workers,
@@ -46,6 +47,7 @@ class GangSpec:
     deadline: Deadline
     needs_child_processes: bool = False
     shared_output: bool = False
+    hang_timeout_s: float | None = None  # None: follows the run (tasks/gang/progress.py)
     warned: set[str] = field(default_factory=set)  # worker-setup warnings already logged
 
 
@@ -62,14 +64,19 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], at
             attempt + 1, len(contexts), addresses, contexts[0].backend, contexts[0].master_addr, port,
         )
         futures: list[PrefectDaskFuture] = []
+        hang = HangWatch(client, contexts[0].progress_topic, {c.rank: c.worker_address for c in contexts},
+                         spec.hang_timeout_s)
         try:
             for ctx in contexts:
                 futures.append(_submit(runner, spec, ctx, probes[ctx.worker_address]["cpus"]))
-            supervise(client, futures, contexts, spec.deadline)
+            supervise(client, futures, contexts, spec.deadline, hang)
             return [future.result() for future in futures]
-        except BaseException:  # cancellation and Ctrl-C too: never leave ranks behind
-            stop(client, flag, futures, contexts)
+        except BaseException as error:  # cancellation and Ctrl-C too: never leave ranks behind
+            stop(client, flag, futures, contexts, hung=isinstance(error, GangHung))
             raise
+        finally:
+            with logged_failure("forgetting the ranks' progress"):
+                hang.forget()
 
 
 def _prepare(client: distributed.Client, addresses: list[str], spec: GangSpec) -> tuple[dict[str, dict[str, Any]], int]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect_ddp.tasks.gang.errors import GangStopped
+from prefect_ddp.tasks.gang.progress import send_progress
 from prefect_ddp.tasks.gang.stopping import stop_requested
 from prefect_ddp.tasks.gang.trial import TrialLink
 
@@ -32,6 +33,21 @@ class RankContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def progress_topic(self) -> str | None:
+        """The Dask event topic this attempt's ranks report their progress on."""
+        return f"{self.stop_flag}-progress" if self.stop_flag else None
+
+    def progress(self, phase: str, epoch: int | None = None, step: int | None = None) -> None:
+        """Say where this rank is now: rendezvous, data, step, validation or checkpoint.
+
+        The supervisor takes a gang that makes no progress for the hang limit for hung
+        (docs/architecture.md, "Gang: progress"); data and checkpoint phases get a longer
+        allowance, so call this before a long load or save. `check_stop()` counts a step of
+        the current phase on its own.
+        """
+        send_progress(self.progress_topic, self.rank, phase, epoch, step)
 
     def report(self, step: int, metrics: dict[str, Any]) -> bool:
         """Report one epoch's metrics to the sweep; True when every rank should stop now.
@@ -62,6 +78,7 @@ class RankContext:
                 train_step(model, batch)
                 ctx.check_stop()
         """
+        send_progress(self.progress_topic, self.rank)
         if stop_requested(self.stop_flag):
             raise GangStopped(
                 f"Rank {self.rank} on {self.worker_address} left between steps: the gang supervisor "

@@ -36,6 +36,12 @@ class GangTimeout(GangError):
     """run_gang's `timeout` passed. Never retried: the limit covers all attempts together."""
 
 
+class GangHung(GangError):
+    """No rank made progress for the hang limit (docs/architecture.md, "Gang: progress"); the
+    message names the rank, its worker, its last progress and how long it was silent. Retried
+    like any failure: the gang is re-formed on healthy workers from the last checkpoint."""
+
+
 class GangStopped(GangError):
     """Raised in a rank by `RankContext.check_stop()` once the supervisor stops the gang.
 

@@ -21,6 +21,7 @@ from prefect_ddp.tasks.gang.context import RankContext
 from prefect_ddp.tasks.gang.errors import GangStopped
 from prefect_ddp.tasks.gang.plan import host_of
 from prefect_ddp.tasks.gang.process_group import process_group
+from prefect_ddp.tasks.gang.progress import forget_progress, send_progress
 from prefect_ddp.tasks.gang.stopping import stop_requested
 
 R = TypeVar("R")
@@ -53,6 +54,7 @@ def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankCo
     """One rank: join the process group, run the training function, always leave the group."""
     leave_worker_thread_pool()
     limit_threads(ctx, cpus)
+    send_progress(ctx.progress_topic, ctx.rank, "rendezvous")
     with process_group(
         backend=ctx.backend,
         rank=ctx.rank,
@@ -70,3 +72,5 @@ def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankCo
             if isinstance(error, GangStopped) or stop_requested(ctx.stop_flag, max_age_s=0):
                 return Cancelled(message=f"Stopped by the gang supervisor: {error}")
             raise
+        finally:
+            forget_progress(ctx.progress_topic)

@@ -73,6 +73,7 @@ def run_gang(
     trial: TrialLink | None = None,
     needs_child_processes: bool = False,
     shared_output: bool = False,
+    hang_timeout: timedelta | None = None,
 ) -> GangResults[R]:
     """Run `train_fn(ctx, config)` on `world_size` Dask workers as one DDP world.
 
@@ -98,6 +99,11 @@ def run_gang(
         shared_output: `output_url` is a local path on one filesystem mounted on every
             worker host. Without it a local output that some rank's worker cannot see
             (another host's disk, a container's) is refused before any rank starts.
+        hang_timeout: how long the gang may make no progress (`ctx.progress`,
+            `ctx.check_stop`) before it is stopped as hung and re-formed; a frozen worker is
+            found this long after it froze. Default: the larger of 60 s and 5 times the
+            longest gap between progress reports seen in the attempt
+            (docs/architecture.md, "Gang: progress").
 
     Before any rank starts, each worker's setup is checked (worker_checks): settings
     that break training raise GangRefused naming the fix, slow ones are logged as
@@ -117,7 +123,8 @@ def run_gang(
     runner = task_runner or current_dask_runner()
     prepare_to_send(runner.client, train_fn, config)
     spec = GangSpec(train_fn, config, output_url, init_timeout.total_seconds(), trial, Deadline.after(timeout),
-                    needs_child_processes, shared_output)
+                    needs_child_processes, shared_output,
+                    hang_timeout_s=hang_timeout.total_seconds() if hang_timeout is not None else None)
     attempts: list[GangAttempt] = []
     try:
         return GangResults(_until_one_completes(runner, spec, world_size, max_restarts, lease_timeout, attempts), attempts)

@@ -20,8 +20,9 @@ import distributed
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_ddp.tasks.gang.context import RankContext
-from prefect_ddp.tasks.gang.errors import GangError, GangTimeout
+from prefect_ddp.tasks.gang.errors import GangError, GangHung, GangTimeout
 from prefect_ddp.tasks.gang.plan import cluster_workers
+from prefect_ddp.tasks.gang.progress import HangWatch, remove_unresponsive
 from prefect_ddp.tasks.gang.states import crash_unfinished_task_runs
 from prefect_ddp.tasks.gang.stopping import StopFlag
 from prefect_ddp.tasks.reporting import run_logger
@@ -39,6 +40,8 @@ DEPARTURE_CONFIRM_S = 1.0
 # What a rank reports when a peer, not itself, went wrong (gloo and NCCL wordings).
 PEER_LOSS = re.compile(r"closed by peer|reset by peer|Broken pipe|remote process exited|Connection refused", re.I)
 WORKER_RETURN_TIMEOUT_S = 60.0
+# How often the supervisor asks the scheduler how far the ranks have got.
+HANG_POLL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,12 @@ def wait_for(
 
 def supervise(
     client: distributed.Client, futures: list[PrefectDaskFuture],
-    contexts: list[RankContext], deadline: Deadline, poll_s: float = 1.0,
+    contexts: list[RankContext], deadline: Deadline, hang: HangWatch | None = None, poll_s: float = 1.0,
 ) -> None:
-    """Return once every rank completed; raise GangError at the first sign of trouble."""
+    """Return once every rank completed; raise GangError at the first sign of trouble
+    (GangHung when no rank made progress for the hang limit)."""
     pending = dict(zip((f.wrapped_future for f in futures), contexts))
+    next_hang_check = time.monotonic() + HANG_POLL_S
     while pending:
         wait_for(client, list(pending), poll_s, return_when="FIRST_COMPLETED")
         failures = _collect_failures(pending)
@@ -93,6 +98,10 @@ def supervise(
         failures = _departures(client, pending) + failures
         if failures:
             raise GangError(root_cause_first(failures))
+        if pending and hang is not None and time.monotonic() >= next_hang_check:
+            next_hang_check = time.monotonic() + HANG_POLL_S
+            if (hung := hang.check()) is not None:
+                raise GangHung(hung)
         if pending and deadline.passed():
             running = sorted(pending.values(), key=lambda c: c.rank)
             raise deadline.exceeded(
@@ -151,7 +160,7 @@ def logged_failure(step: str) -> Iterator[None]:
 
 def stop(
     client: distributed.Client, flag: StopFlag, futures: list[PrefectDaskFuture],
-    contexts: list[RankContext],
+    contexts: list[RankContext], hung: bool = False,
 ) -> None:
     """Stop every rank, give each task run a final state, and restart stuck workers.
 
@@ -160,7 +169,7 @@ def stop(
     """
     stuck: list[str] = []
     with logged_failure("asking the ranks to stop"):
-        stuck = _ask_to_stop(client, flag, futures, contexts)
+        stuck = _ask_to_stop(client, flag, futures, contexts, hung)
     crash_unfinished_task_runs(futures)
     if stuck:
         with logged_failure(f"restarting workers {stuck}"):
@@ -169,13 +178,16 @@ def stop(
 
 def _ask_to_stop(
     client: distributed.Client, flag: StopFlag, futures: list[PrefectDaskFuture], contexts: list[RankContext],
+    hung: bool,
 ) -> list[str]:
     """Set the flag, give the ranks a grace period, cancel them all; the workers of those still running."""
     flag.set()
     dask_futures = [f.wrapped_future for f in futures]
-    # Ranks of a gang whose last ranks were never submitted wait in the rendezvous,
-    # where no flag reaches them: waiting for them would only delay their restart.
-    wait_for(client, dask_futures, FAILURE_GRACE_S if len(futures) == len(contexts) else 0)
+    # Ranks of a gang whose last ranks were never submitted wait in the rendezvous, and
+    # those of a hung gang wait on a frozen peer: no flag reaches them, and waiting for
+    # them would only delay their restart.
+    waiting = hung or len(futures) < len(contexts)
+    wait_for(client, dask_futures, 0 if waiting else FAILURE_GRACE_S)
     unfinished = {f: c for f, c in zip(dask_futures, contexts) if not f.done()}
     # Only those: a finished future keeps its status, by which the task run is left to
     # record its own final state (states.settled_task_runs).
@@ -190,7 +202,12 @@ def _restart(client: distributed.Client, stuck: list[str]) -> None:
     alive = [a for a in stuck if a in set(cluster_workers(client))]
     if alive:
         run_logger().warning("Restarting workers %s whose ranks did not stop.", alive)
-        client.restart_workers(alive)
+        try:
+            client.restart_workers(alive)
+        finally:
+            # A frozen worker without a nanny cannot restart: take it out of the cluster.
+            if removed := client.run_on_scheduler(remove_unresponsive, alive):
+                run_logger().warning("Removed workers %s from the cluster: they stopped answering (frozen).", removed)
 
 
 def wait_for_workers(client: distributed.Client, n: int) -> None:

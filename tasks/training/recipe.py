@@ -320,7 +320,8 @@ class BestWeights:
 
 
 def between_steps(ctx: RankContext, progress: ProgressReporter, epoch: int, done: int, total: int) -> None:
-    """After every optimizer step: leave if the gang is being stopped, else move the progress bar."""
+    """After every optimizer step: tell the supervisor, leave if the gang is being stopped, move the bar."""
+    ctx.progress("step", epoch=epoch + 1, step=done)
     ctx.check_stop()
     progress.step(epoch, done, total)
 
@@ -346,6 +347,7 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     device = torch.device(ctx.device)
     amp_dtype = autocast_dtype(job.training, device, log)
     train_inputs, val_inputs = batch_inputs(job.training, device)
+    ctx.progress("data")
     train_loader, val_loader = make_loaders(ctx, job)
     model = build_model(job.model, len(job.manifest.classes), job.source.storage_options())
     if job.warm_start:
@@ -365,6 +367,7 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
     train = train_one_epoch(ddp_model, rank.train_loader, rank.state.optimizer, rank.state.scaler,
                             rank.train_inputs, rank.amp_dtype, on_step=partial(between_steps, ctx, progress, epoch))
     sync_buffers(rank.state.model)
+    ctx.progress("validation", epoch=epoch + 1)
     val = evaluate(rank.state.model, rank.val_loader, rank.val_inputs)
     totals = all_reduce_sum([*train.sums(), *val.sums()], rank.device)
     record = epoch_record(epoch, totals, rank.state.optimizer, time.monotonic() - started)
@@ -411,6 +414,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
             step_scheduler(state.scheduler, record["val_loss"])
             history.append(record)
             log.log(level, "epoch %d/%d %s", record["epoch"], job.training.epochs, record)
+            ctx.progress("checkpoint", epoch=record["epoch"])
             if ctx.is_main:
                 state.save(checkpoint_url, output, epoch, history, fingerprint, ctx.world_size)
                 progress.epoch_done(history)

@@ -121,19 +121,50 @@ def report_every_epoch(ctx: RankContext, config: dict) -> dict:
     return {"losses": losses, "rank": ctx.rank, "model_url": model_url}
 
 
-RANK_FUNCTIONS = {"report": report_rank, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
+def freeze_rank_1(ctx: RankContext, config: dict) -> dict:
+    """Steps with a collective each; in the first attempt rank 1's worker process freezes
+    (SIGSTOP: alive and silent, as a hung host leaves it) after a few steps, its pid and the
+    time left in `config["marks"]`."""
+    for step in range(1, config["steps"] + 1):
+        all_reduce_sum([1.0])
+        ctx.progress("step", epoch=1, step=step)
+        ctx.check_stop()
+        if ctx.rank == 1 and ctx.attempt == 0 and step == config["freeze_at"]:
+            marks = Path(config["marks"])
+            (marks / "frozen").write_text(json.dumps({"pid": os.getpid(), "at": time.time()}))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(0.05)
+    return report_rank(ctx, config)
+
+
+def slow_but_alive(ctx: RankContext, config: dict) -> dict:
+    """A slow first step on every rank, then a slow checkpoint on rank 0: silent, not hung."""
+    ctx.progress("data")
+    time.sleep(config["slow_s"])
+    for step in range(1, 4):
+        all_reduce_sum([1.0])
+        ctx.progress("step", epoch=1, step=step)
+        ctx.check_stop()
+    ctx.progress("checkpoint", epoch=1)
+    if ctx.is_main:
+        time.sleep(config["slow_s"])
+    return report_rank(ctx, config)
+
+
+RANK_FUNCTIONS = {"report": report_rank, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
                   "sleep": sleep_past_the_deadline, "hold": hold_worker, "loop": loop_until_stopped}
 
 
 @flow(name="gang-test")
 def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None = None, max_restarts: int = 0,
-              timeout_s: float | None = None, lease_timeout_s: float = 600):
+              timeout_s: float | None = None, lease_timeout_s: float = 600, hang_timeout_s: float | None = None):
     """One gang of RANK_FUNCTIONS[fn_name] on the cluster at `address`; each rank's result."""
     with DaskTaskRunner(address=address) as runner:
         return run_gang(RANK_FUNCTIONS[fn_name], config, task_runner=runner, world_size=world_size,
                         max_restarts=max_restarts, init_timeout=timedelta(seconds=60),
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
-                        lease_timeout=timedelta(seconds=lease_timeout_s))
+                        lease_timeout=timedelta(seconds=lease_timeout_s),
+                        hang_timeout=timedelta(seconds=hang_timeout_s) if hang_timeout_s else None)
 
 
 @flow(name="sweep-test")
