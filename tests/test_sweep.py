@@ -48,13 +48,13 @@ def images(tmp_path_factory) -> str:
 
 
 def run_sweep(images: str, dask_cluster, output: Path, settings: SweepSettings, kind: str = "choice",
-              model_name: str | None = None):
+              model_name: str | None = None, epochs: int = 4):
     return hyperparameter_sweep(
         space={"training.lr": {"kind": kind, "values": [GOOD, BAD]}},
         settings=settings,
         data=DataConfig(url=images, index_cache_minutes=0),
         model=ModelConfig(backbone="mobilenet_v3_small"),
-        training=TrainingConfig(epochs=4, batch_size=4, image_size=32, num_workers=0, optimizer="sgd",
+        training=TrainingConfig(epochs=epochs, batch_size=4, image_size=32, num_workers=0, optimizer="sgd",
                                 scheduler="none"),
         cluster=ClusterConfig(address=dask_cluster.scheduler_address, init_timeout_s=60),
         output=OutputConfig(url=str(output), model_name=model_name),
@@ -75,7 +75,9 @@ def test_trials_train_side_by_side_the_pruned_one_says_so_and_the_sweep_compares
         sampler="random", pruner="median", startup_trials=1,
         first_trials=[{"training.lr": lr} for lr in (GOOD, GOOD, BAD, BAD)],
     )
-    state = run_sweep(images, dask_cluster, tmp_path, settings)
+    # Twelve epochs: a good trial trains for 10-25 s here, well past the few seconds (6 s seen
+    # in a full run) by which the second trial of a pair may start after the first.
+    state = run_sweep(images, dask_cluster, tmp_path, settings, epochs=12)
     record = state.result()
     trials = {row["trial"]: row for row in record["trials"]}
     assert sorted(trials) == [0, 1, 2, 3]
