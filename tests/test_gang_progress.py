@@ -28,7 +28,8 @@ class FakeScheduler:
         return tuple(self.events)
 
     def run_on_scheduler(self, function, *args):
-        return function(*args, dask_scheduler=self)
+        self.returned = function(*args, dask_scheduler=self)
+        return self.returned
 
 
 def step(rank: int, n: int, phase: str = "step") -> dict:
@@ -75,7 +76,10 @@ def test_a_function_that_reports_nothing_is_hung_only_when_its_worker_freezes():
 
 def test_by_default_the_limit_follows_the_longest_gap_between_steps_seen():
     hang = watch([], ALIVE, hang_timeout_s=None)
-    assert hang.limit(0.5) == DEFAULT_HANG_S and hang.limit(30) == 150
+    hang.take([(0.0, step(0, 1)), (0.5, step(0, 2))])
+    assert hang.longest_gap == 0.5 and hang.limit() == DEFAULT_HANG_S
+    hang.take([(30.5, step(0, 3))])
+    assert hang.longest_gap == 30 and hang.limit() == 150
     slow_steps = [(300, step(0, 1)), (270, step(0, 2)), (100, step(0, 3)), (100, step(1, 3))]
     # Steps 30 s and 170 s apart: the limit is 850 s, so 100 s of silence is no hang.
     assert watch(slow_steps, {WORKERS[0]: 0.5, WORKERS[1]: 99}, hang_timeout_s=None).check() is None
@@ -86,6 +90,16 @@ def test_outside_a_worker_or_without_a_topic_progress_is_not_sent_and_a_wrong_ph
     send_progress("topic-outside-a-worker", 0, "step", epoch=1, step=1)
     with pytest.raises(ValueError, match="'stepping' is not one of rendezvous, data, step, validation, checkpoint"):
         send_progress("t", 0, "stepping")
+
+
+def test_a_poll_reads_only_the_reports_that_arrived_since_the_last_one():
+    scheduler = FakeScheduler([(30, step(0, 1)), (20, step(1, 1))], ALIVE)
+    hang = HangWatch(scheduler, "t", WORKERS, 60.0, started_at=time.time() - 100)
+    assert hang.check() is None and set(hang.last) == {0, 1}
+    newest = hang.last[1][0]
+    scheduler.events.append((newest + 5, step(1, 2)))
+    assert hang.check() is None and hang.last[1][1]["step"] == 2 and hang.last[0][1]["step"] == 1
+    assert scheduler.returned["events"] == [(newest + 5, step(1, 2))] and hang.longest_gap == 5
 
 
 def test_the_last_progress_reads_as_a_person_would_say_it():

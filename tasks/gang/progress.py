@@ -10,9 +10,9 @@ it how far they have got:
   when its phase changes and at most once a second otherwise; the scheduler stamps each
   with its own clock. Nothing is sent while nothing changes, so the last event's time is
   the time of the rank's last progress.
-- The supervisor asks the scheduler, in one call, for each rank's last event, the longest
-  gap between two events seen so far, and how long ago each rank's worker last
-  heartbeated (a frozen process stops its heartbeats too; one blocked in a collective does
+- The supervisor asks the scheduler, in one call, for the events that arrived since its
+  last poll and how long ago each rank's worker last heartbeated, and keeps each rank's
+  last event and the longest gap between two events seen so far (a frozen process stops its heartbeats too; one blocked in a collective does
   not, as its event loop runs in another thread).
 - The gang is hung when no rank has made progress for the hang limit and a rank's worker
   has stopped heartbeating (frozen), or, with every worker alive, for the longer limit of
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import distributed
@@ -65,14 +65,12 @@ def send_progress(topic: str | None, rank: int, phase: str | None = None, epoch:
         raise ValueError(f"Progress phase {phase!r} is not one of {', '.join(PHASES)}.")
     now = time.monotonic()
     with _ranks_lock:
-        state = _ranks.setdefault((topic, rank), {"sent_at": -SEND_EVERY_S, "record": None, "ticks": 0})
+        state = _ranks.setdefault((topic, rank), {"sent_at": -SEND_EVERY_S, "record": None})
         previous = state["record"]
-        state["ticks"] += 1
         if phase is None:
-            record = dict(previous or {"rank": rank, "phase": "step", "epoch": None, "step": None})
+            record = previous or {"rank": rank, "phase": "step", "epoch": None, "step": None}
         else:
             record = {"rank": rank, "phase": phase, "epoch": epoch, "step": step}
-        record["ticks"] = state["ticks"]
         state["record"] = record
         new_phase = previous is None or previous["phase"] != record["phase"]
         if not new_phase and now - state["sent_at"] < SEND_EVERY_S:
@@ -91,21 +89,25 @@ def forget_progress(topic: str | None) -> None:
             del _ranks[key]
 
 
-def progress_on_scheduler(topic: str, addresses: list[str], dask_scheduler: Any = None) -> dict[str, Any]:
-    """Run on the scheduler: each rank's last progress, the longest gap, the workers' silences."""
+def _silent_for(dask_scheduler: Any, address: str, now: float) -> float | None:
+    """Seconds since `address` last heartbeated; None for a worker the scheduler no longer has."""
+    state = dask_scheduler.workers.get(address)
+    return None if state is None else now - state.last_seen
+
+
+def progress_on_scheduler(topic: str, addresses: list[str], after: float, dask_scheduler: Any = None
+                          ) -> dict[str, Any]:
+    """Run on the scheduler: the progress events stamped after `after` (oldest first), and the
+    workers' silences. Reads the topic from its newest end, so a poll costs what arrived
+    since the last one, not the whole run's history."""
     now = time.time()
-    last: dict[int, tuple[float, dict[str, Any]]] = {}
-    longest_gap = 0.0
-    for stamp, record in dask_scheduler.get_events(topic):
-        previous = last.get(record["rank"])
-        if previous is not None and record["phase"] == previous[1]["phase"] not in SLOW_PHASES:
-            longest_gap = max(longest_gap, stamp - previous[0])
-        last[record["rank"]] = (stamp, record)
-    silences = {}
-    for address in addresses:
-        state = dask_scheduler.workers.get(address)
-        silences[address] = None if state is None else now - state.last_seen
-    return {"now": now, "last": last, "longest_gap": longest_gap, "worker_silence": silences}
+    new = []
+    for stamp, record in reversed(dask_scheduler.get_events(topic)):
+        if stamp <= after:
+            break
+        new.append((stamp, record))
+    silences = {address: _silent_for(dask_scheduler, address, now) for address in addresses}
+    return {"now": now, "events": new[::-1], "worker_silence": silences}
 
 
 def forget_on_scheduler(topic: str, dask_scheduler: Any = None) -> None:
@@ -119,8 +121,7 @@ async def remove_unresponsive(addresses: list[str], dask_scheduler: Any = None) 
     worker without a nanny (nothing can restart it) must not be leased again by the next
     attempt; the scheduler would drop it only after its worker TTL (minutes)."""
     now = time.time()
-    silent = [a for a in addresses if a in dask_scheduler.workers
-              and now - dask_scheduler.workers[a].last_seen >= FROZEN_AFTER_S]
+    silent = [a for a in addresses if (_silent_for(dask_scheduler, a, now) or 0) >= FROZEN_AFTER_S]
     for address in silent:
         await dask_scheduler.remove_worker(address, stimulus_id=f"prefect-ddp-frozen-{now}", close=True)
     return silent
@@ -135,20 +136,32 @@ class HangWatch:
     workers: dict[int, str]  # rank -> worker address
     hang_timeout_s: float | None = None
     started_at: float | None = None  # scheduler clock, set at the first poll
+    last: dict[int, tuple[float, dict[str, Any]]] = field(default_factory=dict)  # rank -> (stamp, record)
+    longest_gap: float = 0.0  # between two reports of one rank in one phase that may not be slow
 
-    def limit(self, longest_gap: float) -> float:
+    def limit(self) -> float:
         if self.hang_timeout_s is not None:
             return self.hang_timeout_s
-        return max(DEFAULT_HANG_S, GAP_FACTOR * longest_gap)
+        return max(DEFAULT_HANG_S, GAP_FACTOR * self.longest_gap)
+
+    def take(self, events: list[tuple[float, dict[str, Any]]]) -> None:
+        """Fold newly arrived reports into each rank's last one and the longest gap."""
+        for stamp, record in events:
+            previous = self.last.get(record["rank"])
+            if previous is not None and record["phase"] == previous[1]["phase"] not in SLOW_PHASES:
+                self.longest_gap = max(self.longest_gap, stamp - previous[0])
+            self.last[record["rank"]] = (stamp, record)
 
     def check(self) -> str | None:
         """Why the gang is hung, naming the rank, its worker and its last progress; None while it is not."""
-        seen = self.client.run_on_scheduler(progress_on_scheduler, self.topic, list(self.workers.values()))
+        after = max([stamp for stamp, _ in self.last.values()], default=0.0)
+        seen = self.client.run_on_scheduler(progress_on_scheduler, self.topic, list(self.workers.values()), after)
         self.started_at = self.started_at if self.started_at is not None else seen["now"]
-        last = seen["last"]
-        progressed = max([stamp for stamp, _ in last.values()], default=self.started_at)
+        self.take(seen["events"])
+        last = self.last
+        progressed = max((stamp for stamp, _ in last.values()), default=0.0)
         silent = seen["now"] - max(progressed, self.started_at)
-        limit = self.limit(seen["longest_gap"])
+        limit = self.limit()
         if silent < limit:
             return None
         frozen = [rank for rank, address in self.workers.items()
