@@ -153,6 +153,15 @@ def test_the_layers_are_what_the_architecture_says():
     assert "prefect_ddp.tasks.gang.process_group" in modules  # the checks read the real tree
 
 
+def test_nothing_in_the_checkout_imports_the_folders_by_their_bare_names():
+    """`import tasks` from the repository root would load a second copy of every module."""
+    offenders = [f"{path.relative_to(ROOT)}:{imp.line}: {imp.module}"
+                 for folder in (*PACKAGES, "tests", "bench", "examples")
+                 for path in (ROOT / folder).rglob("*.py")
+                 for imp in imports_of(path) if imp.module.split(".")[0] in BARE_NAMES]
+    assert offenders == []
+
+
 def edge(module: str, *names: str, top_level: bool = True) -> Import:
     return Import(module, names, 1, top_level)
 

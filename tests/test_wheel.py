@@ -68,17 +68,3 @@ def test_a_users_own_flows_and_tasks_packages_do_not_shadow_ours(wheel, tmp_path
                           env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["transfer-learning", "hyperparameter-sweep", "True"]
-
-
-@pytest.mark.unit
-def test_nothing_in_the_checkout_imports_the_folders_by_their_bare_names():
-    """`import tasks` from the repository root would load a second copy of every module."""
-    offenders = []
-    for folder in ("prefect_ddp", "tasks", "flows", "blocks", "deployments", "tests", "bench", "examples"):
-        for path in (ROOT / folder).rglob("*.py"):
-            for number, line in enumerate(path.read_text().splitlines(), 1):
-                words = line.split()
-                if words[:1] in (["import"], ["from"]) and len(words) > 1 and \
-                        words[1].split(".")[0] in ("tasks", "flows", "blocks", "deployments"):
-                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert offenders == []
