@@ -101,6 +101,17 @@ def test_a_lease_sees_and_takes_every_worker_of_a_cluster_of_seven(seven_workers
             assert sorted(leased) == everyone
 
 
+def test_every_read_of_the_worker_set_sees_every_worker_while_the_client_refreshes_its_copy(seven_workers):
+    # The client refreshes its cached scheduler_info() every 2 s with a copy of no workers;
+    # a read that raced with it saw an empty cluster. Refreshing every millisecond makes
+    # the race likely within a few hundred reads.
+    everyone = sorted(seven_workers.scheduler.workers)
+    with dask.config.set({"distributed.client.scheduler-info-interval": "1ms"}):
+        with distributed.Client(seven_workers.scheduler_address) as client:
+            seen = [len(cluster_workers(client)) for _ in range(300)]
+    assert set(seen) == {len(everyone)}, f"reads that missed workers: {sorted(set(seen) - {len(everyone)})}"
+
+
 def test_gangs_leave_nothing_in_the_scheduler_after_many_leases_a_wait_in_vain_and_a_restart(nanny_client):
     client = nanny_client
     for number in range(10):

@@ -18,12 +18,18 @@ from prefect_ddp.tasks.gang.trial import TrialLink
 def cluster_workers(client: distributed.Client) -> list[str]:
     """The address of every worker of the cluster: the one place the gang reads the worker set.
 
-    `scheduler_info()` returns only 5 workers by default on distributed 2025.4 to 2026.6
-    (dask/distributed#9045, undone in #9308), which made a gang on more workers see live
-    ones as gone. Older versions take no `n_workers` but accept and ignore keywords, and
-    return every worker.
+    Asked of the scheduler itself, not read from `client.scheduler_info()`: that returns
+    the client's cached copy, which the client's own periodic refresh overwrites with a
+    copy of no workers (it asks for `n_workers=0`). A read that raced with the refresh came
+    back with an empty cluster: a gang refused to form ("the cluster has 0"), and the
+    supervisor took live workers for gone. `scheduler_info()` also showed only 5 workers
+    by default on distributed 2025.4 to 2026.6 (dask/distributed#9045).
     """
-    return list(client.scheduler_info(n_workers=-1)["workers"])
+    return client.run_on_scheduler(_worker_addresses)
+
+
+def _worker_addresses(dask_scheduler: Any = None) -> list[str]:
+    return list(dask_scheduler.workers)
 
 
 def free_port() -> int:

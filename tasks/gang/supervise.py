@@ -112,9 +112,9 @@ def supervise(
 def _departures(client: distributed.Client, pending: dict[distributed.Future, RankContext]) -> list[str]:
     """Why each unfinished rank whose worker left the cluster will never finish.
 
-    A departure is confirmed by a second read of the worker set: one read came back without
-    live workers here once (while the Prefect server was down), and a worker that really
-    left never comes back at its address (the nanny restarts it at a new one).
+    A departure is confirmed by a second read of the worker set, a moment later: a worker
+    that really left never comes back at its address (the nanny restarts it at a new one),
+    while one the scheduler is still adding or that is reconnecting does.
     """
     gone = [c for c in pending.values() if c.worker_address not in set(cluster_workers(client))]
     if gone:
