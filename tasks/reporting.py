@@ -28,7 +28,13 @@ def run_logger() -> logging.Logger | logging.LoggerAdapter:
 
 
 # The per-epoch columns people read, in the live table and in the final report.
-EPOCH_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "seconds"]
+EPOCH_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "seconds", "images_per_s",
+                 "data_wait_pct"]
+
+
+def epoch_rows(history: list[dict[str, Any]]) -> list[list[Any]]:
+    """The EPOCH_COLUMNS of each epoch; blank where an epoch recorded by an older version lacks one."""
+    return [[h.get(k, "") for k in EPOCH_COLUMNS] for h in history]
 
 
 def markdown_text(value: Any) -> str:

@@ -97,8 +97,14 @@ def test_each_step_left_its_artifact_and_report_files(finished_run):
     assert STEP_ARTIFACTS <= {a.key for a in artifacts}
     progress = next(a for a in artifacts if a.key == "training-progress")
     assert float(progress.data) == 100.0  # updated live by rank 0, complete at the end
+    verdict = summary["time"]["verdict"]  # where the last epoch's time went, in metrics.json too
+    assert progress.description == f"Epochs done of 2. Epoch 2: {verdict}"
+    assert verdict in next(a for a in artifacts if a.key == "training-epochs").data
     report = next(a for a in artifacts if a.key == "training-report")
     assert "| epoch | train_loss | train_acc | val_loss | val_acc |" in report.data
+    assert f"## Where the time went (epoch 2)\n\n**{verdict}**" in report.data
+    assert [r["rank"] for r in summary["time"]["per_rank"]] == [0, 1]
+    assert json.loads((run_dir / "metrics.json").read_text())["time"]["verdict"] == verdict
     ranks = rank_task_runs(flow_run_id, 2)
     assert [r.name for r in ranks] == ["rank-0", "rank-1"] and all(r.state.is_completed() for r in ranks)
     assert {p.name for p in run_dir.iterdir()} >= {"model.pt", "model.json", "metrics.json", "manifest.json",

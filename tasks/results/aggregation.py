@@ -47,6 +47,15 @@ def global_history(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return results[0]["history"]
 
 
+def last_epoch_time(history: list[dict[str, Any]], checkpoint_s: list[float]) -> dict[str, Any] | None:
+    """Where the last epoch's time went (prefect_ddp.tasks.training.step_times), with rank 0's
+    checkpoint time when this attempt trained that epoch; None for a run recorded before."""
+    timing = history[-1].get("time")
+    if timing is None or not checkpoint_s:
+        return timing
+    return timing | {"checkpoint_s": checkpoint_s[-1]}
+
+
 def attempt_rows(gang_attempts: list[dict[str, Any]], resumes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per gang attempt: the supervisor's view (workers, how it ended) joined with
     rank 0's (the epoch it resumed after; None when it never got that far)."""
@@ -72,6 +81,7 @@ def summarize(results: list[dict[str, Any]], split: Split,
         "selected_by": results[0]["selected_by"],
         "final_val_acc": history[-1]["val_acc"],
         "final_val_loss": history[-1]["val_loss"],
+        "time": last_epoch_time(history, results[0].get("checkpoint_s", [])),
         "pruned_at": results[0].get("pruned_at"),
         "attempts": attempt_rows(gang_attempts or [], results[0].get("attempts", [])),
         # Left out as unreadable: by decode-check, and in training (the first keys; each epoch's record holds all).

@@ -14,11 +14,12 @@ from prefect.artifacts import create_markdown_artifact
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.storage import write_bytes
 from prefect_ddp.tasks.location import Location
-from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, markdown_table
+from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, epoch_rows, markdown_table
 from prefect_ddp.tasks.results.plots import markdown_image, training_curves_png
 from prefect_ddp.tasks.results.promotion import Promotion
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.training.model import WarmStart
+from prefect_ddp.tasks.training.step_times import PARTS
 from prefect_ddp.tasks.urls import child_url
 
 
@@ -93,8 +94,25 @@ def unreadable_text(unreadable: dict[str, Any]) -> str:
             f"(missing or not decodable when read): {named}.")
 
 
+def time_markdown(timing: dict[str, Any] | None, epoch: int) -> str:
+    """Where the last epoch's time went, rank by rank, under its verdict; empty for a run
+    recorded before the accounting (prefect_ddp.tasks.training.step_times)."""
+    if not timing:
+        return ""
+    header = ["rank", "step s", *(f"{p} %" for p in PARTS), "validation s", "images"]
+    rows = [[r["rank"], r["step_s"], *(round(100 * r[p] / max(r["step_s"], 1e-9), 1) for p in PARTS),
+             r["validation"], r["images"]] for r in timing["per_rank"]]
+    checkpoint = f", checkpoint {timing['checkpoint_s']} s on rank 0" if "checkpoint_s" in timing else ""
+    return (
+        f"## Where the time went (epoch {epoch})\n\n**{timing['verdict']}**\n\n"
+        f"{timing['images_per_s']} images/s; slowest rank {timing['slowest_rank']} "
+        f"({timing['slower_by']}x the median of the others' own work){checkpoint}.\n\n"
+        + markdown_table(header, rows) + "\n"
+    )
+
+
 def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, outcome: str) -> str:
-    rows = [[h[k] for k in EPOCH_COLUMNS] for h in summary["history"]]
+    rows = epoch_rows(summary["history"])
     workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
     unreadable = unreadable_text(summary["unreadable"])
     return (
@@ -109,7 +127,8 @@ def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, ou
         + (f"{unreadable}\n\n" if unreadable else "")
         + attempts_markdown(summary.get("attempts", []))
         + "## Curves\n\n" + curves + "\n\n"
-        "## Per epoch (all ranks)\n\n"
+        + time_markdown(summary.get("time"), summary["history"][-1]["epoch"])
+        + "## Per epoch (all ranks)\n\n"
         + markdown_table(EPOCH_COLUMNS, rows)
         + "\n## Files\n\n"
         + "".join(f"- {name}: `{url}`\n" for name, url in summary["files"].items())

@@ -8,12 +8,13 @@ never holds up a step) lives here.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from prefect_ddp.tasks.gang import RankContext
-from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, BackgroundPublisher, in_prefect_run, markdown_table
+from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, BackgroundPublisher, epoch_rows, in_prefect_run, markdown_table
 
 PROGRESS_INTERVAL_S = 5.0
 PROGRESS_CLOSE_TIMEOUT_S = 30.0
@@ -34,32 +35,35 @@ class ProgressReporter:
         self.last_update = -PROGRESS_INTERVAL_S
         self._set_progress(0.0)
 
-    def _publish_progress(self, percent: float) -> None:
+    def _publish_progress(self, percent: float, description: str) -> None:
         if self.artifact_id is None:
-            self.artifact_id = create_progress_artifact(
-                percent, key="training-progress", description=f"Epochs done of {self.epochs}"
-            )
+            self.artifact_id = create_progress_artifact(percent, key="training-progress", description=description)
         else:
-            update_progress_artifact(self.artifact_id, percent)
+            update_progress_artifact(self.artifact_id, percent, description=description)
 
-    def _set_progress(self, percent: float) -> None:
+    def _set_progress(self, percent: float, detail: str = "") -> None:
         if self.publisher:
-            self.publisher.submit("progress", lambda: self._publish_progress(percent))
+            description = f"Epochs done of {self.epochs}" + (f". {detail}" if detail else "")
+            self.publisher.submit("progress", lambda: self._publish_progress(percent, description))
             self.last_update = time.monotonic()
 
-    def step(self, epoch: int, done: int, total: int) -> None:
-        """Within an epoch: move the bar, at most every PROGRESS_INTERVAL_S seconds."""
-        if time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S:
-            self._set_progress(100.0 * (epoch + done / max(total, 1)) / self.epochs)
+    def step(self, epoch: int, done: int, total: int, describe: Callable[[], str]) -> None:
+        """Within an epoch: move the bar, with `describe()` (where rank 0's time goes so far)
+        as its description, at most every PROGRESS_INTERVAL_S seconds."""
+        if self.publisher and time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S:
+            self._set_progress(100.0 * (epoch + done / max(total, 1)) / self.epochs, describe())
 
     def epoch_done(self, history: list[dict[str, Any]]) -> None:
-        self._set_progress(100.0 * len(history) / self.epochs)
+        """The bar at the epoch's end, the gang's verdict on it, and the table of epochs so far."""
+        verdict = history[-1].get("time", {}).get("verdict", "")
+        self._set_progress(100.0 * len(history) / self.epochs, f"Epoch {history[-1]['epoch']}: {verdict}")
         if self.publisher:
-            rows = [[h[k] for k in EPOCH_COLUMNS] for h in history]
+            table = markdown_table(EPOCH_COLUMNS, epoch_rows(history))
             self.publisher.submit("table", lambda: create_markdown_artifact(
                 key="training-epochs",
                 description="Per-epoch metrics, all ranks reduced",
-                markdown="# Training so far\n\n" + markdown_table(EPOCH_COLUMNS, rows),
+                markdown="# Training so far\n\n" + table + (f"\nEpoch {history[-1]['epoch']}: {verdict}\n"
+                                                                 if verdict else ""),
             ))
 
     def close(self) -> None:

@@ -58,6 +58,15 @@ from prefect_ddp.tasks.training.checkpoints import (
 )
 from prefect_ddp.tasks.training.model import WarmStart, build_model, load_warm_start, model_card
 from prefect_ddp.tasks.training.progress import ProgressReporter
+from prefect_ddp.tasks.training.step_times import (
+    StepClock,
+    epoch_timing,
+    input_advice,
+    gang_rows,
+    live_text,
+    split_rows,
+    time_gradient_sync,
+)
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit, UnreadableTally
 from prefect_ddp.tasks.urls import child_url
 
@@ -126,31 +135,41 @@ def readable_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
 def train_one_epoch(
     model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler, inputs: ToDevice, amp_dtype: torch.dtype | None,
-    on_step: Callable[[int, int], None] | None = None,
+    on_step: Callable[[int, int], None] | None = None, clock: StepClock | None = None,
 ) -> PassSums:
     """One pass over this rank's shard; returns the rank's local sums.
 
     `inputs` puts each batch of images on the rank's device (decoding it there when the
     loader hands over encoded images); `amp_dtype` None trains in full precision.
     `on_step(done, total)` is called after every optimizer step, for progress reports.
+    `clock` is cut at each part of the step (prefect_ddp.tasks.training.step_times); the
+    final mark counts the wait that ends the pass, so its parts add up to the pass.
     The loss is the mean over the batch's readable images; a batch with none still steps,
     with a zero loss: which batches hold readable images differs between ranks, and a rank
     that skipped its step would leave the others waiting in DDP's all-reduce.
     """
     model.train()
     sums = PassSums()
+    clock = clock or StepClock(inputs.device)
+    clock.start()
     for step, (images, labels) in enumerate(loader, start=1):
         images, labels = inputs(images, labels)
+        clock.mark("data")
         with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
             loss_sum, readable = readable_loss(logits, labels)
+        clock.mark("forward")
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss_sum / readable.clamp(min=1)).backward()
+        clock.after_backward()
         scaler.step(optimizer)
         scaler.update()
+        clock.mark("optimizer")
         sums.add(loader, logits, labels, loss_sum, readable)
         if on_step:
             on_step(step, len(loader))
+        clock.mark("other")
+    clock.mark("data")  # the wait for the loader to say the pass is over
     return sums
 
 
@@ -319,11 +338,13 @@ class BestWeights:
                    card | {"epoch": self.epoch, "selected_by": self.selection.describe()}, self.options)
 
 
-def between_steps(ctx: RankContext, progress: ProgressReporter, epoch: int, done: int, total: int) -> None:
+def between_steps(ctx: RankContext, progress: ProgressReporter, clock: StepClock, batch_size: int, started: float,
+                  epoch: int, done: int, total: int) -> None:
     """After every optimizer step: tell the supervisor, leave if the gang is being stopped, move the bar."""
     ctx.progress("step", epoch=epoch + 1, step=done)
     ctx.check_stop()
-    progress.step(epoch, done, total)
+    progress.step(epoch, done, total,
+                  lambda: live_text(clock.totals(), done * batch_size, time.monotonic() - started))
 
 
 @dataclass
@@ -336,6 +357,8 @@ class RankSetup:
     train_inputs: ToDevice
     val_inputs: ToDevice
     amp_dtype: torch.dtype | None
+    clock: StepClock
+    input_advice: str  # what would feed this run's ranks faster, for an input-bound verdict
 
     @property
     def device(self) -> torch.device:
@@ -356,21 +379,33 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     optimizer = build_optimizer(model, job.training, ctx.world_size)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler)
-    return RankSetup(state, train_loader, val_loader, train_inputs, val_inputs, amp_dtype)
+    advice = input_advice(job.training, from_object_store="://" in job.manifest.root)
+    return RankSetup(state, train_loader, val_loader, train_inputs, val_inputs, amp_dtype, StepClock(device), advice)
 
 
 def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress: ProgressReporter,
               unreadable: UnreadableTally, epoch: int) -> tuple[dict[str, Any], int]:
-    """Train and validate one epoch; returns the gang's record of it and the images this rank trained on."""
+    """Train and validate one epoch; returns the gang's record of it and the images this rank trained on.
+
+    The record's `time` is where the gang's time went (prefect_ddp.tasks.training.step_times):
+    every rank's row of it travels in the same all-reduce as the metrics.
+    """
     started = time.monotonic()
     rank.train_loader.sampler.set_epoch(epoch)
+    on_step = partial(between_steps, ctx, progress, rank.clock, rank.train_loader.batch_size or 1, started, epoch)
     train = train_one_epoch(ddp_model, rank.train_loader, rank.state.optimizer, rank.state.scaler,
-                            rank.train_inputs, rank.amp_dtype, on_step=partial(between_steps, ctx, progress, epoch))
+                            rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock)
+    trained_at = time.monotonic()
     sync_buffers(rank.state.model)
     ctx.progress("validation", epoch=epoch + 1)
     val = evaluate(rank.state.model, rank.val_loader, rank.val_inputs)
-    totals = all_reduce_sum([*train.sums(), *val.sums()], rank.device)
-    record = epoch_record(epoch, totals, rank.state.optimizer, time.monotonic() - started)
+    rows = gang_rows(rank.clock.totals(), time.monotonic() - trained_at, trained_at - started, int(train.count),
+                     ctx.rank, ctx.world_size)
+    totals = all_reduce_sum([*train.sums(), *val.sums(), *rows], rank.device)
+    record = epoch_record(epoch, totals[:6], rank.state.optimizer, time.monotonic() - started)
+    record["time"] = epoch_timing(split_rows(totals[6:]), rank.input_advice)
+    record["images_per_s"] = record["time"]["images_per_s"]
+    record["data_wait_pct"] = round(100 * record["time"]["shares"]["data"], 1)
     record["unreadable"] = unreadable.pool(train.unreadable | val.unreadable, record["epoch"])  # first met this epoch
     return record, int(train.count)
 
@@ -392,6 +427,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     start_epoch, history = state.resume(checkpoint_url, output, fingerprint, ctx.world_size,
                                         job.training.scale_lr_by_world_size, rank.device)
     ddp_model = wrap_ddp(model, rank.device)
+    time_gradient_sync(ddp_model, rank.clock)
     kept = BestWeights(ctx, job, ctx.trial.selection if ctx.trial else Selection())
     kept.after_resume(model, history)
     unreadable = UnreadableTally(job.unreadable, job.manifest, rank.device, announce=ctx.is_main)
@@ -402,6 +438,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
                               ctx.world_size, start_epoch) if ctx.is_main else []
     progress = ProgressReporter(ctx, job.training.epochs, log)
     local_train_samples: list[int] = []
+    checkpoint_s: list[float] = []  # per epoch trained here: outside the record, which the checkpoint holds
     pruned_at = stopped = None
     try:
         for epoch in range(start_epoch, job.training.epochs):
@@ -415,10 +452,13 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
             history.append(record)
             log.log(level, "epoch %d/%d %s", record["epoch"], job.training.epochs, record)
             ctx.progress("checkpoint", epoch=record["epoch"])
+            saving = time.monotonic()
             if ctx.is_main:
                 state.save(checkpoint_url, output, epoch, history, fingerprint, ctx.world_size)
-                progress.epoch_done(history)
             kept.after_epoch(model, record)
+            checkpoint_s.append(round(time.monotonic() - saving, 3))  # rank 0's; the others write none
+            if ctx.is_main:
+                progress.epoch_done(history)
             if ctx.report(record["epoch"], record):  # a sweep's pruner stops every rank here
                 pruned_at = record["epoch"]
                 log.log(level, "Pruned by the sweep after epoch %d", pruned_at)
@@ -430,6 +470,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         "worker_address": ctx.worker_address,
         "split_digest": job.split.digest(job.manifest),
         "local_train_samples": local_train_samples,
+        "checkpoint_s": checkpoint_s,
         "history": history,
         "best_epoch": kept.epoch,
         "selected_by": kept.selection.describe(),

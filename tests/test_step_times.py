@@ -1,0 +1,135 @@
+"""Where training time goes: each step's parts add up to the training pass, and the verdict
+names what bounds it.
+
+The units check the verdict's rules on hand-made rows. The gloo test runs the real recipe
+on two real ranks twice: on local images, then on S3 images whose every GET the front holds
+for a moment, which must come out input-bound with the advice for an object store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
+from prefect_ddp.tasks.data.indexing import build_manifest
+from prefect_ddp.tasks.data.splitting import stratified_split
+from prefect_ddp.tasks.gang import RankContext, free_port, process_group
+from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
+from prefect_ddp.tasks.training.step_times import PARTS, StepClock, epoch_timing, input_advice
+from tests.support.faulty_s3 import FaultyS3
+from tests.support.flow_runs import block_copy
+from tests.support.image_folders import local_image_folder
+
+CPU = torch.device("cpu")
+
+
+def row(data=1.0, forward=2.0, backward=4.0, sync=0.5, optimizer=0.4, other=0.1, images=100.0) -> list[float]:
+    parts = [data, forward, backward, sync, optimizer, other]
+    return parts + [1.0, sum(parts), images]
+
+
+@pytest.mark.unit
+def test_a_rank_that_waits_for_data_most_of_each_step_is_input_bound_with_the_object_store_advice():
+    timing = epoch_timing([row(data=6.0), row(data=6.0)], input_advice(TrainingConfig(), from_object_store=True))
+    assert timing["verdict"].startswith("input-bound: 46% of each step waits for data; ")
+    assert "training.images_per_shard" in timing["verdict"] and "training.cache_gb" in timing["verdict"]
+    assert timing["images_per_s"] == round(200 / 13.0, 1)  # both ranks' images over the slower pass
+
+
+@pytest.mark.unit
+def test_input_advice_follows_the_run_settings():
+    local = input_advice(TrainingConfig(num_workers=0), from_object_store=False)
+    assert "training.num_workers" in local and "images_per_shard" not in local
+    sharded = input_advice(TrainingConfig(images_per_shard=64, cache_gb=1.0), from_object_store=True)
+    assert "images_per_shard" not in sharded and "cache_gb" not in sharded and "more loader workers" in sharded
+
+
+@pytest.mark.unit
+def test_a_rank_slower_than_the_others_is_named_before_anything_else():
+    # Ranks 0 and 2 wait for rank 1 in the sync: their own work is the same as each other's.
+    timing = epoch_timing([row(sync=4.0), row(forward=4.0, backward=8.0), row(sync=4.0)], "")
+    assert timing["slowest_rank"] == 1 and timing["slower_by"] == 1.8
+    assert timing["verdict"].startswith("rank 1 is 1.8x slower than the median of the others (most of it computing)")
+
+
+@pytest.mark.unit
+def test_a_step_mostly_waiting_in_gradient_sync_is_communication_bound():
+    timing = epoch_timing([row(sync=5.0), row(sync=5.0)], "")
+    assert timing["verdict"].startswith("communication-bound: 40% of each step waits on gradient sync")
+
+
+@pytest.mark.unit
+def test_otherwise_the_step_is_compute_bound():
+    assert epoch_timing([row(), row()], "")["verdict"] == (
+        "compute-bound: 80% of each step is forward, backward and optimizer; the input keeps up.")
+
+
+@pytest.mark.unit
+def test_backward_is_split_where_the_last_gradient_bucket_goes_to_the_all_reduce():
+    clock = StepClock(CPU)
+    clock.start()
+    time.sleep(0.02)
+    clock.mark("data")
+    time.sleep(0.03)
+    clock.bucket_launched()
+    time.sleep(0.05)
+    clock.after_backward()
+    time.sleep(0.01)
+    clock.after_backward()  # no bucket this time (no DDP): all of it is backward
+    parts = clock.totals()
+    assert parts["data"] == pytest.approx(0.02, abs=0.01)
+    assert parts["backward"] == pytest.approx(0.04, abs=0.01) and parts["sync"] == pytest.approx(0.05, abs=0.01)
+
+
+def job(source: DataLocation, manifest, output: Path, epochs: int) -> TrainJob:
+    return TrainJob(
+        source=source, output=DataLocation(url=str(output)), manifest=manifest,
+        split=stratified_split(manifest, 0.25, 0), model=ModelConfig(backbone="mobilenet_v3_small"),
+        training=TrainingConfig(epochs=epochs, batch_size=4, image_size=32, num_workers=0, optimizer="adamw", lr=1e-3),
+    )
+
+
+def rank_runs(rank: int, port: int, jobs: dict[str, TrainJob], out: Path) -> None:
+    torch.set_num_threads(1)  # two ranks on this machine's two cores
+    ctx = RankContext(rank=rank, local_rank=rank, world_size=2, local_world_size=2, backend="gloo", device="cpu",
+                      worker_address="local", master_addr="127.0.0.1", master_port=port)
+    with process_group(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                       timeout=timedelta(seconds=60)):
+        results = {name: train_classifier(ctx, one) for name, one in jobs.items()}
+    (out / f"rank{rank}.json").write_text(json.dumps({name: r["history"] for name, r in results.items()}))
+
+
+def test_the_parts_add_up_to_the_training_pass_and_slow_reads_make_it_input_bound(
+        tmp_path, image_location: DataLocation, front: FaultyS3, s3_fs):
+    local = local_image_folder(tmp_path / "images", per_class=8)
+    prefix = image_location.url.removeprefix("s3://")
+    found = s3_fs.find(prefix, detail=True)
+    remote = build_manifest(image_location.url, {path.removeprefix(prefix + "/"): info["size"]
+                                                 for path, info in found.items() if "broken" not in path})
+    via_front = block_copy(image_location, endpoint_url=front.endpoint, max_attempts=1)
+    front.stall_gets(f"{prefix}/*", seconds=0.15)
+    jobs = {"local": job(DataLocation(url=str(tmp_path / "images")), local, tmp_path / "local", epochs=2),
+            "slow": job(via_front, remote, tmp_path / "slow", epochs=1)}
+    mp.start_processes(rank_runs, args=(free_port(), jobs, tmp_path), nprocs=2, start_method="spawn")
+    histories = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+    for epoch in histories[0]["local"] + histories[0]["slow"]:
+        for rank in epoch["time"]["per_rank"]:
+            assert rank["step_s"] == pytest.approx(sum(rank[p] for p in PARTS), abs=0.004)  # each rounded to ms
+            assert rank["step_s"] == pytest.approx(rank["train_wall_s"], rel=0.05), rank
+            assert rank["sync"] > 0, "the comm hook saw no gradient bucket"
+    local_data = max(e["time"]["shares"]["data"] for e in histories[0]["local"])
+    (slow,) = histories[0]["slow"]
+    assert slow["time"]["verdict"].startswith("input-bound: "), slow["time"]["verdict"]
+    assert "training.images_per_shard" in slow["time"]["verdict"]
+    assert slow["time"]["shares"]["data"] > 2 * local_data, (slow["time"]["shares"], local_data)
+    assert slow["data_wait_pct"] == round(100 * slow["time"]["shares"]["data"], 1)
+    assert histories[1]["local"][-1]["time"]["per_rank"] == histories[0]["local"][-1]["time"]["per_rank"]
