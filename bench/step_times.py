@@ -2,8 +2,11 @@
 loop with a clock that records nothing, in one process, interleaved.
 
 The loop is the recipe's own `train_one_epoch` on a DDP model (gloo, world size 1, so the
-comm hook runs as in a gang), resnet18 on in-memory 64 px samples: a small step, where a
-fixed per-step cost shows most. Prints each variant's median epoch time and the ratio.
+gradient hooks run as in a gang), resnet18 on in-memory 64 px samples: a small step, where a
+fixed per-step cost shows most. Prints each variant's median epoch time and the ratio, with
+a second silent baseline beside the first: the spread between the two is the noise the
+ratio cannot see below. So it also times the clock's own work for one step (its marks and
+one hook call per trained parameter) in a tight loop, against the median step.
 
     .venv/bin/python -m bench.step_times --epochs 5
 """
@@ -28,7 +31,7 @@ CPU = torch.device("cpu")
 
 
 class SilentClock(StepClock):
-    """The baseline: every mark is a no-op, and no comm hook is registered."""
+    """The baseline: every mark is a no-op, and no gradient hook is registered."""
 
     def start(self) -> None:
         pass
@@ -61,7 +64,8 @@ def main() -> None:
     with process_group(backend="gloo", rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
                        timeout=timedelta(seconds=60)):
         variants = {}
-        for name, clock in (("silent clock (baseline)", SilentClock(CPU)), ("step-time clock", StepClock(CPU))):
+        for name, clock in (("silent clock (baseline)", SilentClock(CPU)), ("silent clock, again", SilentClock(CPU)),
+                            ("step-time clock", StepClock(CPU))):
             model = wrap_ddp(resnet18(num_classes=10), CPU)
             if not isinstance(clock, SilentClock):
                 time_gradient_sync(model, clock)
@@ -79,6 +83,26 @@ def main() -> None:
     for name, (*_, times) in variants.items():
         median = statistics.median(times)
         print(f"| {name} | {median:.3f} | {1000 * median / steps:.1f} | {median / baseline:.4f} |")
+    parameters = sum(1 for p in resnet18().parameters() if p.requires_grad)
+    per_step = clock_work_per_step(parameters)
+    print(f"\nthe clock's own work per step ({parameters} gradient hooks): {per_step * 1e6:.1f} us, "
+          f"{per_step / (baseline / steps):.5f} of a median step")
+
+
+def clock_work_per_step(parameters: int, steps: int = 2000) -> float:
+    """Seconds of clock work per step: the marks and one gradient hook call per parameter."""
+    clock = StepClock(CPU)
+    clock.start()
+    started = time.perf_counter()
+    for _ in range(steps):
+        clock.mark("data")
+        clock.mark("forward")
+        for _ in range(parameters):
+            clock.gradient_ready()
+        clock.after_backward()
+        clock.mark("optimizer")
+        clock.mark("other")
+    return (time.perf_counter() - started) / steps
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.training.model import build_model
 from prefect_ddp.tasks.training.recipe import build_optimizer, evaluate, train_one_epoch
+from prefect_ddp.tasks.training.step_times import PARTS, StepClock
 
 
 def tiny_loader(device_batches=3):
@@ -28,6 +29,25 @@ def test_amp_training_step_on_cuda_updates_weights(amp_dtype):
     assert sums.count == 12 and torch.isfinite(torch.tensor(sums.loss_sum))
     assert not torch.equal(before, model.fc.weight.detach())
     assert evaluate(model, tiny_loader(), inputs).count == 12
+
+
+@pytest.mark.unit
+@pytest.mark.gpu
+def test_the_step_clock_reads_the_device_timeline_on_cuda():
+    device = torch.device("cuda:0")
+    model = build_model(ModelConfig(backbone="resnet18"), 3).to(device)
+    optimizer = build_optimizer(model, TrainingConfig(), world_size=1)
+    clock = StepClock(device)
+    started = torch.cuda.Event(enable_timing=True)
+    ended = torch.cuda.Event(enable_timing=True)
+    started.record()
+    train_one_epoch(model, tiny_loader(), optimizer, torch.amp.GradScaler("cuda", enabled=False),
+                    ToDevice(device), None, clock=clock)
+    ended.record()
+    ended.synchronize()
+    parts = clock.totals()
+    assert set(parts) == set(PARTS) and parts["forward"] > 0 and parts["backward"] > 0 and parts["sync"] == 0
+    assert sum(parts.values()) == pytest.approx(started.elapsed_time(ended) / 1000, rel=0.05)
 
 
 # Not `unit` (it starts nothing): a mobilenet epoch on the CPU, 3-8 s on 2 busy cores.

@@ -73,13 +73,13 @@ def test_otherwise_the_step_is_compute_bound():
 
 
 @pytest.mark.unit
-def test_backward_is_split_where_the_last_gradient_bucket_goes_to_the_all_reduce():
+def test_backward_is_split_where_the_last_gradient_arrives():
     clock = StepClock(CPU)
     clock.start()
     time.sleep(0.02)
     clock.mark("data")
     time.sleep(0.03)
-    clock.bucket_launched()
+    clock.gradient_ready()
     time.sleep(0.05)
     clock.after_backward()
     time.sleep(0.01)
@@ -125,7 +125,7 @@ def test_the_parts_add_up_to_the_training_pass_and_slow_reads_make_it_input_boun
         for rank in epoch["time"]["per_rank"]:
             assert rank["step_s"] == pytest.approx(sum(rank[p] for p in PARTS), abs=0.004)  # each rounded to ms
             assert rank["step_s"] == pytest.approx(rank["train_wall_s"], rel=0.05), rank
-            assert rank["sync"] > 0, "the comm hook saw no gradient bucket"
+            assert rank["sync"] > 0, "the gradient hooks saw no gradient"
     local_data = max(e["time"]["shares"]["data"] for e in histories[0]["local"])
     (slow,) = histories[0]["slow"]
     assert slow["time"]["verdict"].startswith("input-bound: "), slow["time"]["verdict"]

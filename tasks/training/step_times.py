@@ -9,8 +9,9 @@ epoch add up to the time of its training pass (tests/test_step_times.py checks i
 - forward, backward: the model's compute.
 - sync: the part of backward that waits for the gradient all-reduce, i.e. on the network
   and on slower peers. DDP all-reduces gradients in buckets while backward still runs; a
-  comm hook marks when the last bucket is handed over, and what backward spends after
-  that waits on the other ranks. Without a process group it is zero.
+  hook on each parameter marks its gradient's arrival, the last of which hands DDP its
+  last bucket, and what backward spends after that waits on the other ranks. Without a
+  process group it is zero.
 - optimizer: the update (and the loss scaler's).
 - other: metric sums, progress reports and the stop check between steps.
 
@@ -23,15 +24,14 @@ matrix) and `epoch_timing` turns them into shares, images per second, the slowes
 and a verdict; the README's "Where the time goes" says what each verdict means.
 """
 
-# No `from __future__ import annotations`: DDP checks the comm hook's annotations as objects.
+from __future__ import annotations
+
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from prefect_ddp.tasks.config import TrainingConfig
 
@@ -58,7 +58,7 @@ class StepClock:
     totals_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     _pending: list[tuple[str, Any]] = field(default_factory=list)  # (part ending here, stamp), CUDA only
     _last: Any = None
-    _launched: Any = None  # when this step's last gradient bucket went to the all-reduce
+    _launched: Any = None  # when this step's latest gradient arrived
 
     @property
     def on_cuda(self) -> bool:
@@ -81,12 +81,12 @@ class StepClock:
         """The time since the last mark was spent in `part`."""
         self._add(part, self._stamp())
 
-    def bucket_launched(self) -> None:
-        """Called by the comm hook as each gradient bucket is handed to the all-reduce."""
+    def gradient_ready(self) -> None:
+        """Called as each parameter's gradient arrives; the last call ends backward's compute."""
         self._launched = self._stamp()
 
     def after_backward(self) -> None:
-        """Split backward at the last bucket's hand-over: compute before it, sync after it."""
+        """Split backward at the last gradient's arrival: compute before it, sync after it."""
         if self._launched is not None:
             self._add("backward", self._launched)
             self._launched = None
@@ -118,16 +118,19 @@ class StepClock:
         self._pending.clear()
 
 
-def timed_allreduce(clock: StepClock, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: DDP's own all-reduce (mean over ranks), with the hand-over marked on `clock`."""
-    clock.bucket_launched()
-    return default_hooks.allreduce_hook(None, bucket)
-
-
 def time_gradient_sync(ddp_model: torch.nn.Module, clock: StepClock) -> None:
-    """Have `clock` see when gradients go to the all-reduce; nothing to do without DDP."""
-    if isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-        ddp_model.register_comm_hook(clock, timed_allreduce)
+    """Have `clock` see when backward has computed the last gradient; nothing to do without DDP.
+
+    A hook on each trained parameter marks its gradient's arrival; the last one is when
+    DDP hands its last bucket to the all-reduce, and what backward spends after it waits on
+    the other ranks. Not a DDP comm hook: a Python comm hook replaces DDP's fused
+    all-reduce and adds a pass over every gradient (5 % of a CPU step in bench/step_times.py).
+    """
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        return
+    for parameter in ddp_model.parameters():
+        if parameter.requires_grad:
+            parameter.register_post_accumulate_grad_hook(lambda _: clock.gradient_ready())
 
 
 def gang_rows(parts: dict[str, float], validation_s: float, train_wall_s: float, images: int,
