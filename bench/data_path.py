@@ -1,6 +1,6 @@
 """Data-path benchmark (issue 12): images/s, HTTP requests and CPU time per image, by reader.
 
-Readers, each behind a DataLoader (batch 32, the training's eval transform, no shuffle):
+Readers, each behind the recipe's FetchAheadLoader (batch 32, the training's eval transform, no shuffle):
 - torchvision's ImageFolder on local disk: the baseline; every ratio is taken against it,
   measured in the same run on the same JPEGs;
 - our S3ImageFolder (tasks/data/dataset.py): one GET per image, a batch fetched concurrently;
@@ -63,6 +63,7 @@ from prefect_ddp.deployments.sample_data import CLASSES, draw_shape, shapes_data
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers
+from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader
 from prefect_ddp.tasks.data.shard_writer import ShardIndex, write_shards
@@ -323,7 +324,7 @@ def measure(dataset: Dataset, workers: int, server: S3Endpoint | None, repeats: 
         loader, indices = ShardLoader(dataset, **options), None
     else:
         indices = EpochIndices(min(len(dataset), max(1, workers) * BATCH_SIZE))
-        loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=indices, **options)
+        loader = FetchAheadLoader(dataset, indices, BATCH_SIZE, **options)  # as the recipe reads
     for _ in loader:  # warm-up
         pass
     if indices:

@@ -36,6 +36,7 @@ from torchvision.transforms import v2
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
+from prefect_ddp.tasks.data.fetch_ahead import FetchesAhead
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import ProcessFilesystem
 
@@ -251,6 +252,7 @@ class S3ImageFolder(Dataset):
         self.sizes = list(sizes) if sizes is not None else [None] * len(self.keys)
         self.cache = cache.for_storage(self.storage_options) if cache else None
         self._files = ProcessFilesystem(self.root, self.storage_options)
+        self._ahead = FetchesAhead()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -304,8 +306,11 @@ class S3ImageFolder(Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor | EncodedImage, int]]:
         """The batch at `indices`, as long as asked: an unreadable image's place holds a stand-in
-        labelled `unreadable_label(index)` (module docstring)."""
-        samples = [prepare(data, self.labels[i], i, self.transform) for data, i in zip(self.fetch(indices), indices)]
+        labelled `unreadable_label(index)` (module docstring). Batches from a FetchAheadLoader
+        say which batches follow; their fetches start before this one decodes
+        (prefect_ddp.tasks.data.fetch_ahead)."""
+        fetched = self._ahead.take(indices, self.fetch)
+        samples = [prepare(data, self.labels[i], i, self.transform) for data, i in zip(fetched, indices)]
         return with_stand_ins(samples, partial(blank_image, self.transform))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor | EncodedImage, int]:

@@ -41,6 +41,7 @@ from prefect_ddp.tasks.data.dataset import (
     unreadable_positions,
 )
 from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
+from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
 from prefect_ddp.tasks.data.splitting import Split
@@ -210,7 +211,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     on_device = cfg.decode_on == "device"
     train_tf = None if on_device else train_transform(cfg.image_size)
     val_tf = None if on_device else eval_transform(cfg.image_size)
-    per_image = {"batch_size": cfg.batch_size, "collate_fn": encoded_collate if on_device else None}
+    collate = {"collate_fn": encoded_collate} if on_device else {}
     val_set = dataset(job.split.val, val_tf)
     workers = loader_workers(cfg)
     loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": ctx.device.startswith("cuda")}
@@ -218,7 +219,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
         require_non_daemonic(workers)
         loader_options |= {**forked_workers(), "persistent_workers": True}
     val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
-    val_loader = DataLoader(val_set, sampler=val_shard, **per_image, **loader_options)
+    val_loader = FetchAheadLoader(val_set, val_shard, cfg.batch_size, **collate, **loader_options)
     if cfg.images_per_shard:
         output = job.output.storage_options()
         folder, index = open_shards(job.output.url, output, m, job.split, cfg.images_per_shard)
@@ -232,7 +233,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     # A last batch of one image breaks BatchNorm in training mode; every rank's shard has
     # the same length, so all ranks drop it together and keep the same number of steps.
     drop_single = len(sampler) % cfg.batch_size == 1
-    train_loader = DataLoader(train_set, sampler=sampler, drop_last=drop_single, **per_image, **loader_options)
+    train_loader = FetchAheadLoader(train_set, sampler, cfg.batch_size, drop_single, **collate, **loader_options)
     return train_loader, val_loader
 
 
@@ -359,6 +360,7 @@ class RankSetup:
     amp_dtype: torch.dtype | None
     clock: StepClock
     input_advice: str  # what would feed this run's ranks faster, for an input-bound verdict
+    batch_size: int
 
     @property
     def device(self) -> torch.device:
@@ -380,7 +382,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler)
     advice = input_advice(job.training, from_object_store="://" in job.manifest.root)
-    return RankSetup(state, train_loader, val_loader, train_inputs, val_inputs, amp_dtype, StepClock(device), advice)
+    return RankSetup(state, train_loader, val_loader, train_inputs, val_inputs, amp_dtype, StepClock(device), advice,
+                     job.training.batch_size)
 
 
 def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress: ProgressReporter,
@@ -392,7 +395,7 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
     """
     started = time.monotonic()
     rank.train_loader.sampler.set_epoch(epoch)
-    on_step = partial(between_steps, ctx, progress, rank.clock, rank.train_loader.batch_size or 1, started, epoch)
+    on_step = partial(between_steps, ctx, progress, rank.clock, rank.batch_size, started, epoch)
     train = train_one_epoch(ddp_model, rank.train_loader, rank.state.optimizer, rank.state.scaler,
                             rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock)
     trained_at = time.monotonic()

@@ -65,6 +65,7 @@ class FaultyS3:
         self._lock = threading.Lock()
         self._stalled = threading.Condition(self._lock)
         self._stalled_now = 0
+        self.most_stalled = 0  # the most GETs held at once, so far
         self._stopping = threading.Event()
 
     def fail_gets(self, pattern: str, times: int, how: FailHow = "503") -> None:
@@ -108,6 +109,7 @@ class FaultyS3:
     def _stall(self, seconds: float) -> None:
         with self._stalled:
             self._stalled_now += 1
+            self.most_stalled = max(self.most_stalled, self._stalled_now)
             self._stalled.notify_all()
         try:
             self._stopping.wait(seconds)  # the front's shutdown releases it early
