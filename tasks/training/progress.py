@@ -56,14 +56,14 @@ class ProgressReporter:
     def epoch_done(self, history: list[dict[str, Any]]) -> None:
         """The bar at the epoch's end, the gang's verdict on it, and the table of epochs so far."""
         verdict = history[-1].get("time", {}).get("verdict", "")
-        self._set_progress(100.0 * len(history) / self.epochs, f"Epoch {history[-1]['epoch']}: {verdict}")
+        said = f"Epoch {history[-1]['epoch']}: {verdict}"
+        self._set_progress(100.0 * len(history) / self.epochs, said)
         if self.publisher:
             table = markdown_table(EPOCH_COLUMNS, epoch_rows(history))
             self.publisher.submit("table", lambda: create_markdown_artifact(
                 key="training-epochs",
                 description="Per-epoch metrics, all ranks reduced",
-                markdown="# Training so far\n\n" + table + (f"\nEpoch {history[-1]['epoch']}: {verdict}\n"
-                                                                 if verdict else ""),
+                markdown="# Training so far\n\n" + table + (f"\n{said}\n" if verdict else ""),
             ))
 
     def close(self) -> None:

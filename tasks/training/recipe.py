@@ -402,11 +402,12 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
     sync_buffers(rank.state.model)
     ctx.progress("validation", epoch=epoch + 1)
     val = evaluate(rank.state.model, rank.val_loader, rank.val_inputs)
+    sums = [*train.sums(), *val.sums()]
     rows = gang_rows(rank.clock.totals(), time.monotonic() - trained_at, trained_at - started, int(train.count),
                      ctx.rank, ctx.world_size)
-    totals = all_reduce_sum([*train.sums(), *val.sums(), *rows], rank.device)
-    record = epoch_record(epoch, totals[:6], rank.state.optimizer, time.monotonic() - started)
-    record["time"] = epoch_timing(split_rows(totals[6:]), rank.input_advice)
+    totals = all_reduce_sum([*sums, *rows], rank.device)
+    record = epoch_record(epoch, totals[:len(sums)], rank.state.optimizer, time.monotonic() - started)
+    record["time"] = epoch_timing(split_rows(totals[len(sums):]), rank.input_advice)
     record["images_per_s"] = record["time"]["images_per_s"]
     record["data_wait_pct"] = round(100 * record["time"]["shares"]["data"], 1)
     record["unreadable"] = unreadable.pool(train.unreadable | val.unreadable, record["epoch"])  # first met this epoch

@@ -36,6 +36,7 @@ import torch
 from prefect_ddp.tasks.config import TrainingConfig
 
 PARTS = ("data", "forward", "backward", "sync", "optimizer", "other")
+COMPUTE = ("forward", "backward", "optimizer")  # the parts the rank's own device works in
 # One row per rank in the gathered matrix: the parts, then these.
 EXTRA = ("validation", "train_wall", "images")
 # Thresholds of the verdict: the share of step time, and how much slower than the others
@@ -58,7 +59,7 @@ class StepClock:
     totals_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     _pending: list[tuple[str, Any]] = field(default_factory=list)  # (part ending here, stamp), CUDA only
     _last: Any = None
-    _launched: Any = None  # when this step's latest gradient arrived
+    _last_gradient: Any = None  # when this step's latest gradient arrived
 
     @property
     def on_cuda(self) -> bool:
@@ -75,7 +76,7 @@ class StepClock:
         """Begin an epoch: everything from here until the first batch arrives is data."""
         self.totals_s = dict.fromkeys(PARTS, 0.0)
         self._pending.clear()
-        self._last, self._launched = self._stamp(), None
+        self._last, self._last_gradient = self._stamp(), None
 
     def mark(self, part: str) -> None:
         """The time since the last mark was spent in `part`."""
@@ -83,13 +84,13 @@ class StepClock:
 
     def gradient_ready(self) -> None:
         """Called as each parameter's gradient arrives; the last call ends backward's compute."""
-        self._launched = self._stamp()
+        self._last_gradient = self._stamp()
 
     def after_backward(self) -> None:
         """Split backward at the last gradient's arrival: compute before it, sync after it."""
-        if self._launched is not None:
-            self._add("backward", self._launched)
-            self._launched = None
+        if self._last_gradient is not None:
+            self._add("backward", self._last_gradient)
+            self._last_gradient = None
             self.mark("sync")
         else:
             self.mark("backward")
@@ -202,7 +203,7 @@ def verdict(shares: dict[str, float], slowest: int, slower_by: float | None, slo
     """One line: what bounds the steps, and what would help; `slower_by` None when no rank straggles."""
     if slower_by is not None:
         cause = "waiting for its data" if slowest_parts["data"] >= max(
-            slowest_parts[p] for p in ("forward", "backward", "optimizer")) else "computing"
+            slowest_parts[p] for p in COMPUTE) else "computing"
         return (f"rank {slowest} is {slower_by:.1f}x slower than the median of the others (most of it "
                 f"{cause}); the others wait for it in every gradient sync. Look at its host: load, "
                 "a slower CPU or GPU, its network to the images.")
@@ -211,7 +212,7 @@ def verdict(shares: dict[str, float], slowest: int, slower_by: float | None, slo
     if shares["sync"] >= SYNC_BOUND:
         return (f"communication-bound: {shares['sync']:.0%} of each step waits on gradient sync; a larger "
                 "batch (fewer syncs per image) or a faster network between the workers would cut it.")
-    compute = shares["forward"] + shares["backward"] + shares["optimizer"]
+    compute = sum(shares[p] for p in COMPUTE)
     return f"compute-bound: {compute:.0%} of each step is forward, backward and optimizer; the input keeps up."
 
 
@@ -222,6 +223,6 @@ def live_text(parts: dict[str, float], images: int, seconds: float) -> str:
     'rank 0 this epoch: 60% waiting for data, 35% compute, 5% gradient sync; 5.0 images/s'
     """
     total = max(sum(parts.values()), 1e-9)
-    compute = parts["forward"] + parts["backward"] + parts["optimizer"]
+    compute = sum(parts[p] for p in COMPUTE)
     return (f"rank 0 this epoch: {parts['data'] / total:.0%} waiting for data, {compute / total:.0%} compute, "
             f"{parts['sync'] / total:.0%} gradient sync; {images / max(seconds, 1e-9):.1f} images/s")
