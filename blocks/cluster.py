@@ -67,9 +67,15 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
+# Modules every rank imports: a worker imports them as it starts, while the flow lists its
+# data (blocks/cluster_lifetime.py), instead of when its first task arrives.
+PRELOADED_MODULES = ["torch", "torchvision"]
+
+
 def create_local_cluster(**kwargs: Any) -> LocalCluster:
     """A LocalCluster of non-daemonic worker processes, one thread each."""
     dask.config.set(TRAINING_DASK_CONFIG)
+    kwargs.setdefault("preload", PRELOADED_MODULES)
     kwargs.setdefault("processes", True)
     kwargs.setdefault("threads_per_worker", 1)
     kwargs.setdefault("dashboard_address", ":0")
@@ -87,6 +93,7 @@ def create_cuda_cluster(**kwargs: Any):
             "pip install 'prefect-ddp[gpu]', or set the dask-cluster block's gpu=false."
         ) from exc
     dask.config.set(TRAINING_DASK_CONFIG)
+    kwargs.setdefault("preload", PRELOADED_MODULES)
     kwargs.pop("processes", None)
     kwargs.setdefault("dashboard_address", ":0")
     kwargs["env"] = {**worker_environment(), **kwargs.get("env", {})}

@@ -18,7 +18,7 @@ from prefect.states import State
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.flows.transfer_learning import (
-    cluster_runner,
+    cluster_lifetime,
     data_location,
     output_base,
     transfer_learning,
@@ -114,7 +114,8 @@ def hyperparameter_sweep(
     base = {"data": data.model_dump(), "model": model.model_dump(),
             "training": training.model_dump(), "output": output.model_dump()}
     study = open_study(settings, space, study_storage(settings, out.url), max_epochs=training.epochs)
-    with cluster_runner(cluster) as runner:
+    with cluster_lifetime(cluster) as starting:
+        runner = starting.ready()
         shared = cluster.model_copy(update={
             "address": runner.client.scheduler.address, "block": None,
             "world_size": settings.ranks_per_trial, "lease_timeout_s": settings.lease_timeout_s,

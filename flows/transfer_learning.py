@@ -15,8 +15,6 @@ shortcuts (`data_url`, `epochs`, `lr`, ...) change one nested field from the CLI
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
@@ -27,6 +25,7 @@ from prefect.states import Completed, State
 from prefect_dask import DaskTaskRunner
 
 from prefect_ddp.blocks.cluster import DaskCluster
+from prefect_ddp.blocks.cluster_lifetime import ClusterLifetime
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.blocks.saved import load_block
 from prefect_ddp.tasks.config import (
@@ -90,14 +89,13 @@ def kept_model_name(output: OutputConfig, model: ModelConfig) -> str | None:
     return name
 
 
-@contextmanager
-def cluster_runner(cluster: ClusterConfig) -> Iterator[DaskTaskRunner]:
+def cluster_lifetime(cluster: ClusterConfig) -> ClusterLifetime:
+    """The run's cluster, to start beside the flow's other work (blocks/cluster_lifetime.py)."""
     if cluster.block:
         spec = load_block(DaskCluster, cluster.block)
     else:
         spec = DaskCluster(address=cluster.address, n_workers=cluster.n_workers)
-    with spec.task_runner() as runner:
-        yield runner
+    return ClusterLifetime(spec.task_runner())
 
 
 def gang_size(runner: DaskTaskRunner, world_size: int | None) -> int:
@@ -166,16 +164,17 @@ def transfer_learning(
            "deployment": deployment.get_name()}
     out = base.with_url(child_url(base.url, run_folder_name(run["name"], run["flow_run_id"])))
     kept = kept_location(base, kept_name) if kept_name else None
-    validate_source(source)
-    claim_run_folder(out, run)
-    manifest = index_images.with_options(
-        cache_expiration=timedelta(minutes=data.index_cache_minutes),
-        refresh_cache=data.index_cache_minutes == 0,
-    )(source)
-    warm = find_warm_start(kept, model.backbone, manifest.classes) if model.warm_start else None
-    if not warm:
-        check_starting_weights(model, len(manifest.classes), source)
-    with cluster_runner(cluster) as runner:
+    validate_source(source)  # a wrong URL or key is told in a second, before any cluster starts
+    with cluster_lifetime(cluster) as starting:  # the cluster starts while the flow lists
+        claim_run_folder(out, run)
+        manifest = index_images.with_options(
+            cache_expiration=timedelta(minutes=data.index_cache_minutes),
+            refresh_cache=data.index_cache_minutes == 0,
+        )(source)
+        warm = find_warm_start(kept, model.backbone, manifest.classes) if model.warm_start else None
+        if not warm:
+            check_starting_weights(model, len(manifest.classes), source)
+        runner = starting.ready()
         world_size = gang_size(runner, cluster.world_size)
         listed = len(manifest)
         manifest = validate_dataset(runner, source, manifest, data.validate_sample, data.max_unreadable_fraction)
@@ -200,6 +199,13 @@ def transfer_learning(
             lease_timeout=timedelta(seconds=cluster.lease_timeout_s),
             trial=current_trial(),
         )
+        starting.close_in_background()  # the run's cluster closes while it reports
+        return finish_run(results, manifest, split, out, kept, run, warm)
+
+
+def finish_run(results, manifest, split, out: DataLocation, kept: DataLocation | None, run: dict[str, Any],
+               warm: WarmStart | None) -> dict[str, Any] | State:
+    """Aggregate the ranks' results, promote the model where it is better, publish the report."""
     summary = aggregate(results, manifest, split, out, [asdict(a) for a in results.attempts])
     in_sweep = current_trial() is not None
     if summary["pruned_at"]:  # a sweep stopped it early: a partial model is kept by no one

@@ -1,0 +1,103 @@
+"""A flow run's Dask cluster, started and closed beside the flow's other work.
+
+A local cluster takes about 4.5 s to start here (the scheduler, then worker processes that
+import torch and Prefect) and 1-2.5 s to close (each worker process tears down its
+interpreter). A flow needs it only from the decode check to the end of training, so
+`ClusterLifetime` starts it in a thread while the flow validates, lists and splits, and
+closes it in a thread while the flow aggregates, promotes and reports
+(docs/architecture.md, "Life of a run"; bench/RESULTS.md, "Launch tax").
+
+    with ClusterLifetime(spec.task_runner()) as cluster:   # starting from here
+        manifest = index_images(...)                         # ... while this lists
+        run_gang(..., task_runner=cluster.ready())           # waits for the start, if still under way
+        cluster.close_in_background()                        # the flow needs it no more
+        publish_report(...)                                  # ... while it closes
+    # leaving the block waits for the close: when the run ends, its cluster is gone
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Self
+
+from prefect_dask import DaskTaskRunner
+
+from prefect_ddp.tasks.reporting import run_logger
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterLifetime:
+    """Enter a DaskTaskRunner now, start its cluster in a thread, close it in a thread."""
+
+    def __init__(self, runner: DaskTaskRunner) -> None:
+        self.runner = runner
+        self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cluster-lifetime")
+        self._start: Future | None = None
+        self._close: Future | None = None
+        self._lock = threading.Lock()
+        self._began = 0.0
+        self._up_after_s = 0.0
+        self._closed_in_s = 0.0
+
+    def __enter__(self) -> Self:
+        self.runner.__enter__()
+        # The thread sees this flow's Prefect settings (the API URL workers are told) only
+        # through a copy of this thread's context.
+        context = contextvars.copy_context()
+        self._began = time.monotonic()
+        self._start = self._threads.submit(context.run, self._started)
+        return self
+
+    def _started(self) -> None:
+        self.runner.client  # the runner starts (or connects to) its cluster on first use
+        self._up_after_s = time.monotonic() - self._began
+
+    def ready(self) -> DaskTaskRunner:
+        """The runner, once its cluster is up; a failed start raises here, in the flow."""
+        assert self._start is not None, "ClusterLifetime.ready() outside its with block"
+        asked = time.monotonic()
+        self._start.result()
+        run_logger().info(
+            "Dask cluster up %.1f s after the run asked for it; the run waited %.1f s of that "
+            "(the rest went on beside its listing)", self._up_after_s, time.monotonic() - asked)
+        return self.runner
+
+    def close_in_background(self) -> None:
+        """Start closing the cluster; the flow must not use the runner after this."""
+        with self._lock:
+            if self._close is None:
+                context = contextvars.copy_context()
+                self._close = self._threads.submit(context.run, self._closed_after_start, None, None, None)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        with self._lock:
+            closing = self._close
+        try:
+            if closing is None:
+                self._closed_after_start(exc_type, exc, tb)
+            else:
+                waited = time.monotonic()
+                closing.result()
+                run_logger().info("Dask cluster closed in %.1f s beside the run's report; the run waited "
+                                  "%.1f s of that at its end", self._closed_in_s, time.monotonic() - waited)
+        finally:
+            self._threads.shutdown(wait=True)
+
+    def _closed_after_start(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                            tb: TracebackType | None) -> None:
+        """Close the runner once a start still under way has ended (else its cluster would leak)."""
+        if self._start is not None:
+            try:
+                self._start.result()
+            except Exception:  # already raised to the flow by ready(), or the flow failed before
+                logger.debug("The cluster did not start; closing what there is", exc_info=True)
+        began = time.monotonic()
+        self.runner.__exit__(exc_type, exc, tb)
+        self._closed_in_s = time.monotonic() - began
