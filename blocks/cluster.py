@@ -10,6 +10,9 @@ Clusters this module creates are set up for training, which Dask's defaults are 
   "Facts: Dask").
 - The worker's profiler is off: sampling every thread's stack every 10 ms cost a rank's
   loop 4 % here (the dashboard's profile page stays empty).
+- Workers import torch and torchvision as they start (`PRELOADED_MODULES`): started beside
+  the flow's listing (blocks/cluster_lifetime.py), that import no longer holds up the
+  first decode check.
 - Workers get the Prefect API URL this process uses, so rank task runs, logs and artifacts
   land in the flow's run. Without PREFECT_API_URL that is the temporary server Prefect
   started for this process: workers not told its URL would each start their own (three

@@ -7,12 +7,17 @@ interpreter). A flow needs it only from the decode check to the end of training,
 closes it in a thread while the flow aggregates, promotes and reports
 (docs/architecture.md, "Life of a run"; bench/RESULTS.md, "Launch tax").
 
-    with ClusterLifetime(spec.task_runner()) as cluster:   # starting from here
+    with ClusterLifetime(spec.task_runner) as cluster:     # starting from here
         manifest = index_images(...)                         # ... while this lists
         run_gang(..., task_runner=cluster.ready())           # waits for the start, if still under way
         cluster.close_in_background()                        # the flow needs it no more
         publish_report(...)                                  # ... while it closes
     # leaving the block waits for the close: when the run ends, its cluster is gone
+
+Even the runner is made in the thread (`DaskCluster.task_runner` checks that an existing
+scheduler answers), so a start that fails is raised by `ready()`: a flow that finds bad
+input before it needs the cluster reports that input, not the cluster. Such a flow still
+waits for a local cluster's start to end before it can close it (a few seconds).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextvars
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Self
@@ -33,10 +39,11 @@ logger = logging.getLogger(__name__)
 
 
 class ClusterLifetime:
-    """Enter a DaskTaskRunner now, start its cluster in a thread, close it in a thread."""
+    """Make, enter and start a DaskTaskRunner in a thread; close it in a thread."""
 
-    def __init__(self, runner: DaskTaskRunner) -> None:
-        self.runner = runner
+    def __init__(self, make_runner: Callable[[], DaskTaskRunner]) -> None:
+        self._make_runner = make_runner
+        self.runner: DaskTaskRunner | None = None
         self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cluster-lifetime")
         self._start: Future | None = None
         self._close: Future | None = None
@@ -46,7 +53,6 @@ class ClusterLifetime:
         self._closed_in_s = 0.0
 
     def __enter__(self) -> Self:
-        self.runner.__enter__()
         # The thread sees this flow's Prefect settings (the API URL workers are told) only
         # through a copy of this thread's context.
         context = contextvars.copy_context()
@@ -55,6 +61,7 @@ class ClusterLifetime:
         return self
 
     def _started(self) -> None:
+        self.runner = self._make_runner().__enter__()
         self.runner.client  # the runner starts (or connects to) its cluster on first use
         self._up_after_s = time.monotonic() - self._began
 
@@ -63,6 +70,7 @@ class ClusterLifetime:
         assert self._start is not None, "ClusterLifetime.ready() outside its with block"
         asked = time.monotonic()
         self._start.result()
+        assert self.runner is not None
         run_logger().info(
             "Dask cluster up %.1f s after the run asked for it; the run waited %.1f s of that "
             "(the rest went on beside its listing)", self._up_after_s, time.monotonic() - asked)
@@ -98,6 +106,8 @@ class ClusterLifetime:
                 self._start.result()
             except Exception:  # already raised to the flow by ready(), or the flow failed before
                 logger.debug("The cluster did not start; closing what there is", exc_info=True)
+        if self.runner is None:  # not even made: nothing to close
+            return
         began = time.monotonic()
         self.runner.__exit__(exc_type, exc, tb)
         self._closed_in_s = time.monotonic() - began

@@ -95,7 +95,7 @@ def cluster_lifetime(cluster: ClusterConfig) -> ClusterLifetime:
         spec = load_block(DaskCluster, cluster.block)
     else:
         spec = DaskCluster(address=cluster.address, n_workers=cluster.n_workers)
-    return ClusterLifetime(spec.task_runner())
+    return ClusterLifetime(spec.task_runner)
 
 
 def gang_size(runner: DaskTaskRunner, world_size: int | None) -> int:

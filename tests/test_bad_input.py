@@ -63,7 +63,7 @@ def test_an_unknown_cluster_block_names_itself(earlier_run):
     assert_failed_cleanly(state, ValueError, "No dask-cluster block named 'no-such-cluster'.*DaskCluster")
 
 
-def test_missing_starting_weights_fail_before_the_cluster_starts(earlier_run, tmp_path):
+def test_missing_starting_weights_fail_before_any_data_is_checked(earlier_run, tmp_path):
     output, _, before = earlier_run
     state = run_tiny_flow(output, {"address": "tcp://127.0.0.1:1"}, model={"weights": str(tmp_path / "gone.pt")})
     assert_failed_cleanly(state, FileNotFoundError, r"model.weights points at .*gone.pt, which does not exist")

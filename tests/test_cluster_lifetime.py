@@ -27,7 +27,7 @@ def threaded_runner() -> DaskTaskRunner:
 
 
 def test_the_cluster_starts_while_the_flow_works_and_closes_when_the_block_ends():
-    with ClusterLifetime(threaded_runner()) as cluster:
+    with ClusterLifetime(threaded_runner) as cluster:
         assert threading.current_thread() is threading.main_thread()
         # The flow has not asked for it: the start is under way in a thread of its own.
         cluster._start.result(timeout=START_TIMEOUT_S)
@@ -40,7 +40,7 @@ def test_the_cluster_starts_while_the_flow_works_and_closes_when_the_block_ends(
 
 def test_a_close_in_background_goes_on_while_the_flow_reports_and_is_done_when_the_block_ends():
     reported = threading.Event()
-    with ClusterLifetime(threaded_runner()) as cluster:
+    with ClusterLifetime(threaded_runner) as cluster:
         started = cluster.ready()._cluster
         cluster.close_in_background()
         cluster.close_in_background()  # twice is once
@@ -58,13 +58,13 @@ def live_children() -> set[int]:
 
 def test_a_flow_that_fails_before_it_needs_the_cluster_leaves_no_worker_process_behind(prefect_api):
     before = live_children()  # the session's services
-    runner = DaskTaskRunner(cluster_class=create_local_cluster, cluster_kwargs={"n_workers": 1})
     with pytest.raises(ValueError, match="listing failed"):
-        with ClusterLifetime(runner) as cluster:
+        with ClusterLifetime(lambda: DaskTaskRunner(cluster_class=create_local_cluster,
+                                                    cluster_kwargs={"n_workers": 1})) as cluster:
             assert not cluster._start.done()
             raise ValueError("listing failed")  # while the cluster is still starting
     # The block waited for the start, then closed what it started: no worker process is left.
-    assert runner._cluster is not None and runner._cluster.status.name == "closed"
+    assert cluster.runner._cluster is not None and cluster.runner._cluster.status.name == "closed"
     assert live_children() - before == set()
 
 
@@ -73,7 +73,17 @@ def broken_cluster(**kwargs):
 
 
 def test_a_start_that_fails_raises_in_the_flow_where_it_asks_for_the_cluster():
-    runner = DaskTaskRunner(cluster_class=broken_cluster)
     with pytest.raises(OSError, match="no ports left"):
-        with ClusterLifetime(runner) as cluster:
+        with ClusterLifetime(lambda: DaskTaskRunner(cluster_class=broken_cluster)) as cluster:
             cluster.ready()
+
+
+def unreachable_scheduler() -> DaskTaskRunner:
+    raise ConnectionError("Cannot reach the Dask scheduler at tcp://127.0.0.1:1")
+
+
+def test_bad_input_found_before_the_cluster_is_needed_is_what_the_flow_reports():
+    """Not the cluster's failure to start, which the flow never asked to see."""
+    with pytest.raises(ValueError, match="only one class"):
+        with ClusterLifetime(unreachable_scheduler):
+            raise ValueError("only one class")
