@@ -12,13 +12,20 @@ in moto's process, bench/seeded_moto.py), then times, alternately:
   matching key for each page it serves, so smaller prefixes are cheaper for moto itself;
   this row tells that part of the gain from the part concurrency brings.
 
+With `--front`, the keys are served instead by bench.s3_front, which answers requests
+concurrently (as S3 does; moto answers one at a time, which capped issue 12's attempt)
+after `--latency-ms`, and the ways are: sequential `fs.find` (the baseline), per class
+through s3fs (list_folder before issue 22) and per class through obstore (list_folder now).
+
 All must return the same `{relative path: size}`. moto answers on loopback in
 milliseconds where S3 takes tens of them per page; `--latency-ms` makes each S3 request
 wait that long in the client first (a timer on the event loop, so concurrent requests
-wait together, as they would for S3). Run from the repository root:
+wait together, as they would for S3; with `--front` the front waits instead). Run from
+the repository root:
 
     .venv/bin/python -m bench.listing                       # 20 classes x 5,000 objects
     .venv/bin/python -m bench.listing --latency-ms 30 --classes 100 --per-class 1000
+    .venv/bin/python -m bench.listing --front --latency-ms 30   # 100k keys, concurrent front
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any, TypeVar
 from fsspec import AbstractFileSystem
 from fsspec.asyn import sync
 
+from bench.s3_endpoints import latency_endpoint
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.deployments.local_services import (
     MOTO_CREDENTIALS,
@@ -111,13 +119,27 @@ def warmed_up(location: DataLocation) -> AbstractFileSystem:
     return fs
 
 
-def compare(location: DataLocation, repeats: int, expected: int) -> dict[str, list[tuple[float, float]]]:
+def per_class_with_s3fs(location: DataLocation) -> dict[str, int]:
+    """list_folder before obstore listed: each class folder through s3fs, 10 at a time."""
+    fs, root = filesystem(location.url, location.storage_options())
+    return relative_sizes(root, sync(fs.loop, find_per_folder, fs, root))
+
+
+MOTO_WAYS: dict[str, Callable[[DataLocation], dict[str, int]]] = {
+    "sequential fs.find": sequential_listing,
+    "per class (list_folder)": list_folder,
+    "per class, one at a time": one_folder_at_a_time,
+}
+FRONT_WAYS: dict[str, Callable[[DataLocation], dict[str, int]]] = {
+    "sequential fs.find": sequential_listing,
+    "per class, s3fs, 10 at a time (list_folder before)": per_class_with_s3fs,
+    "per class, obstore, 10 at a time (list_folder now)": list_folder,
+}
+
+
+def compare(location: DataLocation, repeats: int, expected: int,
+            ways: dict[str, Callable[[DataLocation], dict[str, int]]]) -> dict[str, list[tuple[float, float]]]:
     """Seconds per listing for each way, taking turns so that all see the same machine."""
-    ways: dict[str, Callable[[DataLocation], dict[str, int]]] = {
-        "sequential fs.find": sequential_listing,
-        "per class (list_folder)": list_folder,
-        "per class, one at a time": one_folder_at_a_time,
-    }
     seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
     for _ in range(repeats):
         listings = {}
@@ -131,7 +153,8 @@ def compare(location: DataLocation, repeats: int, expected: int) -> dict[str, li
     return seconds
 
 
-def report(seconds: dict[str, list[tuple[float, float]]], keys: int, classes: int, latency_ms: float) -> str:
+def report(seconds: dict[str, list[tuple[float, float]]], keys: int, classes: int, latency_ms: float,
+           server: str) -> str:
     """A markdown table: median wall and client CPU seconds, speed-up over the sequential listing."""
     walls = {name: [wall for wall, _ in runs] for name, runs in seconds.items()}
     medians = {name: statistics.median(values) for name, values in walls.items()}
@@ -142,7 +165,7 @@ def report(seconds: dict[str, list[tuple[float, float]]], keys: int, classes: in
         for name in seconds
     ]
     return "\n".join([
-        f"{keys:,} keys in {classes} classes, {latency_ms:g} ms added per request, "
+        f"{keys:,} keys in {classes} classes on {server}, {latency_ms:g} ms added per request, "
         f"median of {len(next(iter(seconds.values())))}:", "",
         "| listing | median s | runs s | client CPU s | speed-up |", "|---|---|---|---|---|", *rows,
     ])
@@ -154,17 +177,27 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--latency-ms", type=float, default=0.0, help="added before each S3 request")
+    parser.add_argument("--front", action="store_true",
+                        help="list bench.s3_front (answers concurrently, --latency-ms per response) instead of moto")
     args = parser.parse_args()
     keys = args.classes * args.per_class
-    started = time.perf_counter()
-    with seeded_moto(args.classes, args.per_class, Path(tempfile.mkdtemp(prefix="bench-listing-"))) as endpoint:
-        print(f"moto seeded with {keys:,} keys in {time.perf_counter() - started:.0f} s", flush=True)
-        location = DataLocation(
-            url=f"s3://{BUCKET}/{PREFIX}", endpoint_url=endpoint, region_name=MOTO_REGION, **MOTO_CREDENTIALS
-        )
-        with added_latency(warmed_up(location), args.latency_ms / 1000):
-            seconds = compare(location, args.repeats, keys)
-        print(report(seconds, keys, args.classes, args.latency_ms))
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-listing-"))
+    if args.front:
+        with latency_endpoint(log_dir, BUCKET, None, args.latency_ms, (PREFIX, args.classes, args.per_class)) as front:
+            location = DataLocation(url=f"s3://{BUCKET}/{PREFIX}", endpoint_url=front.url,
+                                    region_name=MOTO_REGION, **MOTO_CREDENTIALS)
+            warmed_up(location)
+            seconds = compare(location, args.repeats, keys, FRONT_WAYS)
+    else:
+        started = time.perf_counter()
+        with seeded_moto(args.classes, args.per_class, log_dir) as endpoint:
+            print(f"moto seeded with {keys:,} keys in {time.perf_counter() - started:.0f} s", flush=True)
+            location = DataLocation(
+                url=f"s3://{BUCKET}/{PREFIX}", endpoint_url=endpoint, region_name=MOTO_REGION, **MOTO_CREDENTIALS
+            )
+            with added_latency(warmed_up(location), args.latency_ms / 1000):
+                seconds = compare(location, args.repeats, keys, MOTO_WAYS)
+    print(report(seconds, keys, args.classes, args.latency_ms, "bench.s3_front" if args.front else "moto"))
 
 
 if __name__ == "__main__":

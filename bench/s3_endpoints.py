@@ -84,11 +84,14 @@ def moto_endpoint(log_dir: Path, bucket: str, folder: Path) -> Iterator[S3Endpoi
 
 
 @contextmanager
-def latency_endpoint(log_dir: Path, bucket: str, folder: Path, latency_ms: float) -> Iterator[S3Endpoint]:
-    """bench.s3_front on loopback serving the files below `folder`, `latency_ms` per response."""
+def latency_endpoint(log_dir: Path, bucket: str, folder: Path | None, latency_ms: float,
+                     synthetic: tuple[str, int, int] | None = None) -> Iterator[S3Endpoint]:
+    """bench.s3_front on loopback serving the files below `folder` (or `synthetic`'s
+    prefix, classes and keys per class), `latency_ms` per response."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "bench.s3_front", "--dir", str(folder), "--bucket", bucket,
+    source = ["--synthetic", *map(str, synthetic)] if synthetic else ["--dir", str(folder)]
+    args = [sys.executable, "-m", "bench.s3_front", *source, "--bucket", bucket,
             "--port", str(port), "--latency-ms", str(latency_ms)]
     # The front is started as a module: it must find bench/ wherever the script was run from.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))

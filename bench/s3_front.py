@@ -15,18 +15,21 @@ so thousands of requests can wait at once.
 What it answers, which is what s3fs and boto3 send to read objects:
     GET  /bucket/key                      GetObject (whole object; a Range is refused, 501)
     HEAD /bucket/key                      HeadObject
-    GET  /bucket?prefix=..[&list-type=2]  ListObjects (v1) and ListObjectsV2, with paging
+    GET  /bucket?prefix=..[&list-type=2]  ListObjects (v1) and ListObjectsV2, with paging and
+                                          a delimiter (common prefixes)
     GET  /__front__/stats                 {"GET": n, "HEAD": n, "LIST": n, ...}: not delayed,
                                           not counted
 Anything else is answered 405 after the same latency.
 
     python -m bench.s3_front --dir DATA --bucket bench --port 9000 --latency-ms 30
+    python -m bench.s3_front --synthetic images 20 5000 --bucket bench --port 9000  # 100k keys
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import hashlib
 import json
 import time
@@ -39,6 +42,7 @@ from xml.sax.saxutils import escape
 
 STATS_PATH = "/__front__/stats"
 MAX_KEYS = 1000  # S3's own page size for listings
+LAST_CHAR = chr(0x10FFFF)  # sorts after any character a key can hold
 S3_XMLNS = "http://s3.amazonaws.com/doc/2006-03-01/"
 REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 501: "Not Implemented"}
 
@@ -64,13 +68,37 @@ def request_kind(method: str, target: str) -> str:
     return "LIST" if method == "GET" and "/" not in path else method
 
 
-def list_page(keys: list[str], query: dict[str, str]) -> tuple[list[str], bool]:
-    """One page of sorted `keys`, and whether more follow: v1 pages by marker, v2 by token."""
-    prefix = query.get("prefix", "")
+def list_page(keys: list[str], query: dict[str, str]) -> tuple[list[tuple[str, bool]], bool]:
+    """One page of sorted `keys` as (name, is a common prefix), and whether more follow.
+
+    v1 pages by marker, v2 by token; with a delimiter, keys that have it after the prefix
+    are rolled up into one common prefix each, as S3 does. Found by bisection, so a page
+    costs the front about what it sends, not a scan of the bucket.
+    """
+    prefix, delimiter = query.get("prefix", ""), query.get("delimiter", "")
     after = query.get("continuation-token") or query.get("start-after") or query.get("marker") or ""
     limit = min(int(query.get("max-keys", MAX_KEYS)), MAX_KEYS)
-    matching = [key for key in keys if key.startswith(prefix) and key > after]
-    return matching[:limit], len(matching) > limit
+    index = bisect.bisect_left(keys, prefix)
+    if after:  # past the last name sent; past everything under it, where it was a common prefix
+        index = max(index, bisect.bisect_right(keys, after + LAST_CHAR if delimiter and after.endswith(delimiter) else after))
+    page: list[tuple[str, bool]] = []
+    while index < len(keys) and keys[index].startswith(prefix) and len(page) <= limit:
+        rest = keys[index][len(prefix):]
+        if delimiter and delimiter in rest:
+            common = prefix + rest.split(delimiter, 1)[0] + delimiter
+            page.append((common, True))
+            index = bisect.bisect_right(keys, common + LAST_CHAR)
+        else:
+            page.append((keys[index], False))
+            index += 1
+    return page[:limit], len(page) > limit
+
+
+def synthetic_objects(prefix: str, classes: int, per_class: int) -> dict[str, StoredObject]:
+    """`prefix/classNNN/NNNNNN.jpg` keys of a few bytes each (sizes vary, none empty): a
+    bucket to list, not to read."""
+    return {f"{prefix}/class{c:03d}/{i:06d}.jpg": StoredObject(b"x" * (1 + (c + i) % 7), f'"{c}-{i}"')
+            for c in range(classes) for i in range(per_class)}
 
 
 class Front:
@@ -127,13 +155,18 @@ class Front:
                  f"<MaxKeys>{MAX_KEYS}</MaxKeys><IsTruncated>{str(truncated).lower()}</IsTruncated>"]
         if v2:
             parts.append(f"<KeyCount>{len(page)}</KeyCount>")
+        if query.get("delimiter"):
+            parts.append(f"<Delimiter>{shown(query['delimiter'])}</Delimiter>")
         if truncated:
             tag = "NextContinuationToken" if v2 else "NextMarker"
-            parts.append(f"<{tag}>{escape(page[-1])}</{tag}>")
-        for key in page:
-            stored = self.objects[key]
+            parts.append(f"<{tag}>{escape(page[-1][0])}</{tag}>")
+        for name, is_prefix in page:
+            if is_prefix:
+                parts.append(f"<CommonPrefixes><Prefix>{shown(name)}</Prefix></CommonPrefixes>")
+                continue
+            stored = self.objects[name]
             parts.append(
-                f"<Contents><Key>{shown(key)}</Key><LastModified>{self.modified_iso}</LastModified>"
+                f"<Contents><Key>{shown(name)}</Key><LastModified>{self.modified_iso}</LastModified>"
                 f"<ETag>{escape(stored.etag)}</ETag><Size>{len(stored.data)}</Size>"
                 "<StorageClass>STANDARD</StorageClass></Contents>"
             )
@@ -199,13 +232,21 @@ async def serve(front: Front, host: str, port: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", type=Path, required=True, help="Folder whose files become the objects.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--dir", type=Path, help="Folder whose files become the objects.")
+    source.add_argument("--synthetic", nargs=3, metavar=("PREFIX", "CLASSES", "PER_CLASS"),
+                        help="Tiny objects PREFIX/classNNN/NNNNNN.jpg, for listing.")
     parser.add_argument("--bucket", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--latency-ms", type=float, default=30.0, help="Wait before each response.")
     args = parser.parse_args()
-    front = Front(args.bucket, load_objects(args.dir), args.latency_ms / 1000)
+    if args.dir:
+        objects = load_objects(args.dir)
+    else:
+        prefix, classes, per_class = args.synthetic
+        objects = synthetic_objects(prefix, int(classes), int(per_class))
+    front = Front(args.bucket, objects, args.latency_ms / 1000)
     asyncio.run(serve(front, args.host, args.port))
 
 

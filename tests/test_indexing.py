@@ -1,6 +1,7 @@
 import pytest
 
 from prefect_ddp.tasks.data.indexing import build_manifest, list_folder
+from prefect_ddp.tasks.data.storage import filesystem
 
 
 @pytest.mark.unit
@@ -94,3 +95,24 @@ def test_listing_each_class_folder_concurrently_finds_what_one_recursive_listing
 def test_an_empty_s3_prefix_lists_as_empty(image_location):
     empty = image_location.model_copy(update={"url": image_location.url + "-nothing-here"})
     assert list_folder(empty) == {}
+
+
+@pytest.mark.parametrize("oddity", ["none", "nested marker", "empty file", "double slash", "dot segment"])
+def test_listing_through_obstore_gives_exactly_what_s3fs_finds(image_location, s3_fs, oddity):
+    """obstore shows folder markers without their slash and cannot name some keys: the
+    folders where that matters are listed by s3fs, and the result is s3fs's, key for key."""
+    from prefect_ddp.tasks.data.indexing import relative_sizes
+    from prefect_ddp.tasks.data.object_listing import list_with_obstore
+
+    root = image_location.url.removeprefix("s3://").rsplit("/", 1)[0] + f"/obstore-parity-{oddity.replace(' ', '-')}"
+    keys = {f"{root}/": b"", f"{root}/top.jpg": b"zzz", f"{root}/marked/": b"", f"{root}/marked/1.jpg": b"x",
+            f"{root}/only-a-marker/": b"", f"{root}/plain/2.jpg": b"yy", f"{root}/plain/deep/3.png": b"yyy"}
+    keys |= {"none": {}, "nested marker": {f"{root}/plain/sub/": b""}, "empty file": {f"{root}/plain/0.jpg": b""},
+             "double slash": {f"{root}/plain//4.jpg": b"z"}, "dot segment": {f"{root}/plain/./5.jpg": b"z"}}[oddity]
+    s3_fs.pipe(keys)
+    fs, _ = filesystem(f"s3://{root}", image_location.storage_options())
+
+    listed = list_with_obstore(fs, root, concurrency=2)
+    assert listed is not None  # obstore served this store
+    assert listed == relative_sizes(root, s3_fs.find(root, detail=True))
+    assert listed.keys() == {key.removeprefix(root + "/") if key != f"{root}/" else "" for key in keys}

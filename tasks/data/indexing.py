@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import TaskRunContext
 
 from prefect_ddp.tasks.data.manifest import IMAGE_EXTENSIONS, Manifest
+from prefect_ddp.tasks.data.object_listing import list_with_obstore
 from prefect_ddp.tasks.data.storage import filesystem
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import markdown_table
@@ -71,17 +72,18 @@ def list_folder(location: Location) -> dict[str, int]:
 
     On S3 each class folder is listed concurrently: one recursive listing is a chain of
     1,000-key pages, each waiting for the one before, so 100k images are 100 round trips
-    in a row; listed per class they overlap. 1.8x faster on 100k keys on moto, where
-    moto's own CPU bounds it; parsing the pages (about 74 us per key, one thread) bounds
-    it anywhere (issue 12, bench/RESULTS-listing-overhead.md). Local folders keep one
-    `find`. The result is the same either way.
+    in a row; listed per class they overlap. Through obstore where it can serve the
+    options (tasks/data/object_listing.py), since s3fs's parsing of the pages (about 74 us
+    per key, one thread) bounds any concurrency; else s3fs, per class (bench/RESULTS.md,
+    "Listing"). Local folders keep one `find`. The result is the same every way.
     """
     fs, root = filesystem(location.url, location.storage_options())
-    if is_s3(location.url):
-        found = sync(fs.loop, find_per_folder, fs, root)
-    else:
-        found = fs.find(root, detail=True)
-    return relative_sizes(root, found)
+    if not is_s3(location.url):
+        return relative_sizes(root, fs.find(root, detail=True))
+    listed = list_with_obstore(fs, root, LISTING_CONCURRENCY)
+    if listed is not None:
+        return listed
+    return relative_sizes(root, sync(fs.loop, find_per_folder, fs, root))
 
 
 def relative_sizes(root: str, found: dict[str, dict[str, Any]]) -> dict[str, int]:

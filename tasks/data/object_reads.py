@@ -211,10 +211,8 @@ def _reader(fs: AbstractFileSystem, keep_fork_safe: bool) -> Callable[[str], Awa
     """How `_fetch_once` reads one path on `fs`'s loop: obstore or s3fs; None for a sync `fs`."""
     if not isinstance(fs, AsyncFileSystem):
         return None
-    if not isinstance(fs, S3FileSystem) or keep_fork_safe or not _obstore_runs_here():
-        return fs._cat_file
-    options_json = json.dumps(fs.storage_options, sort_keys=True, default=repr)
-    if _settings(options_json) is None:
+    options_json = None if keep_fork_safe else _obstore_options(fs)
+    if options_json is None:
         return fs._cat_file
 
     async def read(path: str) -> bytes:
@@ -228,6 +226,21 @@ def _reader(fs: AbstractFileSystem, keep_fork_safe: bool) -> Callable[[str], Awa
             raise PermissionError(str(exc)) from exc
 
     return read
+
+
+def obstore_store(fs: AbstractFileSystem, bucket: str) -> S3Store | None:
+    """obstore's store for `bucket`, reading as `fs` reads; None where s3fs must serve: not
+    S3, options obstore cannot honour, or a process forked after obstore started."""
+    options_json = _obstore_options(fs)
+    return None if options_json is None else _store(options_json, bucket)
+
+
+def _obstore_options(fs: AbstractFileSystem) -> str | None:
+    """`fs`'s options as the key of `_store`'s cache, where obstore can serve them; else None."""
+    if not isinstance(fs, S3FileSystem) or not _obstore_runs_here():
+        return None
+    options_json = json.dumps(fs.storage_options, sort_keys=True, default=repr)
+    return options_json if _settings(options_json) is not None else None
 
 
 def _obstore_runs_here() -> bool:
