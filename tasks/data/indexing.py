@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import TaskRunContext
 
 from prefect_ddp.tasks.data.manifest import IMAGE_EXTENSIONS, Manifest
-from prefect_ddp.tasks.data.object_listing import list_with_obstore
+from prefect_ddp.tasks.data.object_listing import list_with_obstore, relative_sizes
 from prefect_ddp.tasks.data.storage import filesystem
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import markdown_table
@@ -84,16 +84,6 @@ def list_folder(location: Location) -> dict[str, int]:
     if listed is not None:
         return listed
     return relative_sizes(root, sync(fs.loop, find_per_folder, fs, root))
-
-
-def relative_sizes(root: str, found: dict[str, dict[str, Any]]) -> dict[str, int]:
-    """Files of a `find(root, detail=True)` answer as `{path relative to root: size}`."""
-    prefix = root + "/"
-    return {
-        path[len(prefix):]: int(info.get("size") or 0)
-        for path, info in found.items()
-        if path.startswith(prefix) and info.get("type") != "directory"
-    }
 
 
 async def find_per_folder(

@@ -62,10 +62,17 @@ def folder_sizes(fs: AbstractFileSystem, store: Any, bucket: str, root_prefix: s
         return exact_sizes(root_prefix, obstore.list(store, folder).collect(), folder)
     except (AskS3fs, ObstoreError) as exc:
         logger.info("Listing s3://%s/%s with s3fs: %s", bucket, folder, exc)
-        root = f"{bucket}/{root_prefix}".rstrip("/")
-        found = fs.find(f"{bucket}/{folder}", detail=True)
-        return {path[len(root) + 1:]: int(info.get("size") or 0) for path, info in found.items()
-                if info.get("type") != "directory"}
+        return relative_sizes(f"{bucket}/{root_prefix}".rstrip("/"), fs.find(f"{bucket}/{folder}", detail=True))
+
+
+def relative_sizes(root: str, found: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Files of a `find(root, detail=True)` answer as `{path relative to root: size}`."""
+    prefix = root + "/"
+    return {
+        path[len(prefix):]: int(info.get("size") or 0)
+        for path, info in found.items()
+        if path.startswith(prefix) and info.get("type") != "directory"
+    }
 
 
 def exact_sizes(root_prefix: str, objects: list[dict[str, Any]], folder: str | None = None) -> dict[str, int]:
