@@ -21,6 +21,7 @@ from prefect_ddp.flows.transfer_learning import (
     cluster_lifetime,
     data_location,
     output_base,
+    tracking_settings,
     transfer_learning,
 )
 from prefect_ddp.tasks.config import (
@@ -28,17 +29,21 @@ from prefect_ddp.tasks.config import (
     DataConfig,
     ModelConfig,
     OutputConfig,
+    TrackingConfig,
     TrainingConfig,
     with_overrides,
 )
 from prefect_ddp.tasks.data.storage import read_json
 from prefect_ddp.tasks.gang import TrialLink, training_trial
 from prefect_ddp.tasks.results.promotion import POINTER, Promotion, kept_location, promote, read_pointer
+from prefect_ddp.tasks.results.tracking_run import child_runs_of, complete_run, flat_params, tracking_run
 from prefect_ddp.tasks.sweeps.search_space import Dimension, with_params
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from prefect_ddp.tasks.sweeps.sweep import open_study, run_trials, study_storage, trial_run_name
 from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
-from prefect_ddp.tasks.urls import child_url
+from prefect_ddp.tasks.urls import child_url, safe_segment
+
+SWEEP_FILES = ("report.md", "curves.png", "sweep.json")  # what publish_sweep_report writes, logged to the parent run
 
 DESCRIPTION = (
     "Train many transfer-learning models at once on one Dask cluster, drawn by Optuna from a "
@@ -94,6 +99,7 @@ def hyperparameter_sweep(
     training: TrainingConfig = TrainingConfig(),
     cluster: ClusterConfig = ClusterConfig(),
     output: OutputConfig = OutputConfig(),
+    tracking: TrackingConfig = TrackingConfig(),
 ) -> dict[str, Any]:
     """Sweep the transfer-learning recipe over `space`; trials share the sweep's cluster.
 
@@ -105,16 +111,19 @@ def hyperparameter_sweep(
         training: The base recipe each trial starts from.
         cluster: The one Dask cluster every trial's gang runs on.
         output: Where trials write their runs, and the sweep its study and report.
+        tracking: Record the sweep in MLflow as a parent run, each trial a child run (an mlflow-tracking block).
     """
     check_space(space)
     check_metric(settings)
     data = with_overrides(data or DataConfig.model_construct())
     out = output_base(output, data_location(data))
     kept = kept_location(out, promotion_name(settings, output)) if settings.promote else None
+    tracker = tracking_settings(tracking, model)
     base = {"data": data.model_dump(), "model": model.model_dump(),
-            "training": training.model_dump(), "output": output.model_dump()}
+            "training": training.model_dump(), "output": output.model_dump(), "tracking": tracking.model_dump()}
     study = open_study(settings, space, study_storage(settings, out.url), max_epochs=training.epochs)
-    with cluster_lifetime(cluster) as starting:
+    params = flat_params({"settings": settings.model_dump(), "space": {p: d.model_dump() for p, d in space.items()}} | base)
+    with cluster_lifetime(cluster) as starting, tracking_run(tracker, settings.name, params, {}) as parent:
         runner = starting.ready()
         shared = cluster.model_copy(update={
             "address": runner.client.scheduler.address, "block": None,
@@ -123,11 +132,22 @@ def hyperparameter_sweep(
 
         def train_trial(trial: Any, link: TrialLink) -> dict[str, Any]:
             parameters = with_params(base, trial.params) | {"cluster": shared.model_dump()}
-            return transfer_learning_trial(parameters, link, trial_run_name(trial.number, trial.params))
+            with child_runs_of(parent):
+                return transfer_learning_trial(parameters, link, trial_run_name(trial.number, trial.params))
 
         run_trials(study, space, settings, runner.client, train_trial)
-    record = publish_sweep_report(study, settings, out)
-    return record | {"promotion": promote_best(record["best"], out, kept).model_dump() if kept else None}
+        record = publish_sweep_report(study, settings, out)
+        promotion = promote_best(record["best"], out, kept) if kept else None
+        if parent:
+            complete_run(parent, out.with_url(child_url(out.url, safe_segment(settings.name))),
+                         best_tags(record["best"]), SWEEP_FILES)
+    return record | {"promotion": promotion.model_dump() if promotion else None}
+
+
+def best_tags(best: dict[str, Any] | None) -> dict[str, str]:
+    """The sweep's outcome on its MLflow run: which trial won, and with what."""
+    return {"best_trial": str(best["trial"]), "best_value": str(best["value"]), "best_run": best["run"]} if best else {
+        "best_trial": "none completed"}
 
 
 def promotion_name(settings: SweepSettings, output: OutputConfig) -> str:

@@ -6,6 +6,9 @@
 
     -> promote (runs of a deployment keep their best model) -> report
 
+With `tracking.block`, the run is also an MLflow run (params, each epoch's metrics from
+rank 0, the files and the model), and promotion moves the registry's `champion` alias.
+
 Run it from Python, from a deployment (`prefect deployment run transfer-learning/NAME`)
 or from the UI's Run form; the parameters are typed models, so the form shows their
 bounds and help, and the server refuses a bad value before any cluster starts. The flat
@@ -28,6 +31,7 @@ from prefect_ddp.blocks.cluster import DaskCluster
 from prefect_ddp.blocks.cluster_lifetime import ClusterLifetime
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.blocks.saved import load_block
+from prefect_ddp.blocks.tracking import MlflowTracking
 from prefect_ddp.tasks.config import (
     BackboneChoice,
     BatchSize,
@@ -39,6 +43,7 @@ from prefect_ddp.tasks.config import (
     LearningRate,
     ModelConfig,
     OutputConfig,
+    TrackingConfig,
     TrainingConfig,
     with_overrides,
 )
@@ -48,9 +53,24 @@ from prefect_ddp.tasks.data.splitting import split_dataset
 from prefect_ddp.tasks.data.validation import validate_dataset, validate_source
 from prefect_ddp.tasks.gang import cluster_workers, current_trial, run_gang
 from prefect_ddp.tasks.results.aggregation import aggregate
-from prefect_ddp.tasks.results.promotion import find_warm_start, kept_location, promote
+from prefect_ddp.tasks.results.promotion import (
+    Promotion,
+    find_warm_start,
+    kept_location,
+    promote,
+    warm_start_from,
+)
+from prefect_ddp.tasks.results.registry import Registration
 from prefect_ddp.tasks.results.report import publish_report
 from prefect_ddp.tasks.results.run_folder import claim_run_folder, run_folder_name
+from prefect_ddp.tasks.results.tracking_run import (
+    complete_run,
+    fetch_registered_model,
+    flat_params,
+    log_model,
+    tracking_run,
+)
+from prefect_ddp.tasks.tracking import TrackedRun, Tracking, import_mlflow
 from prefect_ddp.tasks.training.model import WarmStart, check_starting_weights
 from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit
@@ -80,13 +100,45 @@ def kept_model_name(output: OutputConfig, model: ModelConfig) -> str | None:
     """Under which name the best model of this run's kind is kept: output.model_name, else the
     deployment's (sweep trials inherit their sweep's; they warm-start from it but never promote)."""
     name = output.model_name or deployment.get_name()
-    if model.warm_start and not name:
+    if model.warm_start is True and not name:
         raise ValueError(
             "model.warm_start=true starts from the model kept for a deployment, but this run "
             "is outside a deployment and sets no output.model_name. Set output.model_name, "
             "run it from a deployment, or set model.warm_start=false."
         )
     return name
+
+
+def tracking_settings(tracking: TrackingConfig, model: ModelConfig) -> Tracking | None:
+    """The MLflow server to record the run in, from its block; None when tracking is off."""
+    if not tracking.block:
+        if model.warm_start_uri():
+            raise ValueError(
+                f"model.warm_start={model.warm_start!r} names a registered model, but tracking.block is empty, "
+                "so there is no MLflow server to read it from. Set tracking.block to the mlflow-tracking block "
+                "of the server that holds the registry."
+            )
+        return None
+    import_mlflow()  # not installed: say so before any work, rather than warn after training
+    settings = load_block(MlflowTracking, tracking.block).plain()
+    return settings.model_copy(update={"experiment": tracking.experiment}) if tracking.experiment else settings
+
+
+def prefect_tags(run: dict[str, Any]) -> dict[str, str]:
+    """Tags on the MLflow run that lead back to the Prefect flow run and its deployment."""
+    tags = {"prefect.flow_run_id": str(run["flow_run_id"]), "prefect.flow_run_name": run["name"],
+            "prefect.flow_run_url": flow_run.get_flow_run_ui_url() or ""}
+    return tags | ({"prefect.deployment": run["deployment"]} if run["deployment"] else {})
+
+
+def warm_start(model: ModelConfig, kept: DataLocation | None, tracking: Tracking | None, classes: list[str],
+               out: DataLocation) -> WarmStart | None:
+    """Where the run starts from: a registered model (copied into the run folder, where every rank
+    reads it), the model kept under the run's name, or neither."""
+    if uri := model.warm_start_uri():
+        folder = fetch_registered_model(tracking, uri, out.with_url(child_url(out.url, "warm-start")))
+        return warm_start_from(folder, model.backbone, classes, f"registered model `{uri}`")
+    return find_warm_start(kept, model.backbone, classes) if model.warm_start else None
 
 
 def cluster_lifetime(cluster: ClusterConfig) -> ClusterLifetime:
@@ -132,6 +184,7 @@ def transfer_learning(
     training: TrainingConfig = TrainingConfig(),
     cluster: ClusterConfig = ClusterConfig(),
     output: OutputConfig = OutputConfig(),
+    tracking: TrackingConfig = TrackingConfig(),
     data_url: DataUrl = None,
     data_block: DataBlock = None,
     backbone: BackboneChoice = None,
@@ -147,6 +200,7 @@ def transfer_learning(
         training: The recipe: epochs, batch size, optimizer, lr, schedule, mixed precision.
         cluster: The Dask cluster that runs the ranks, and how the gang is supervised.
         output: Where models and reports are written, and the name the best model is kept under.
+        tracking: Record the run in MLflow and keep the registry's champion in step (an mlflow-tracking block).
         data_url: Shortcut: sets data.url and keeps the rest of data.
         data_block: Shortcut: sets data.block and keeps the rest of data.
         backbone: Shortcut: sets model.backbone and keeps the rest of model.
@@ -158,6 +212,7 @@ def transfer_learning(
     model = with_overrides(model, backbone=backbone)
     training = with_overrides(training, epochs=epochs, lr=lr, batch_size=batch_size)
     kept_name = kept_model_name(output, model)
+    tracker = tracking_settings(tracking, model)
     source = data_location(data)
     base = output_base(output, source)
     run = {"name": flow_run.get_name() or "run", "flow_run_id": flow_run.get_id(),
@@ -165,13 +220,16 @@ def transfer_learning(
     out = base.with_url(child_url(base.url, run_folder_name(run["name"], run["flow_run_id"])))
     kept = kept_location(base, kept_name) if kept_name else None
     validate_source(source)  # a wrong URL or key is told in a second, before any cluster starts
-    with cluster_lifetime(cluster) as starting:  # the cluster starts while the flow lists
+    config = {"data": data, "model": model, "training": training, "cluster": cluster, "output": output}
+    with cluster_lifetime(cluster) as starting, tracking_run(  # the cluster starts while the flow lists
+            tracker, run["name"], flat_params({k: v.model_dump() for k, v in config.items()}),
+            prefect_tags(run)) as tracked:
         claim_run_folder(out, run)
         manifest = index_images.with_options(
             cache_expiration=timedelta(minutes=data.index_cache_minutes),
             refresh_cache=data.index_cache_minutes == 0,
         )(source)
-        warm = find_warm_start(kept, model.backbone, manifest.classes) if model.warm_start else None
+        warm = warm_start(model, kept, tracker, manifest.classes, out)
         if not warm:
             check_starting_weights(model, len(manifest.classes), source)
         runner = starting.ready()
@@ -185,7 +243,9 @@ def transfer_learning(
             write_train_shards(manifest, split, source, base, training.images_per_shard,
                                training.fetches_in_flight(), training.fetch_timeout_s)
         results = run_gang(
-            train_classifier, training_job(source, out, manifest, split, model, training, warm, unreadable),
+            train_classifier,
+            training_job(source, out, manifest, split, model, training, warm, unreadable).model_copy(
+                update={"tracked": tracked}),
             task_runner=runner,
             world_size=cluster.world_size,
             output_url=out.url,
@@ -200,22 +260,41 @@ def transfer_learning(
             trial=current_trial(),
         )
         starting.close_in_background()  # the run's cluster closes while it reports
-        return finish_run(results, manifest, split, out, kept, run, warm)
+        return finish_run(results, manifest, split, out, kept and (kept_name, kept), run, warm, tracked)
 
 
-def finish_run(results, manifest, split, out: DataLocation, kept: DataLocation | None, run: dict[str, Any],
-               warm: WarmStart | None) -> dict[str, Any] | State:
-    """Aggregate the ranks' results, promote the model where it is better, publish the report."""
+def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, DataLocation] | None,
+               run: dict[str, Any], warm: WarmStart | None, tracked: TrackedRun | None) -> dict[str, Any] | State:
+    """Aggregate the ranks' results, promote the model where it is better, publish the report;
+    with tracking, log the model before promotion (which registers it) and the files after the report."""
     summary = aggregate(results, manifest, split, out, [asdict(a) for a in results.attempts])
     in_sweep = current_trial() is not None
     if summary["pruned_at"]:  # a sweep stopped it early: a partial model is kept by no one
         publish_report(summary, manifest, out, None, warm, in_sweep)
+        if tracked:
+            complete_run(tracked, out, {"pruned": str(summary["pruned_at"])})
         return Completed(name="Pruned", message=f"pruned at epoch {summary['pruned_at']}",
                          data=summary | {"promotion": None})
+    logged = log_model(tracked, out) if tracked else None
     # A sweep's trials never promote on their own: the sweep may promote its best one at its end.
-    promotion = promote(summary, out, kept, run) if kept and not in_sweep else None
+    promotion = None
+    if kept and not in_sweep:
+        name, folder = kept
+        promotion = promote(summary, out, folder, run, Registration(model=logged, name=name) if logged else None)
     publish_report(summary, manifest, out, promotion, warm, in_sweep)
+    if tracked:
+        complete_run(tracked, out, promotion_tags(promotion))
     return summary | {"promotion": promotion.model_dump() if promotion else None}
+
+
+def promotion_tags(promotion: Promotion | None) -> dict[str, str]:
+    """What promotion made of the run, as tags on its MLflow run."""
+    if promotion is None:
+        return {"promoted": "false"}
+    tags = {"promoted": str(promotion.promoted).lower()}
+    if promotion.registered:
+        tags["registered_version"] = promotion.registered["version"]
+    return tags
 
 
 def training_job(source: DataLocation, out: DataLocation, manifest, split, model: ModelConfig,

@@ -10,9 +10,10 @@ placeholders are written in capitals (URL/CLASS/IMAGE.jpg).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, Optional, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 BACKBONES = ("resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
 Backbone = Literal["resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0"]
@@ -80,11 +81,53 @@ class ModelConfig(_Strict):
         "local .pt path) for clusters without internet.",
     )
     freeze_backbone: bool = Field(False, description="Train only the new classifier head.")
-    warm_start: bool = Field(
+    warm_start: bool | str = Field(
         False,
-        description="Start from the model kept as latest under output.model_name (by default the "
-        "deployment's), when there is one with this backbone; its head too when the classes "
-        "match. Overrides weights.",
+        description="true: start from the model kept as latest under output.model_name (by default the "
+        "deployment's), when there is one with this backbone. Or a registered model, "
+        "models:/NAME@ALIAS (models:/NAME@champion) or models:/NAME/VERSION, read through tracking.block. "
+        "Its head too when the classes match. Overrides weights.",
+    )
+
+    @field_validator("warm_start", mode="before")
+    @classmethod
+    def _registry_uri(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() in ("true", "false"):  # as a CLI or form gives it
+            return value.lower() == "true"
+        if isinstance(value, str) and not is_registry_uri(value):
+            raise ValueError(
+                f"model.warm_start={value!r} is neither true/false nor a registered model's URI; use "
+                "models:/NAME@ALIAS (e.g. models:/nightly@champion) or models:/NAME/VERSION."
+            )
+        return value
+
+    def warm_start_uri(self) -> str | None:
+        """The registered model to start from, when warm_start names one."""
+        return self.warm_start if isinstance(self.warm_start, str) else None
+
+
+def is_registry_uri(uri: str) -> bool:
+    """Whether `uri` names a version in an MLflow model registry: models:/NAME@ALIAS or models:/NAME/VERSION.
+
+    >>> [is_registry_uri(u) for u in ("models:/cats@champion", "models:/cats/3", "models:/cats", "s3://b/m")]
+    [True, True, False, False]
+    """
+    return bool(REGISTRY_URI.fullmatch(uri))
+
+
+REGISTRY_URI = re.compile(r"models:/[^/@]+(@[A-Za-z0-9_-]+|/[0-9]+)")
+
+
+class TrackingConfig(_Strict):
+    """Whether and where the run is recorded in MLflow (experiments, the model registry)."""
+
+    block: str | None = Field(
+        None,
+        description="Name of a saved `mlflow-tracking` block (the server and its credentials). Empty: "
+        "no tracking. A server that cannot be reached is warned about, never fails the training.",
+    )
+    experiment: str | None = Field(
+        None, description="MLflow experiment the run is recorded in; empty: the block's.",
     )
 
 

@@ -107,7 +107,7 @@ class BackgroundPublisher:
             try:
                 self._context.run(call)
             except Exception as exc:  # the API being away must not cost the training run
-                self.log.warning("Could not update training progress in Prefect: %s", exc)
+                self.log.warning("Could not publish training progress (to Prefect or MLflow): %s", exc)
 
 
 def flow_api_url() -> str:

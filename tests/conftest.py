@@ -44,7 +44,7 @@ IMAGE_SIDE = 32
 # Fixtures that start a service or stand on one (the moto server, the Prefect server, the
 # Dask cluster); a `unit` test may request none of them, directly or through another fixture.
 SERVICE_FIXTURES = frozenset({"prefect_api", "s3_endpoint", "s3_fs", "image_location", "dask_cluster",
-                              "deployments", "front"})
+                              "deployments", "front", "mlflow_uri"})
 
 
 def truncated_jpeg() -> bytes:
@@ -120,6 +120,15 @@ def dask_cluster(prefect_api: str):
     cluster = create_local_cluster(n_workers=2)
     yield cluster
     cluster.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> Iterator[str]:
+    """A real `mlflow server` (SQLite, local artifacts); yields its tracking URI."""
+    from tests.support.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
+        yield uri
 
 
 @pytest.fixture(scope="session")

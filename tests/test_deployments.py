@@ -103,6 +103,15 @@ def test_the_nightly_schedule_creates_runs_at_two_in_the_morning(deployments):
 
 
 @pytest.mark.slow
+def test_the_nightly_score_deployment_scores_with_the_nightly_champion_after_it_trains(deployments):
+    with get_client(sync_client=True) as api:
+        score = api.read_deployment_by_name("batch-predict/nightly-score")
+        nightly = api.read_deployment_by_name("transfer-learning/nightly")
+    assert [s.schedule.cron for s in score.schedules] == ["0 5 * * *"]
+    assert score.schedules[0].schedule.timezone == nightly.schedules[0].schedule.timezone == "UTC"
+    assert score.parameters["model"] == f"{nightly.parameters['output']['url']}/nightly/latest"
+
+
 def test_the_ui_sweep_deployment_takes_a_search_space(deployments):
     with get_client(sync_client=True) as api:
         sweep = api.read_deployment_by_name("hyperparameter-sweep/ui-sweep")

@@ -31,8 +31,10 @@ ALLOWED = {
     "results": {FOUNDATION, "data", "training", "results"},
     "blocks": {FOUNDATION, "blocks"},
     "sweeps": {FOUNDATION, "gang", "data", "training", "results", "blocks", "sweeps"},
-    "flows": {FOUNDATION, "gang", "data", "training", "results", "blocks", "sweeps", "flows"},
-    "deployments": {FOUNDATION, "gang", "data", "training", "results", "blocks", "sweeps", "flows", "deployments"},
+    "prediction": {FOUNDATION, "data", "training", "results", "prediction"},
+    "flows": {FOUNDATION, "gang", "data", "training", "results", "blocks", "sweeps", "prediction", "flows"},
+    "deployments": {FOUNDATION, "gang", "data", "training", "results", "blocks", "sweeps", "prediction", "flows",
+                    "deployments"},
     "package": set(),  # prefect_ddp/: the public names, imported lazily by name, and the CLI
 }
 BARE_NAMES = ("tasks", "flows", "blocks", "deployments")

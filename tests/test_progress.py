@@ -69,4 +69,4 @@ def test_only_the_latest_update_per_key_is_sent_and_failures_are_logged(caplog):
     gate.set()
     assert publisher.close(timeout_s=5) is True
     assert sent == ["first", "third"]
-    assert "Could not update training progress in Prefect: division by zero" in caplog.text
+    assert "Could not publish training progress (to Prefect or MLflow): division by zero" in caplog.text

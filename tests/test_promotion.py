@@ -144,7 +144,7 @@ def test_warm_start_loads_every_weight_when_the_classes_match(tmp_path):
     summary, run = finished_run(tmp_path, "kept", 0.9)
     promote.fn(summary, run, kept, {"name": "kept", "flow_run_id": "1"})
     warm = find_warm_start(kept, "mobilenet_v3_small", CLASSES)
-    assert warm is not None and warm.with_head and warm.run == "kept"
+    assert warm is not None and warm.with_head and warm.origin == "run `kept`"
     assert warm.model.url == str(tmp_path / "nightly" / "versions" / "kept" / "model.pt")
     model = build_model(ModelConfig(backbone="mobilenet_v3_small"), len(CLASSES))
     load_warm_start(model, warm)

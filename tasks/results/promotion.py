@@ -39,6 +39,7 @@ from prefect_ddp.tasks.data.storage import (
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.results.pointer import Document, read_json_document, update_json
+from prefect_ddp.tasks.results.registry import ALIAS, Registration, drop_version, move_champion, register_version
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.training.model import WarmStart
 from prefect_ddp.tasks.urls import child_url, safe_segment
@@ -58,6 +59,8 @@ class Promotion(BaseModel):
     kept_url: str | None  # the version folder kept now (this run's when promoted)
     previous_run: str | None = None
     previous_metric: float | None = None
+    registered: dict[str, str] | None = None  # the MLflow model version made for this run, when kept
+    champion: str | None = None  # the version the registry's alias names after this promotion
 
 
 def kept_location(output_base: Location, name: str) -> Location:
@@ -93,35 +96,48 @@ def write_version(summary: dict[str, Any], run_output: Location, version: Locati
 
 @task(name="promote", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
 def promote(summary: dict[str, Any], run_output: Location, kept: Location,
-            run: dict[str, str]) -> Promotion:
+            run: dict[str, str], registry: Registration | None = None) -> Promotion:
     """Keep this run's model under `kept` when it is at least as good as the one kept there.
 
     The decision is taken again inside the pointer's compare-and-swap, against the model
-    kept at that moment: a better model promoted meanwhile by another run stays.
+    kept at that moment: a better model promoted meanwhile by another run stays. With
+    `registry`, the registered model and its `champion` alias follow the pointer
+    (prefect_ddp.tasks.results.registry).
     """
     metric = summary[METRIC]
     version = version_location(kept, run_output)
     seen = read_pointer(kept)
     promoted, reason = decide(metric, seen)
+    registered = champion = None
     if promoted:  # write the candidate whole, then point at it if it still wins
         record = run | {"url": run_output.url, "promoted_at": datetime.now(timezone.utc).isoformat()}
         write_version(summary, run_output, version, record)
+        registered = register_version(registry.model, registry.name) if registry else None
 
         def swap(current: Document | None) -> Document | None:
             nonlocal promoted, reason, seen
             seen = current
             promoted, reason = decide(metric, current)
-            return {METRIC: metric, "version": version.url, "run": record} if promoted else None
+            pointer = {METRIC: metric, "version": version.url, "run": record}
+            return (pointer | ({"registered": registered} if registered else {})) if promoted else None
 
         update_json(child_url(kept.url, POINTER), kept.storage_options(), swap)
         if not promoted:  # overtaken by a better model: nothing ever pointed at this version
             remove_tree(version.url, version.storage_options())
+            if registered:
+                drop_version(registry.model, registered)
+                registered = None
+        elif registry:
+            champion = move_champion(registry.model, lambda: read_pointer(kept))
     run_logger().info("Model %s: %s.", "promoted" if promoted else "not promoted", reason)
+    if champion:
+        run_logger().info("Registered model %r: alias %r now names version %s.", registry.name, ALIAS, champion)
     return Promotion(
         promoted=promoted, reason=reason, pointer_url=child_url(kept.url, POINTER),
         kept_url=version.url if promoted else seen["version"],
         previous_run=seen["run"].get("name") if seen else None,
         previous_metric=seen[METRIC] if seen else None,
+        registered=registered, champion=champion,
     )
 
 
@@ -133,19 +149,22 @@ def version_location(kept: Location, run_output: Location) -> Location:
 
 def find_warm_start(kept: Location, backbone: str, classes: list[str]) -> WarmStart | None:
     """The kept model to start from, or None when there is none or it is another backbone."""
-    log = run_logger()
     pointer = read_pointer(kept)
     if pointer is None:
-        log.info("No model kept at %s yet: training starts from model.weights.", kept.url)
+        run_logger().info("No model kept at %s yet: training starts from model.weights.", kept.url)
         return None
-    version = kept.with_url(pointer["version"])
-    card = read_json(child_url(version.url, "model.json"), version.storage_options())
+    return warm_start_from(kept.with_url(pointer["version"]), backbone, classes, f"run `{pointer['run']['name']}`")
+
+
+def warm_start_from(folder: Location, backbone: str, classes: list[str], origin: str) -> WarmStart | None:
+    """Start from the model in `folder` (model.pt, model.json), or None when it is another backbone."""
+    card = read_json(child_url(folder.url, "model.json"), folder.storage_options())
     if card["backbone"] != backbone:
-        log.warning("The model kept at %s is a %s, not a %s: not warm-starting from it.",
-                    version.url, card["backbone"], backbone)
+        run_logger().warning("The model of %s is a %s, not a %s: not warm-starting from it.",
+                             origin, card["backbone"], backbone)
         return None
     return WarmStart(
-        model=version.with_url(child_url(version.url, "model.pt")),
+        model=folder.with_url(child_url(folder.url, "model.pt")),
         with_head=card["classes"] == classes,
-        run=pointer["run"]["name"],
+        origin=origin,
     )

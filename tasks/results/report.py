@@ -25,7 +25,7 @@ from prefect_ddp.tasks.urls import child_url
 
 def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None, pruned_at: int | None = None,
                        in_sweep: bool = False) -> str:
-    started = f"Warm-started from the kept model of run `{warm.run}`" + (
+    started = f"Warm-started from the kept model of {warm.origin}" + (
         " (all weights).\n\n" if warm.with_head else " (backbone only: the classes changed).\n\n"
     ) if warm else ""
     if pruned_at:

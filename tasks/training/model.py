@@ -143,9 +143,9 @@ def load_model(card: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Modul
 class WarmStart(BaseModel):
     """The kept model a run starts from: where its weights are and whether its head fits."""
 
-    model: Location  # url: versions/RUN/model.pt, with the output's credentials
+    model: Location  # url: versions/RUN/model.pt (or a registered model's copy), with the output's credentials
     with_head: bool
-    run: str
+    origin: str  # for the report: "run `NAME`" or the registered model's URI
 
 
 def load_warm_start(model: nn.Module, warm: WarmStart) -> None:

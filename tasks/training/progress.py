@@ -1,8 +1,8 @@
-"""Rank 0's live view of training in the Prefect UI, kept apart from the recipe.
+"""Rank 0's live view of training in the Prefect UI (and MLflow), kept apart from the recipe.
 
 The recipe (tasks/training/recipe.py) calls `step`, `epoch_done` and `close`; everything
-Prefect-specific about showing them (artifacts, a background publisher so a slow API
-never holds up a step) lives here.
+about showing them (Prefect artifacts, each epoch's metrics in the run's MLflow run, a
+background publisher so a slow API never holds up a step) lives here.
 """
 
 from __future__ import annotations
@@ -15,21 +15,24 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 
 from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, BackgroundPublisher, epoch_rows, in_prefect_run, markdown_table
+from prefect_ddp.tasks.tracking import TrackedRun, log_epoch
 
 PROGRESS_INTERVAL_S = 5.0
 PROGRESS_CLOSE_TIMEOUT_S = 30.0
 
 
 class ProgressReporter:
-    """Rank 0's live view in the Prefect UI: a progress bar and a table of epochs so far.
+    """Rank 0's live view in the Prefect UI: a progress bar and a table of epochs so far; with
+    `tracked`, each epoch's metrics in MLflow too (only rank 0 logs them).
 
     Updates go through a BackgroundPublisher: a slow or hanging API never holds up a step.
     """
 
-    def __init__(self, ctx: RankContext, epochs: int, log: Any) -> None:
+    def __init__(self, ctx: RankContext, epochs: int, log: Any, tracked: TrackedRun | None = None) -> None:
         # Outside a Prefect run (a unit test, a plain script) there is no run to attach to.
-        enabled = ctx.is_main and in_prefect_run()
-        self.publisher = BackgroundPublisher(log) if enabled else None
+        self.shows = ctx.is_main and in_prefect_run()
+        self.tracked = tracked if ctx.is_main else None
+        self.publisher = BackgroundPublisher(log) if self.shows or self.tracked else None
         self.epochs = epochs
         self.artifact_id = None  # touched only by the publisher's thread
         self.last_update = -PROGRESS_INTERVAL_S
@@ -42,7 +45,7 @@ class ProgressReporter:
             update_progress_artifact(self.artifact_id, percent, description=description)
 
     def _set_progress(self, percent: float, detail: str = "") -> None:
-        if self.publisher:
+        if self.shows:
             description = f"Epochs done of {self.epochs}" + (f". {detail}" if detail else "")
             self.publisher.submit("progress", lambda: self._publish_progress(percent, description))
             self.last_update = time.monotonic()
@@ -50,7 +53,7 @@ class ProgressReporter:
     def step(self, epoch: int, done: int, total: int, describe: Callable[[], str]) -> None:
         """Within an epoch: move the bar, with `describe()` (where rank 0's time goes so far)
         as its description, at most every PROGRESS_INTERVAL_S seconds."""
-        if self.publisher and time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S:
+        if self.shows and time.monotonic() - self.last_update >= PROGRESS_INTERVAL_S:
             self._set_progress(100.0 * (epoch + done / max(total, 1)) / self.epochs, describe())
 
     def epoch_done(self, history: list[dict[str, Any]]) -> None:
@@ -58,7 +61,10 @@ class ProgressReporter:
         verdict = history[-1].get("time", {}).get("verdict", "")
         said = f"Epoch {history[-1]['epoch']}: {verdict}"
         self._set_progress(100.0 * len(history) / self.epochs, said)
-        if self.publisher:
+        if self.tracked:  # keyed by epoch: every epoch is logged, none replaces another
+            record, tracked = history[-1], self.tracked
+            self.publisher.submit(f"mlflow-epoch-{record['epoch']}", lambda: log_epoch(tracked, record))
+        if self.shows:
             table = markdown_table(EPOCH_COLUMNS, epoch_rows(history))
             self.publisher.submit("table", lambda: create_markdown_artifact(
                 key="training-epochs",

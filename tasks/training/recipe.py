@@ -52,6 +52,7 @@ from prefect_ddp.tasks.reporting import (
     run_logger,
 )
 from prefect_ddp.tasks.selection import Selection, best_index, is_better
+from prefect_ddp.tasks.tracking import TrackedRun
 from prefect_ddp.tasks.training.checkpoints import (
     TrainingState,
     job_fingerprint,
@@ -86,6 +87,7 @@ class TrainJob(BaseModel):
     training: TrainingConfig
     warm_start: WarmStart | None = None  # the deployment's kept model, resolved by the flow
     unreadable: UnreadableLimit = UnreadableLimit()  # decode-check's exclusions and data.max_unreadable_fraction
+    tracked: TrackedRun | None = None  # the MLflow run rank 0 logs each epoch's metrics to
 
     @field_validator("source", "output")
     @classmethod
@@ -440,7 +442,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         log.log(level, "Rank %d resumed from %s after epoch %d", ctx.rank, checkpoint_url, start_epoch)
     attempts = record_attempt(child_url(job.output.url, "checkpoints", ATTEMPTS), output, ctx.attempt + 1,
                               ctx.world_size, start_epoch) if ctx.is_main else []
-    progress = ProgressReporter(ctx, job.training.epochs, log)
+    progress = ProgressReporter(ctx, job.training.epochs, log, job.tracked)
     local_train_samples: list[int] = []
     checkpoint_s: list[float] = []  # per epoch trained here: outside the record, which the checkpoint holds
     pruned_at = stopped = None

@@ -1,0 +1,1 @@
+"""Scoring images with a kept model: the batch-predict flow's tasks."""

@@ -1,0 +1,43 @@
+"""Typed parameters of the batch-predict flow: bounds the server checks before any cluster starts.
+
+Flat values rather than nested models: batch-predict has few settings, and each one is changed
+alone from the CLI (`--param chunk_size=64`). Help text never holds angle brackets (the UI
+reads `<url>` as an HTML tag and drops it): placeholders are in capitals, as in tasks/config.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+ModelSpec = Annotated[str, Field(
+    min_length=1,
+    description="The model to score with: OUTPUT/NAME/latest (the model kept under NAME), a run or "
+    "version folder holding model.pt and model.json (s3://... or a local path), or models:/NAME@ALIAS.",
+)]
+DataUrl = Annotated[str | None, Field(
+    description="Images to score: s3://bucket/prefix, file:///path or a local path; class folders "
+    "(URL/CLASS/IMAGE.jpg) are optional and, where present, give the accuracy. Overrides the block's url.",
+)]
+DataBlock = Annotated[str | None, Field(
+    description="Name of a saved `data-location` block with the S3 endpoint, region and credentials "
+    "(and a default url).",
+)]
+OutputUrl = Annotated[str, Field(
+    min_length=1,
+    description="s3://bucket/prefix or a local path; each run writes to URL/RUN-NAME-ID/.",
+)]
+OutputBlock = Annotated[str | None, Field(
+    description="data-location block for the output's and the model's credentials; empty reuses the "
+    "data block for S3 urls.",
+)]
+ChunkSize = Annotated[int, Field(
+    ge=1, le=100_000,
+    description="Images per score-chunk task: a rerun of the flow run skips the chunks already written.",
+)]
+BatchSize = Annotated[int, Field(ge=1, le=4096, description="Images per forward pass.")]
+TopK = Annotated[int, Field(ge=1, le=100, description="Most probable classes kept per image.")]
+TrackingBlock = Annotated[str | None, Field(
+    description="Name of the saved `mlflow-tracking` block whose registry model=models:/NAME@ALIAS is read from.",
+)]

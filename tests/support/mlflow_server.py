@@ -1,0 +1,28 @@
+"""A real `mlflow server` on loopback for the tracking tests: SQLite backend, local artifacts."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from prefect_ddp.deployments.local_services import child_process
+from prefect_ddp.tasks.gang import free_port
+
+
+@contextmanager
+def mlflow_server(folder: Path) -> Iterator[str]:
+    """`mlflow server` with its database and artifacts in `folder`; yields its tracking URI.
+
+    Artifacts are served by the server (`--artifacts-destination`), so clients, rank 0 on a
+    Dask worker included, need only its URI. It takes about 12 s to start (its migrations).
+    """
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    args = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--artifacts-destination", str(folder / "artifacts")]
+    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true")
+    with child_process(args, f"{uri}/health", folder / "mlflow-server.log", timeout_s=120, env=env):
+        yield uri

@@ -1,0 +1,202 @@
+"""MLflow tracking and the registry, against a real `mlflow server`, real gloo ranks and Prefect.
+
+A tracked run (params, epochs, files, model; registered and named `champion`); then, on
+its kept name, a worse candidate and two candidates promoting at once, each with a real
+logged model of a second MLflow run (their metrics set, so which one is better is known);
+a run that warm-starts from `models:/NAME@champion`; and a run whose tracking server is
+down (it trains, warns and completes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import multiprocessing
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from prefect_ddp.blocks.tracking import MlflowTracking
+from prefect_ddp.flows.batch_predict import batch_predict
+from prefect_ddp.flows.transfer_learning import transfer_learning
+from prefect_ddp.tasks.config import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    TrackingConfig,
+    TrainingConfig,
+)
+from prefect_ddp.tasks.gang import free_port
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.results.promotion import Promotion, kept_location, promote, read_pointer
+from prefect_ddp.tasks.results.registry import ALIAS, Registration
+from prefect_ddp.tasks.results.tracking_run import RUN_FILES, log_model, start_run
+from prefect_ddp.tasks.tracking import Tracking, epoch_metrics
+
+NAME = "tracked-shapes"
+EXPERIMENT = "test-tracking"
+SECRET = "mlflow-secret-never-shown"
+
+
+def train(dask_cluster, output: Path, name: str, tracking_block: str, **changes):
+    recipe = {"epochs": 2, "batch_size": 4, "image_size": 32, "num_workers": 0, "lr": 0.01} | changes.pop("training", {})
+    state = transfer_learning(
+        data=DataConfig(block="test-images", val_fraction=0.3, seed=5, index_cache_minutes=0),
+        model=ModelConfig(backbone="resnet18", **changes.pop("model", {})),
+        training=TrainingConfig(**recipe),
+        cluster=ClusterConfig(address=dask_cluster.scheduler_address, init_timeout_s=60),
+        output=OutputConfig(url=str(output), model_name=name),
+        tracking=TrackingConfig(block=tracking_block, experiment=EXPERIMENT),
+        return_state=True,
+    )
+    return state.result(), str(state.state_details.flow_run_id)
+
+
+@pytest.fixture(scope="module")
+def tracked(mlflow_uri, image_location, dask_cluster, tmp_path_factory):
+    """One tracked run, kept and registered under NAME."""
+    image_location.save("test-images", overwrite=True)
+    MlflowTracking(tracking_uri=mlflow_uri, username="trainer", password=SECRET).save("test-mlflow", overwrite=True)
+    output = tmp_path_factory.mktemp("tracked")
+    return MlflowClient(mlflow_uri), output, train(dask_cluster, output, NAME, "test-mlflow")
+
+
+@pytest.fixture(scope="module")
+def candidate(tracked, mlflow_uri):
+    """A second MLflow run with a real logged model (the tracked run's weights), to promote by hand."""
+    _, _, (summary, _) = tracked
+    folder = Location(url=str(Path(summary["files"]["model.pt"]).parent))
+    run = start_run(Tracking(tracking_uri=mlflow_uri, experiment=EXPERIMENT), "candidate", {}, {})
+    return summary, folder, log_model(run, folder)
+
+
+def promote_as(name: str, candidate_folder: Location, tmp_path: Path, summary: dict, metric: float, logged,
+               kept: Location):
+    """Promote a copy of the candidate's run folder, named `name`, with `metric` as its val accuracy."""
+    folder = tmp_path / name
+    shutil.copytree(candidate_folder.url, folder)
+    return promote.fn(summary | {"best_val_acc": metric}, Location(url=str(folder)), kept,
+                      {"name": name, "flow_run_id": name}, Registration(model=logged, name=kept.url.rsplit("/", 1)[-1]))
+
+
+def run_of(client: MlflowClient, flow_run_id: str):
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    runs = client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    assert len(runs) == 1, f"expected one MLflow run for flow run {flow_run_id}, found {len(runs)}"
+    return runs[0]
+
+
+def test_a_tracked_run_holds_its_params_epochs_files_and_model(tracked):
+    client, _, (summary, flow_run_id) = tracked
+    run = run_of(client, flow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["training.epochs"] == "2" and run.data.params["model.backbone"] == "resnet18"
+    assert run.data.params["data.block"] == "test-images"
+    assert run.data.tags["prefect.flow_run_url"].endswith(flow_run_id)
+    for metric in ("val_acc", "train_loss", "images_per_s", "share_data"):
+        history = client.get_metric_history(run.info.run_id, metric)
+        assert sorted(m.step for m in history) == [1, 2], metric
+    val_acc = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_acc")}
+    assert val_acc == {h["epoch"]: pytest.approx(h["val_acc"]) for h in summary["history"]}
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= set(RUN_FILES)
+    assert summary["promotion"]["promoted"] and summary["promotion"]["registered"]["version"] == "1"
+    champion = client.get_model_version_by_alias(NAME, ALIAS)
+    assert champion.version == "1" and champion.run_id == run.info.run_id
+    assert run.data.tags["promoted"] == "true" and run.data.tags["registered_version"] == "1"
+
+
+def test_a_worse_candidate_leaves_the_champion_where_it_was(tracked, candidate, tmp_path):
+    client, output, (summary, _) = tracked
+    _, folder, logged = candidate
+    kept = kept_location(Location(url=str(output)), NAME)
+    promotion = promote_as("worse", folder, tmp_path, summary, summary["best_val_acc"] - 0.1, logged, kept)
+    assert not promotion.promoted and promotion.registered is None
+    assert client.get_model_version_by_alias(NAME, ALIAS).version == "1"
+    assert [v.version for v in client.search_model_versions(f"name = '{NAME}'")] == ["1"]
+
+
+def promote_in_process(results, barrier, who: str, *args) -> None:
+    """One of two processes promoting at the same moment (a forked process's target)."""
+    barrier.wait()
+    results.put((who, promote_as(*args).model_dump()))
+
+
+@pytest.mark.parametrize("rounds", [3])
+def test_candidates_promoting_at_once_leave_the_champion_on_the_better_one(tracked, candidate, tmp_path, rounds):
+    """Separate processes, as two flow runs would be: nothing in-process serialises them."""
+    client, output, _ = tracked
+    summary, folder, logged = candidate
+    context = multiprocessing.get_context("fork")
+    for round_ in range(rounds):
+        name = f"race-{round_}"
+        kept = kept_location(Location(url=str(output)), name)
+        queue, barrier = context.Queue(), context.Barrier(2)
+        processes = [context.Process(target=promote_in_process, args=(
+            queue, barrier, who, f"{who}-{round_}", folder, tmp_path, summary, metric, logged, kept))
+            for who, metric in (("better", 0.95), ("worse", 0.60))]
+        for process in processes:
+            process.start()
+        results = {who: Promotion.model_validate(promotion) for who, promotion in (queue.get(timeout=120),
+                                                                                    queue.get(timeout=120))}
+        for process in processes:
+            process.join(30)
+        pointer = read_pointer(kept)
+        assert pointer["run"]["name"] == f"better-{round_}"
+        champion = client.get_model_version_by_alias(name, ALIAS)
+        assert champion.version == pointer["registered"]["version"] == results["better"].registered["version"]
+        # The worse one either was kept first and then beaten (its version stays, as its folder
+        # does, as history) or lost the swap (its version deleted: nothing pointed at it).
+        worse = results["worse"]
+        versions = {v.version for v in client.search_model_versions(f"name = '{name}'")}
+        assert versions == {champion.version} | ({worse.registered["version"]} if worse.promoted else set())
+        assert worse.promoted or worse.registered is None
+
+
+def test_warm_start_from_the_champion_reads_its_weights_through_the_registry(tracked, dask_cluster):
+    _, output, (good, _) = tracked
+    summary, _ = train(dask_cluster, output, "warm-from-registry", "test-mlflow",
+                       model={"warm_start": f"models:/{NAME}@{ALIAS}"}, training={"epochs": 1, "lr": 1e-7})
+    run_folder = Path(summary["files"]["model.pt"]).parent
+    copied = (run_folder / "warm-start" / "model.pt").read_bytes()
+    kept = Path(good["files"]["model.pt"]).read_bytes()
+    assert hashlib.sha256(copied).digest() == hashlib.sha256(kept).digest()
+    assert f"registered model `models:/{NAME}@{ALIAS}`" in (run_folder / "report.md").read_text()
+
+
+def test_batch_predict_scores_with_the_champion_read_from_the_registry(tracked, dask_cluster, tmp_path):
+    _, _, (good, _) = tracked
+    result = batch_predict(model=f"models:/{NAME}@{ALIAS}", data_block="test-images", output_url=str(tmp_path),
+                           cluster=ClusterConfig(address=dask_cluster.scheduler_address), tracking_block="test-mlflow")
+    copy = Path(result["files"]["model"])
+    assert (copy / "model.pt").read_bytes() == Path(good["files"]["model.pt"]).read_bytes()
+    assert result["rows"] > 0 and result["accuracy"] is not None
+
+
+def test_the_password_is_in_no_param_tag_or_artifact(tracked):
+    client, _, (_, flow_run_id) = tracked
+    run = run_of(client, flow_run_id)
+    assert SECRET not in repr(run.data.params) + repr(run.data.tags)
+    for artifact in client.list_artifacts(run.info.run_id):
+        if not artifact.is_dir:
+            assert SECRET not in Path(client.download_artifacts(run.info.run_id, artifact.path)).read_text(
+                errors="replace")
+
+
+def test_a_tracking_server_that_is_down_warns_and_the_run_completes(mlflow_uri, image_location, dask_cluster,
+                                                                       tmp_path, caplog):
+    MlflowTracking(tracking_uri=f"http://127.0.0.1:{free_port()}").save("test-mlflow-down", overwrite=True)
+    with caplog.at_level(logging.WARNING):
+        summary, _ = train(dask_cluster, tmp_path, "untracked", "test-mlflow-down", training={"epochs": 1})
+    assert summary["promotion"]["promoted"]
+    assert "MLflow tracking: could not open a run" in caplog.text
+
+
+@pytest.mark.unit
+def test_epoch_metrics_are_the_numbers_and_the_time_shares():
+    record = {"epoch": 3, "val_acc": 0.5, "train_samples": 10, "lr": 0.01, "unreadable": ["a.jpg"],
+              "time": {"images_per_s": 80.0, "shares": {"data": 0.6, "sync": 0.1}, "verdict": "input-bound"}}
+    assert epoch_metrics(record) == {"val_acc": 0.5, "train_samples": 10.0, "lr": 0.01, "images_per_s": 80.0,
+                                     "share_data": 0.6, "share_sync": 0.1}
