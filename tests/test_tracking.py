@@ -20,6 +20,7 @@ from mlflow import MlflowClient
 
 from prefect_ddp.blocks.tracking import MlflowTracking
 from prefect_ddp.flows.batch_predict import batch_predict
+from prefect_ddp.flows.sweep import hyperparameter_sweep
 from prefect_ddp.flows.transfer_learning import transfer_learning
 from prefect_ddp.tasks.config import (
     ClusterConfig,
@@ -34,7 +35,9 @@ from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.results.promotion import Promotion, kept_location, promote, read_pointer
 from prefect_ddp.tasks.results.registry import ALIAS, Registration
 from prefect_ddp.tasks.results.tracking_run import RUN_FILES, log_model, start_run
+from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from prefect_ddp.tasks.tracking import Tracking, epoch_metrics
+from tests.support.image_folders import local_image_folder
 
 NAME = "tracked-shapes"
 EXPERIMENT = "test-tracking"
@@ -192,6 +195,39 @@ def test_a_tracking_server_that_is_down_warns_and_the_run_completes(mlflow_uri, 
         summary, _ = train(dask_cluster, tmp_path, "untracked", "test-mlflow-down", training={"epochs": 1})
     assert summary["promotion"]["promoted"]
     assert "MLflow tracking: could not open a run" in caplog.text
+
+
+def test_a_tracked_sweep_is_a_parent_run_with_a_child_run_per_trial_the_pruned_one_marked(
+        mlflow_uri, dask_cluster, tmp_path):
+    MlflowTracking(tracking_uri=mlflow_uri).save("test-mlflow-sweep", overwrite=True)
+    images = tmp_path / "images"
+    local_image_folder(images, per_class=6)
+    good, bad = 0.001, 8.0  # lr 8 with SGD diverges: the median pruner stops it at epoch 1
+    state = hyperparameter_sweep(
+        space={"training.lr": {"kind": "choice", "values": [good, bad]}},
+        settings=SweepSettings(name="tracked-sweep", n_trials=2, concurrency=1, metric="val_loss",
+                               direction="minimize", sampler="random", pruner="median", startup_trials=1,
+                               first_trials=[{"training.lr": lr} for lr in (good, bad)]),
+        data=DataConfig(url=str(images), index_cache_minutes=0),
+        model=ModelConfig(backbone="mobilenet_v3_small"),
+        training=TrainingConfig(epochs=2, batch_size=4, image_size=32, num_workers=0, scheduler="none"),
+        cluster=ClusterConfig(address=dask_cluster.scheduler_address, init_timeout_s=60),
+        output=OutputConfig(url=str(tmp_path / "out")),
+        tracking=TrackingConfig(block="test-mlflow-sweep", experiment="test-tracked-sweep"),
+        return_state=True,
+    )
+    record = state.result()
+    client = MlflowClient(mlflow_uri)
+    experiment = client.get_experiment_by_name("test-tracked-sweep").experiment_id
+    (parent,) = client.search_runs([experiment], "tags.best_trial != ''")
+    assert parent.data.tags["best_trial"] == str(record["best"]["trial"]) == "0"
+    assert parent.data.params["space.training.lr.kind"] == "choice"
+    assert "sweep.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    by_lr = {run.data.params["training.lr"]: run for run in children}
+    assert sorted(by_lr) == [str(good), str(bad)]
+    assert by_lr[str(bad)].data.tags.get("pruned") == "1" and "pruned" not in by_lr[str(good)].data.tags
+    assert all(run.info.status == "FINISHED" for run in children)
 
 
 @pytest.mark.unit

@@ -23,7 +23,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from pydantic import BaseModel
 
 from prefect_ddp.tasks.config import DataConfig
-from prefect_ddp.tasks.data.dataset import SHOWN_KEYS, open_rgb
+from prefect_ddp.tasks.data.dataset import SHOWN_KEYS, FetchTimeout, open_rgb
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import filesystem
@@ -136,11 +136,14 @@ def decode_chunk(location: Location, keys: list[str], positions: list[int]) -> l
     # s3fs, not obstore: this Dask worker forks the ranks' DataLoader workers later, and
     # obstore started here would leave them reading with s3fs (prefect_ddp.tasks.data.object_reads.fetch_objects).
     fetched = fetch_objects(fs, paths, FETCH_CONCURRENCY, FETCH_ATTEMPTS, keep_fork_safe=True)
-    _raise_fetch_failures(location, fetched)
+    raise_fetch_failures(location, fetched)
     return [decode_result(position, fetched[path]) for position, path in zip(positions, paths)]
 
 
-def _raise_fetch_failures(location: Location, fetched: dict[str, bytes | Exception]) -> None:
+def raise_fetch_failures(location: Location, fetched: dict[str, bytes | Exception],
+                         timeout_s: float | None = None) -> None:
+    """Raise for images that failed for another reason than being gone: they are not known to
+    be unreadable, so they are never left out; the task is retried (or fails) instead."""
     failed = {path: result for path, result in fetched.items()
               if isinstance(result, Exception) and not isinstance(result, FileNotFoundError)}
     if not failed:
@@ -150,6 +153,11 @@ def _raise_fetch_failures(location: Location, fetched: dict[str, bytes | Excepti
         raise PermissionError(
             f"Access to {len(failed)} image(s) under {location.url!r} was denied, e.g. {path} "
             f"({error}). Check the credentials of {_block_name(location)} and the objects' policy."
+        )
+    if timeout_s is not None and isinstance(error, TimeoutError):  # FetchTimeout: Prefect takes the builtin for its own
+        raise FetchTimeout(
+            f"Could not fetch {len(failed)} image(s) under {location.url!r} within {timeout_s:g} s, e.g. {path}. "
+            "The storage endpoint stalled or is too slow; the task is retried."
         )
     raise ConnectionError(
         f"Could not fetch {len(failed)} of {len(fetched)} image(s) under {location.url!r} after "

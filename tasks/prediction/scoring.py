@@ -37,12 +37,12 @@ from torch import nn
 from prefect_ddp.tasks.data.dataset import (
     DEFAULT_FETCH_TIMEOUT_S,
     FETCH_ATTEMPTS,
-    FetchTimeout,
     eval_transform,
     open_rgb,
 )
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import exists, filesystem, load_torch, read_bytes, read_json, write_bytes
+from prefect_ddp.tasks.data.validation import raise_fetch_failures
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.prediction.image_keys import true_class
 from prefect_ddp.tasks.prediction.model_source import CARD, WEIGHTS
@@ -194,30 +194,6 @@ def fetch_images(source: Location, keys: Sequence[str], transform: Callable,
             continue
         images[key] = transform(image)
     return images, unreadable
-
-
-def raise_fetch_failures(source: Location, fetched: dict[str, bytes | Exception], timeout_s: float) -> None:
-    """Raise for fetches that failed for another reason than a missing image (retried by Prefect)."""
-    failed = {key: result for key, result in fetched.items()
-              if isinstance(result, Exception) and not isinstance(result, FileNotFoundError)}
-    if not failed:
-        return
-    key, error = next(iter(failed.items()))
-    if isinstance(error, PermissionError):
-        raise PermissionError(
-            f"Access to {len(failed)} image(s) under {source.url!r} was denied, e.g. {key} ({error}). "
-            "Check the credentials of the data block and the objects' policy."
-        )
-    if isinstance(error, TimeoutError):  # FetchTimeout, not the builtin, which Prefect takes for its own
-        raise FetchTimeout(
-            f"Could not fetch {len(failed)} image(s) under {source.url!r} within {timeout_s:g} s, e.g. {key}. "
-            "The storage endpoint stalled or is too slow; the chunk is retried."
-        )
-    raise ConnectionError(
-        f"Could not fetch {len(failed)} of {len(fetched)} image(s) under {source.url!r} after "
-        f"{FETCH_ATTEMPTS} attempts, e.g. {key}: {error!r}. They are not known to be unreadable; the "
-        "chunk is retried."
-    )
 
 
 def predictions(loaded: LoadedModel, images: dict[str, torch.Tensor], top_k: int) -> pa.Table:
