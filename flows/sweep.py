@@ -36,11 +36,19 @@ from prefect_ddp.tasks.config import (
 from prefect_ddp.tasks.data.storage import read_json
 from prefect_ddp.tasks.gang import TrialLink, training_trial
 from prefect_ddp.tasks.results.promotion import POINTER, Promotion, kept_location, promote, read_pointer
-from prefect_ddp.tasks.results.tracking_run import child_runs_of, complete_run, flat_params, tracking_run
+from prefect_ddp.tasks.results.registry import Registration
+from prefect_ddp.tasks.results.tracking_run import (
+    LoggedModel,
+    child_runs_of,
+    complete_run,
+    flat_params,
+    tracking_run,
+)
 from prefect_ddp.tasks.sweeps.search_space import Dimension, with_params
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from prefect_ddp.tasks.sweeps.sweep import open_study, run_trials, study_storage, trial_run_name
 from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
+from prefect_ddp.tasks.tracking import Tracking
 from prefect_ddp.tasks.urls import child_url, safe_segment
 
 SWEEP_FILES = ("report.md", "curves.png", "sweep.json")  # what publish_sweep_report writes, logged to the parent run
@@ -57,7 +65,7 @@ def trial_outcome(state: State) -> dict[str, Any]:
         return {"state": "failed", "message": state.message}
     summary = state.result()
     return {"state": "completed", "model_url": summary["files"]["model.pt"],
-            "flow_run_id": str(state.state_details.flow_run_id),
+            "mlflow_model": summary.get("mlflow_model"), "flow_run_id": str(state.state_details.flow_run_id),
             "workers": [rank["worker_address"] for rank in summary["ranks"]]}
 
 
@@ -117,7 +125,8 @@ def hyperparameter_sweep(
     check_metric(settings)
     data = with_overrides(data or DataConfig.model_construct())
     out = output_base(output, data_location(data))
-    kept = kept_location(out, promotion_name(settings, output)) if settings.promote else None
+    kept_name = promotion_name(settings, output) if settings.promote else None
+    kept = kept_location(out, kept_name) if kept_name else None
     tracker = tracking_settings(tracking, model)
     base = {"data": data.model_dump(), "model": model.model_dump(),
             "training": training.model_dump(), "output": output.model_dump(), "tracking": tracking.model_dump()}
@@ -137,7 +146,7 @@ def hyperparameter_sweep(
 
         run_trials(study, space, settings, runner.client, train_trial)
         record = publish_sweep_report(study, settings, out)
-        promotion = promote_best(record["best"], out, kept) if kept else None
+        promotion = promote_best(record["best"], out, kept, tracker, kept_name) if kept else None
         if parent:
             complete_run(parent, out.with_url(child_url(out.url, safe_segment(settings.name))),
                          best_tags(record["best"]), SWEEP_FILES)
@@ -162,9 +171,11 @@ def promotion_name(settings: SweepSettings, output: OutputConfig) -> str:
     return name
 
 
-def promote_best(best: dict[str, Any] | None, out: DataLocation, kept: DataLocation) -> Promotion:
+def promote_best(best: dict[str, Any] | None, out: DataLocation, kept: DataLocation, tracking: Tracking | None = None,
+                 name: str | None = None) -> Promotion:
     """Promote the sweep's best trial once, as a deployment's run is promoted: only when it
-    is at least as good, by the val accuracy of the epoch its model holds, as the model kept."""
+    is at least as good, by the val accuracy of the epoch its model holds, as the model kept;
+    with tracking, its logged model is registered under `name` and becomes the champion."""
     if best is None:
         pointer = read_pointer(kept)
         return Promotion(promoted=False, reason="no trial completed, so there was nothing to promote",
@@ -172,4 +183,6 @@ def promote_best(best: dict[str, Any] | None, out: DataLocation, kept: DataLocat
     run_output = out.with_url(best["model_url"].rsplit("/", 1)[0])
     summary = read_json(child_url(run_output.url, "metrics.json"), run_output.storage_options())
     run = {"name": best["run"], "flow_run_id": best["flow_run_id"], "deployment": deployment.get_name()}
-    return promote(summary, run_output, kept, run)
+    logged = best.get("mlflow_model")
+    registry = Registration(model=LoggedModel(tracking=tracking, **logged), name=name) if tracking and logged else None
+    return promote(summary, run_output, kept, run, registry)

@@ -284,7 +284,9 @@ def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, Dat
     publish_report(summary, manifest, out, promotion, warm, in_sweep)
     if tracked:
         complete_run(tracked, out, promotion_tags(promotion))
-    return summary | {"promotion": promotion.model_dump() if promotion else None}
+    # A sweep registers its best trial's logged model when it promotes it (flows/sweep.py).
+    return summary | {"promotion": promotion.model_dump() if promotion else None,
+                      "mlflow_model": logged.reference().model_dump() if logged else None}
 
 
 def promotion_tags(promotion: Promotion | None) -> dict[str, str]:

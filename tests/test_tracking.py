@@ -197,7 +197,7 @@ def test_a_tracking_server_that_is_down_warns_and_the_run_completes(mlflow_uri, 
     assert "MLflow tracking: could not open a run" in caplog.text
 
 
-def test_a_tracked_sweep_is_a_parent_run_with_a_child_run_per_trial_the_pruned_one_marked(
+def test_a_tracked_sweep_is_a_parent_run_with_a_child_run_per_trial_the_pruned_one_marked_its_best_champion(
         mlflow_uri, dask_cluster, tmp_path):
     MlflowTracking(tracking_uri=mlflow_uri).save("test-mlflow-sweep", overwrite=True)
     images = tmp_path / "images"
@@ -207,12 +207,12 @@ def test_a_tracked_sweep_is_a_parent_run_with_a_child_run_per_trial_the_pruned_o
         space={"training.lr": {"kind": "choice", "values": [good, bad]}},
         settings=SweepSettings(name="tracked-sweep", n_trials=2, concurrency=1, metric="val_loss",
                                direction="minimize", sampler="random", pruner="median", startup_trials=1,
-                               first_trials=[{"training.lr": lr} for lr in (good, bad)]),
+                               first_trials=[{"training.lr": lr} for lr in (good, bad)], promote=True),
         data=DataConfig(url=str(images), index_cache_minutes=0),
         model=ModelConfig(backbone="mobilenet_v3_small"),
         training=TrainingConfig(epochs=2, batch_size=4, image_size=32, num_workers=0, scheduler="none"),
         cluster=ClusterConfig(address=dask_cluster.scheduler_address, init_timeout_s=60),
-        output=OutputConfig(url=str(tmp_path / "out")),
+        output=OutputConfig(url=str(tmp_path / "out"), model_name="swept"),
         tracking=TrackingConfig(block="test-mlflow-sweep", experiment="test-tracked-sweep"),
         return_state=True,
     )
@@ -228,6 +228,10 @@ def test_a_tracked_sweep_is_a_parent_run_with_a_child_run_per_trial_the_pruned_o
     assert sorted(by_lr) == [str(good), str(bad)]
     assert by_lr[str(bad)].data.tags.get("pruned") == "1" and "pruned" not in by_lr[str(good)].data.tags
     assert all(run.info.status == "FINISHED" for run in children)
+    # The sweep promoted its best trial, and the registry agrees: champion is that trial's model.
+    champion = client.get_model_version_by_alias("swept", ALIAS)
+    assert record["promotion"]["promoted"] and champion.version == record["promotion"]["registered"]["version"]
+    assert champion.run_id == by_lr[str(good)].info.run_id
 
 
 @pytest.mark.unit

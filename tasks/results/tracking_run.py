@@ -35,13 +35,21 @@ PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests a sweep's tr
 PARENT_RUN: ContextVar[str | None] = ContextVar("prefect_ddp_parent_mlflow_run", default=None)
 
 
-class LoggedModel(BaseModel):
-    """A model logged to a run: what the registry needs to make a version of it."""
+class ModelReference(BaseModel):
+    """Which logged model: what a flow's result and a sweep's study keep (no credentials)."""
 
-    tracking: Tracking
     run_id: str
     model_uri: str  # models:/m-...
     model_id: str  # MLflow's own id for the logged model (m-...), which a version must name
+
+
+class LoggedModel(ModelReference):
+    """A model logged to a run, with the server it is on: what the registry needs to make a version of it."""
+
+    tracking: Tracking
+
+    def reference(self) -> ModelReference:
+        return ModelReference.model_validate(self.model_dump(include=set(ModelReference.model_fields)))
 
 
 def warn(what: str, error: Exception) -> None:

@@ -54,6 +54,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             "seconds": outcome.get("seconds"),
             "run": outcome.get("run"),
             "model_url": outcome.get("model_url"),
+            "mlflow_model": outcome.get("mlflow_model"),  # the trial's logged model, when tracked
             "flow_run_id": outcome.get("flow_run_id"),
             "workers": outcome.get("workers"),
             "curve": [{"epoch": e, "value": v, "elapsed_s": trial.user_attrs.get(f"{REPORTED_AT}{e}", start) - start}
