@@ -22,7 +22,6 @@ from prefect_ddp.flows.transfer_learning import cluster_lifetime, data_location,
 from prefect_ddp.tasks.config import (
     ClusterConfig,
     DataConfig,
-    ModelConfig,
     OutputConfig,
     TrackingConfig,
 )
@@ -95,7 +94,7 @@ def batch_predict(
         top_k: Most probable classes kept per image.
     """
     source, base = images_and_output(data_url, data_block, output_url, output_block)
-    tracking = tracking_settings(TrackingConfig(block=tracking_block), ModelConfig())
+    tracking = tracking_settings(TrackingConfig(block=tracking_block))
     run = {"name": flow_run.get_name() or "run", "flow_run_id": flow_run.get_id()}
     out = base.with_url(child_url(base.url, run_folder_name(run["name"], run["flow_run_id"]))).plain()
     validate_source(source)  # a wrong URL or key is told in a second, before any cluster starts

@@ -21,6 +21,7 @@ from prefect_ddp.flows.transfer_learning import (
     cluster_lifetime,
     data_location,
     output_base,
+    require_registry,
     tracking_settings,
     transfer_learning,
 )
@@ -127,7 +128,8 @@ def hyperparameter_sweep(
     out = output_base(output, data_location(data))
     kept_name = promotion_name(settings, output) if settings.promote else None
     kept = kept_location(out, kept_name) if kept_name else None
-    tracker = tracking_settings(tracking, model)
+    tracker = tracking_settings(tracking)
+    require_registry(model, tracker)
     base = {"data": data.model_dump(), "model": model.model_dump(),
             "training": training.model_dump(), "output": output.model_dump(), "tracking": tracking.model_dump()}
     study = open_study(settings, space, study_storage(settings, out.url), max_epochs=training.epochs)

@@ -109,19 +109,23 @@ def kept_model_name(output: OutputConfig, model: ModelConfig) -> str | None:
     return name
 
 
-def tracking_settings(tracking: TrackingConfig, model: ModelConfig) -> Tracking | None:
+def tracking_settings(tracking: TrackingConfig) -> Tracking | None:
     """The MLflow server to record the run in, from its block; None when tracking is off."""
     if not tracking.block:
-        if model.warm_start_uri():
-            raise ValueError(
-                f"model.warm_start={model.warm_start!r} names a registered model, but tracking.block is empty, "
-                "so there is no MLflow server to read it from. Set tracking.block to the mlflow-tracking block "
-                "of the server that holds the registry."
-            )
         return None
     import_mlflow()  # not installed: say so before any work, rather than warn after training
     settings = load_block(MlflowTracking, tracking.block).plain()
     return settings.model_copy(update={"experiment": tracking.experiment}) if tracking.experiment else settings
+
+
+def require_registry(model: ModelConfig, tracking: Tracking | None) -> None:
+    """A warm start from a registered model needs the server that holds the registry."""
+    if model.warm_start_uri() and tracking is None:
+        raise ValueError(
+            f"model.warm_start={model.warm_start!r} names a registered model, but tracking.block is empty, "
+            "so there is no MLflow server to read it from. Set tracking.block to the mlflow-tracking block "
+            "of the server that holds the registry."
+        )
 
 
 def prefect_tags(run: dict[str, Any]) -> dict[str, str]:
@@ -212,7 +216,8 @@ def transfer_learning(
     model = with_overrides(model, backbone=backbone)
     training = with_overrides(training, epochs=epochs, lr=lr, batch_size=batch_size)
     kept_name = kept_model_name(output, model)
-    tracker = tracking_settings(tracking, model)
+    tracker = tracking_settings(tracking)
+    require_registry(model, tracker)
     source = data_location(data)
     base = output_base(output, source)
     run = {"name": flow_run.get_name() or "run", "flow_run_id": flow_run.get_id(),
@@ -260,7 +265,7 @@ def transfer_learning(
             trial=current_trial(),
         )
         starting.close_in_background()  # the run's cluster closes while it reports
-        return finish_run(results, manifest, split, out, kept and (kept_name, kept), run, warm, tracked)
+        return finish_run(results, manifest, split, out, (kept_name, kept) if kept else None, run, warm, tracked)
 
 
 def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, DataLocation] | None,

@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 from prefect_ddp.blocks.tracking import MlflowTracking
 from prefect_ddp.flows.batch_predict import batch_predict
 from prefect_ddp.flows.sweep import hyperparameter_sweep
-from prefect_ddp.flows.transfer_learning import transfer_learning
+from prefect_ddp.flows.transfer_learning import require_registry, transfer_learning
 from prefect_ddp.tasks.config import (
     ClusterConfig,
     DataConfig,
@@ -240,3 +240,15 @@ def test_epoch_metrics_are_the_numbers_and_the_time_shares():
               "time": {"images_per_s": 80.0, "shares": {"data": 0.6, "sync": 0.1}, "verdict": "input-bound"}}
     assert epoch_metrics(record) == {"val_acc": 0.5, "train_samples": 10.0, "lr": 0.01, "images_per_s": 80.0,
                                      "share_data": 0.6, "share_sync": 0.1}
+
+
+@pytest.mark.unit
+def test_warm_start_takes_true_false_or_a_registered_model_and_that_needs_a_tracking_block():
+    assert ModelConfig.model_validate({"warm_start": "true"}).warm_start is True  # as the CLI sends it
+    assert ModelConfig(warm_start="models:/cats/3").warm_start_uri() == "models:/cats/3"
+    with pytest.raises(ValueError, match=r"model.warm_start='s3://b/m.pt' is neither true/false nor a registered "
+                                         r"model's URI; use models:/NAME@ALIAS"):
+        ModelConfig(warm_start="s3://b/m.pt")
+    with pytest.raises(ValueError, match=r"names a registered model, but tracking.block is empty.*Set tracking.block"):
+        require_registry(ModelConfig(warm_start="models:/cats@champion"), None)
+    require_registry(ModelConfig(warm_start=True), None)
