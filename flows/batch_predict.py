@@ -26,7 +26,6 @@ from prefect_ddp.tasks.config import (
     TrackingConfig,
 )
 from prefect_ddp.tasks.data.validation import chunked, validate_source
-from prefect_ddp.tasks.gang import crash_unfinished_task_runs
 from prefect_ddp.tasks.prediction.image_keys import list_images
 from prefect_ddp.tasks.prediction.model_source import keep_model
 from prefect_ddp.tasks.prediction.parameters import (
@@ -105,6 +104,6 @@ def batch_predict(
         keys = list_images(source.plain(), out)
         job = ScoringJob(source=source.plain(), model=model_copy, output=out, batch_size=batch_size, top_k=top_k)
         chunks = chunked(keys, chunk_size)
-        score_images(starting.ready(), job, chunks, crash_unfinished_task_runs)
+        score_images(starting.ready(), job, chunks)
         starting.close_in_background()  # the cluster closes while the flow summarizes
         return summarize_predictions(job, len(chunks))

@@ -12,7 +12,8 @@ it meets them, and counted with these (prefect_ddp.tasks.training.unreadable).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fsspec import AbstractFileSystem
 from prefect import get_run_logger, task
@@ -231,23 +232,32 @@ def gather_chunks(
     RUNNING, as its worker never reports again: it is marked Crashed and the run stops.
     """
     wait(futures)
-    lost = [(future, chunk) for future, chunk in zip(futures, chunks)
-            if future.wrapped_future.status != "finished"]
-    if lost:
-        crash_unfinished_task_runs([future for future, _ in lost], LOST_CHUNK)
-        future, chunk = lost[0]
-        error = future.wrapped_future.exception()
-        raise RuntimeError(
-            f"Decode-check of {len(chunk)} image(s) from {manifest.paths[chunk[0]]!r} did not "
-            f"finish on the Dask cluster ({type(error).__name__}: {error}). When its workers "
-            "died while running it, a file that crashes the decoder or exhausts a worker's "
-            "memory (a decompression bomb, a huge TIFF) is the usual cause: check the worker "
-            "logs, then remove the file or give the workers more memory."
-        ) from error
+    raise_if_lost(futures, chunks, lambda chunk: f"Decode-check of {len(chunk)} image(s) from {manifest.paths[chunk[0]]!r}")
     return [r for future in futures for r in future.result()]
 
 
     return None
+
+
+def raise_if_lost(futures: list[PrefectDaskFuture], chunks: list[list[Any]], what: Callable[[list[Any]], str]) -> None:
+    """Fail, naming the first, when Dask gave up on chunks whose workers died (KilledWorker).
+
+    Their task runs would stay RUNNING, as their worker never reports again: they are
+    marked Crashed first. `what(chunk)` says what the chunk was, e.g. "Decode-check of 256
+    image(s) from 'a/1.jpg'".
+    """
+    lost = [(future, chunk) for future, chunk in zip(futures, chunks) if future.wrapped_future.status != "finished"]
+    if not lost:
+        return
+    crash_unfinished_task_runs([future for future, _ in lost], LOST_CHUNK)
+    future, chunk = lost[0]
+    error = future.wrapped_future.exception()
+    raise RuntimeError(
+        f"{what(chunk)} did not finish on the Dask cluster ({type(error).__name__}: {error}); {len(lost)} chunk(s) "
+        "did not. When its workers died while running it, a file that crashes the decoder or exhausts a "
+        "worker's memory (a decompression bomb, a huge TIFF) is the usual cause: check the worker logs, "
+        "then remove the file or give the workers more memory."
+    ) from error
 
 
 def check_unreadable(manifest: Manifest, checked: int, bad: list[DecodeResult], limit: float) -> None:

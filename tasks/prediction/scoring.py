@@ -42,7 +42,7 @@ from prefect_ddp.tasks.data.dataset import (
 )
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import exists, filesystem, load_torch, read_bytes, read_json, write_bytes
-from prefect_ddp.tasks.data.validation import raise_fetch_failures
+from prefect_ddp.tasks.data.validation import raise_fetch_failures, raise_if_lost
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.prediction.image_keys import true_class
 from prefect_ddp.tasks.prediction.model_source import CARD, WEIGHTS
@@ -64,7 +64,6 @@ SCHEMA = pa.schema([
 # Models kept per worker process. One flow run scores with one model, but a long-lived cluster
 # serves run after run, each with its own copy: keeping every one would grow without bound.
 CACHED_MODELS = 2
-LOST_CHUNK = "Its Dask workers died while running it and Dask stopped rerunning it (KilledWorker)."
 
 
 class ScoringJob(BaseModel):
@@ -232,29 +231,16 @@ def outcome_of(index: int, data: bytes, skipped: bool) -> ChunkOutcome:
     return ChunkOutcome(index=index, rows=table.num_rows, unreadable=unreadable, skipped=skipped)
 
 
-def score_images(runner: DaskTaskRunner, job: ScoringJob, chunks: list[list[str]],
-                 mark_lost: Callable[[list[PrefectDaskFuture], str], Any]) -> list[ChunkOutcome]:
+def score_images(runner: DaskTaskRunner, job: ScoringJob, chunks: list[list[str]]) -> list[ChunkOutcome]:
     """Score every chunk across the cluster's workers; return each chunk's outcome, in order.
 
     Dask reruns a chunk whose worker died on another worker; when it gives up (KilledWorker),
-    the chunk's task run would stay RUNNING, as its worker never reports again. `mark_lost`
-    gives such task runs a final state (the flow hands in the gang's
-    `crash_unfinished_task_runs`: this layer does not import the gang), and the run stops.
+    the run stops as decode-check's does (prefect_ddp.tasks.data.validation.raise_if_lost).
     """
     futures = [runner.submit(score_chunk, parameters={"job": job, "index": index, "keys": keys})
                for index, keys in enumerate(chunks)]
     log_progress(runner, futures, chunks)
-    lost = [(future, keys) for future, keys in zip(futures, chunks) if future.wrapped_future.status != "finished"]
-    if lost:
-        mark_lost([future for future, _ in lost], LOST_CHUNK)
-        future, keys = lost[0]
-        error = future.wrapped_future.exception()
-        raise RuntimeError(
-            f"Scoring {len(lost)} chunk(s), e.g. the one from {keys[0]!r}, did not finish on the Dask cluster "
-            f"({type(error).__name__}: {error}). When its workers died while running it, an image that "
-            "crashes the decoder or exhausts a worker's memory (a decompression bomb, a huge TIFF) is the "
-            "usual cause: check the worker logs, then remove the file or give the workers more memory."
-        ) from error
+    raise_if_lost(futures, chunks, lambda keys: f"Scoring the chunk from {keys[0]!r}")
     return [future.result() for future in futures]
 
 
