@@ -236,9 +236,6 @@ def gather_chunks(
     return [r for future in futures for r in future.result()]
 
 
-    return None
-
-
 def raise_if_lost(futures: list[PrefectDaskFuture], chunks: list[list[Any]], what: Callable[[list[Any]], str]) -> None:
     """Fail, naming the first, when Dask gave up on chunks whose workers died (KilledWorker).
 
