@@ -26,11 +26,12 @@ from prefect_ddp.tasks.results.promotion import POINTER, read_pointer
 from prefect_ddp.tasks.results.tracking_run import fetch_registered_model
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.tracking import Tracking
+from prefect_ddp.tasks.training.model import SAVED_MODEL_FILES
 from prefect_ddp.tasks.urls import absolute_url, child_url
 
 REGISTRY_PREFIX = "models:/"
 POINTER_NAME = POINTER.removesuffix(".json")  # OUTPUT/NAME/latest names OUTPUT/NAME/latest.json
-WEIGHTS, CARD = "model.pt", "model.json"
+WEIGHTS, CARD = SAVED_MODEL_FILES
 RUN_MODEL_FOLDER = "model"
 SOURCE_RECORD = "source.json"  # which spec and folder the run's copy came from
 CARD_FIELDS = {"backbone": str, "image_size": int}

@@ -41,13 +41,12 @@ from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.results.pointer import Document, read_json_document, update_json
 from prefect_ddp.tasks.results.registry import ALIAS, Registration, drop_version, move_champion, register_version
 from prefect_ddp.tasks.retries import retry_transient
-from prefect_ddp.tasks.training.model import WarmStart
+from prefect_ddp.tasks.training.model import SAVED_MODEL_FILES, WarmStart
 from prefect_ddp.tasks.urls import child_url, safe_segment
 
 METRIC = "best_val_acc"
 POINTER = "latest.json"
 VERSIONS = "versions"
-KEPT_FILES = ("model.pt", "model.json")
 
 
 class Promotion(BaseModel):
@@ -88,7 +87,7 @@ def write_version(summary: dict[str, Any], run_output: Location, version: Locati
                   record: dict[str, Any]) -> None:
     """Copy the run's model and card into its version folder, metrics.json last."""
     source, target = run_output.storage_options(), version.storage_options()
-    for name in KEPT_FILES:
+    for name in SAVED_MODEL_FILES:
         write_bytes(child_url(version.url, name), read_bytes(child_url(run_output.url, name), source), target)
     kept = {key: summary[key] for key in (METRIC, "best_epoch", "final_val_acc", "final_val_loss", "history")}
     write_json(child_url(version.url, "metrics.json"), kept | {"run": record}, target)

@@ -24,12 +24,11 @@ from prefect_ddp.tasks.data.storage import exists, load_torch, read_bytes, read_
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.tracking import TrackedRun, Tracking, mlflow_session
-from prefect_ddp.tasks.training.model import load_model
+from prefect_ddp.tasks.training.model import SAVED_MODEL_FILES, load_model
 from prefect_ddp.tasks.urls import child_url
 
 # The run's files that become artifacts; report.md and curves.png are written by the report.
 RUN_FILES = ("report.md", "curves.png", "metrics.json", "manifest.json", "split.json", "model.json")
-MODEL_FILES = ("model.pt", "model.json")  # what prefect-ddp loads back from a logged model (extra_files/)
 MODEL_ARTIFACT = "model"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own tag: the UI nests a sweep's trials under it
 PARENT_RUN: ContextVar[str | None] = ContextVar("prefect_ddp_parent_mlflow_run", default=None)
@@ -183,7 +182,7 @@ def _log_model(run: TrackedRun, out: Location, folder: str) -> LoggedModel:
     with mlflow.start_run(run_id=run.run_id):
         info = mlflow.pytorch.log_model(
             model, name=MODEL_ARTIFACT, input_example=example,
-            extra_files=[os.path.join(folder, name) for name in MODEL_FILES],
+            extra_files=[os.path.join(folder, name) for name in SAVED_MODEL_FILES],
             metadata={"classes": card["classes"], "preprocessing": {
                 "image_size": card["image_size"], "mean": card["mean"], "std": card["std"],
                 "resize": "shorter side to image_size * 8/7, then centre crop; RGB scaled to [0, 1], normalised"}},
@@ -206,7 +205,7 @@ def fetch_registered_model(tracking: Tracking, uri: str, into: Location) -> Loca
         except Exception as error:
             raise ValueError(f"Could not read the registered model {uri} from {tracking.tracking_uri}: {error}. "
                              "Check that the name and alias (or version) exist in the registry.") from error
-        for name in MODEL_FILES:
+        for name in SAVED_MODEL_FILES:
             path = os.path.join(local, "extra_files", name)
             if not os.path.exists(path):
                 raise ValueError(f"{uri} holds no extra_files/{name}: it was not logged by prefect-ddp's "

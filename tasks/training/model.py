@@ -21,6 +21,9 @@ from prefect_ddp.tasks.data.storage import exists, load_torch
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.retries import retry_transient
 
+# A saved model's files, in the order they are copied: the card last, so a copy that has it is whole.
+SAVED_MODEL_FILES = ("model.pt", "model.json")
+
 
 def classifier_path(model: nn.Module) -> tuple[nn.Module, str]:
     """The module holding the final Linear layer and that layer's attribute name.
