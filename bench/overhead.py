@@ -7,7 +7,11 @@ synthetic tensors, 2 epochs) is launched, alternately:
 - flow: `python -m bench.overhead_flow`, a fresh process (as a user's flow file or a
   deployment's flow-run process is) running `run_gang` inside a Prefect flow on the
   2-worker LocalCluster a `DaskCluster` block makes, against a Prefect server started
-  beforehand (as in production: the server is up before any flow runs).
+  beforehand (as in production: the server is up before any flow runs). With
+  `--warm-cluster` this process keeps that cluster warm, as `prefect-ddp worker` does for
+  the runs it starts (blocks/warm_cluster.py), and each flow run uses it; each pair waits
+  first until the warm cluster has replaced the workers the last flow run used (about 5 s
+  of two cores' time), so that neither launch shares the machine with that.
 
 Each rank records when its first step starts, when its last step ends, and its peak RSS;
 the launcher records launch and return. Fixed cost = launch to first step + last step to
@@ -17,6 +21,7 @@ cost goes. Run from the repository root:
 
     .venv/bin/python -m bench.overhead                  # 1 warm-up, then median of 3 pairs
     .venv/bin/python -m bench.overhead --no-check-stop  # gang ranks skip ctx.check_stop()
+    .venv/bin/python -m bench.overhead --warm-cluster   # flows use a cluster this process keeps warm
     DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False .venv/bin/python -m bench.overhead  # no worker profiler
 """
 
@@ -32,11 +37,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.overhead_rank import RankTimes, TrainConfig
+from prefect_ddp.blocks.cluster import DaskCluster
+from prefect_ddp.blocks.warm_cluster import wait_until_free, warm_cluster
 from prefect_ddp.deployments.local_services import prefect_server
 
 WORLD_SIZE = 2
@@ -136,13 +143,13 @@ def flow_breakdown(launches: list[Launch]) -> list[str]:
             [l.marks["imported"] - l.started for l in launches],
         "imports done -> flow body starts (flow run created on the server)":
             [l.marks["body_start"] - l.marks["imported"] for l in launches],
-        "flow body -> cluster up (scheduler, 2 nannies, 2 workers that import the flow's module)":
+        "flow body -> cluster up (a new cluster: scheduler, 2 workers that import torch; a warm one: connect)":
             [l.marks["cluster_ready"] - l.marks["body_start"] for l in launches],
         "cluster up -> first step (lease, probe, rank task runs, process group, model)":
             [min(r.first_step_start for r in l.ranks) - l.marks["cluster_ready"] for l in launches],
         "last step -> run_gang returns (rank results, final states)":
             [l.marks["gang_returned"] - max(r.last_step_end for r in l.ranks) for l in launches],
-        "run_gang returns -> flow returns (cluster closed, flow run completed)":
+        "run_gang returns -> flow returns (cluster closed or warm workers restarted, flow run completed)":
             [l.marks["flow_returned"] - l.marks["gang_returned"] for l in launches],
         "flow returns -> process exits (Prefect's log and event workers drain)":
             [l.ended - l.marks["flow_returned"] for l in launches],
@@ -164,8 +171,10 @@ def report(pairs: list[tuple[Launch, Launch]]) -> str:
     loop_ratios = [f.loop_s / t.loop_s for t, f in pairs]
     fixed_gaps = [f.fixed_s - t.fixed_s for t, f in pairs]
     threads = {name: sorted({r.threads for l in launches for r in l.ranks}) for name, launches in by.items()}
+    warm = sorted({bool(f.marks.get("warm")) for _, f in pairs})
     return "\n".join([
-        f"Median of {len(pairs)} pairs (torchrun then flow, alternately); torch threads per rank: {threads}.", "",
+        f"Median of {len(pairs)} pairs (torchrun then flow, alternately); torch threads per rank: {threads}; "
+        f"flow runs on a warm cluster: {warm}.", "",
         "| launcher | wall s | fixed s | launch -> first step s | last step -> exit s | loop s | loop CPU s, ranks together | peak RSS MB per rank |",
         "|---|---|---|---|---|---|---|---|", *rows, "",
         f"- flow / torchrun wall: median {statistics.median(wall_ratios):.2f}x "
@@ -184,15 +193,22 @@ def main() -> None:
     parser.add_argument("--warmups", type=int, default=1, help="untimed pairs first (imports, first flow run)")
     parser.add_argument("--samples", type=int, default=TrainConfig.samples)
     parser.add_argument("--no-check-stop", action="store_true", help="gang ranks skip ctx.check_stop()")
+    parser.add_argument("--warm-cluster", action="store_true", help="flows use a cluster this process keeps warm")
     args = parser.parse_args()
     config = TrainConfig(samples=args.samples, check_stop=not args.no_check_stop)
     quiet_dask()
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    with running_prefect_server(work) as api_url:
-        print(f"Prefect server at {api_url}; {config}", flush=True)
+    with running_prefect_server(work) as api_url, \
+            warm_cluster(DaskCluster(n_workers=WORLD_SIZE)) if args.warm_cluster else nullcontext() as ticket:
+        print(f"Prefect server at {api_url}; {config}; warm cluster: {ticket}", flush=True)
         pairs = []
         for number in range(args.warmups + args.repeats):
-            pair = (torchrun_once(config, work / f"torchrun-{number}"), flow_once(config, work / f"flow-{number}"))
+            # Both launches start on a settled machine: not while the warm cluster replaces the
+            # workers the last flow run used (two processes importing torch, on these 2 cores).
+            if ticket:
+                wait_until_free(ticket)
+            torchrun = torchrun_once(config, work / f"torchrun-{number}")
+            pair = (torchrun, flow_once(config, work / f"flow-{number}"))
             print(f"pair {number}{' (warm-up)' if number < args.warmups else ''}: "
                   + ", ".join(f"{l.launcher} wall {l.wall_s:.1f} s loop {l.loop_s:.1f} s" for l in pair), flush=True)
             if number >= args.warmups:

@@ -37,6 +37,7 @@ MALLOC_TRIM_THRESHOLD_ of Dask's; they still need the profiler off.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import dask
@@ -147,18 +148,20 @@ class DaskCluster(Block):
         None, description="Local cluster on GPUs: empty decides by torch.cuda.device_count()."
     )
 
+    def uses_gpu(self) -> bool:
+        """Whether a local cluster of this spec runs on GPUs: `gpu`, or else whether torch sees any."""
+        return self.gpu if self.gpu is not None else cuda_device_count() > 0
+
+    def local_cluster(self) -> tuple[Callable[..., Any], dict[str, Any]]:
+        """The function that starts this spec's local cluster, and its arguments."""
+        if self.uses_gpu():
+            return create_cuda_cluster, {}
+        return create_local_cluster, {"n_workers": self.n_workers, "threads_per_worker": self.threads_per_worker}
+
     def task_runner(self) -> DaskTaskRunner:
         """A DaskTaskRunner for this cluster; entering it starts (or connects to) the cluster."""
         if self.address:
             check_scheduler_reachable(self.address)
             return DaskTaskRunner(address=self.address)
-        use_gpu = self.gpu if self.gpu is not None else cuda_device_count() > 0
-        if use_gpu:
-            return DaskTaskRunner(cluster_class=create_cuda_cluster, cluster_kwargs={})
-        return DaskTaskRunner(
-            cluster_class=create_local_cluster,
-            cluster_kwargs={
-                "n_workers": self.n_workers,
-                "threads_per_worker": self.threads_per_worker,
-            },
-        )
+        cluster_class, cluster_kwargs = self.local_cluster()
+        return DaskTaskRunner(cluster_class=cluster_class, cluster_kwargs=cluster_kwargs)

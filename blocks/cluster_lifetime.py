@@ -14,6 +14,10 @@ closes it in a thread while the flow aggregates, promotes and reports
         publish_report(...)                                  # ... while it closes
     # leaving the block waits for the close: when the run ends, its cluster is gone
 
+Where the process that started the run keeps a cluster warm (blocks/warm_cluster.py), the
+run uses that one instead when it fits: `ClusterLifetime.of(spec)` claims it, the start
+only connects, and the close restarts its workers for the next run and lets go of it.
+
 Even the runner is made in the thread (`DaskCluster.task_runner` checks that an existing
 scheduler answers), so a start that fails is raised by `ready()`: a flow that finds bad
 input before it needs the cluster reports that input, not the cluster. Such a flow still
@@ -31,8 +35,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Self
 
+from distributed import Client
 from prefect_dask import DaskTaskRunner
 
+from prefect_ddp.blocks.cluster import DaskCluster
+from prefect_ddp.blocks.warm_cluster import WarmClaim, claim_warm_cluster
 from prefect_ddp.tasks.reporting import run_logger
 
 logger = logging.getLogger(__name__)
@@ -41,9 +48,11 @@ logger = logging.getLogger(__name__)
 class ClusterLifetime:
     """Make, enter and start a DaskTaskRunner in a thread; close it in a thread."""
 
-    def __init__(self, make_runner: Callable[[], DaskTaskRunner]) -> None:
+    def __init__(self, make_runner: Callable[[], DaskTaskRunner], warm: WarmClaim | None = None) -> None:
         self._make_runner = make_runner
+        self._warm = warm
         self.runner: DaskTaskRunner | None = None
+        self._client: Client | None = None
         self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cluster-lifetime")
         self._start: Future | None = None
         self._close: Future | None = None
@@ -51,6 +60,17 @@ class ClusterLifetime:
         self._began = 0.0
         self._up_after_s = 0.0
         self._closed_in_s = 0.0
+
+    @classmethod
+    def of(cls, spec: DaskCluster) -> ClusterLifetime:
+        """`spec`'s cluster: the warm one of the process that started this run where it fits, else its own."""
+        warm = claim_warm_cluster(spec)
+        return cls(warm.task_runner, warm) if warm else cls(spec.task_runner)
+
+    @property
+    def is_warm(self) -> bool:
+        """Whether the run uses the warm cluster of the process that started it."""
+        return self._warm is not None
 
     def __enter__(self) -> Self:
         # The thread sees this flow's Prefect settings (the API URL workers are told) only
@@ -62,7 +82,9 @@ class ClusterLifetime:
 
     def _started(self) -> None:
         self.runner = self._make_runner().__enter__()
-        self.runner.client  # the runner starts (or connects to) its cluster on first use
+        self._client = self.runner.client  # the runner starts (or connects to) its cluster on first use
+        if self._warm:
+            self._warm.prepare(self._client)
         self._up_after_s = time.monotonic() - self._began
 
     def ready(self) -> DaskTaskRunner:
@@ -93,8 +115,9 @@ class ClusterLifetime:
             else:
                 waited = time.monotonic()
                 closing.result()
-                run_logger().info("Dask cluster closed in %.1f s beside the run's report; the run waited "
-                                  "%.1f s of that at its end", self._closed_in_s, time.monotonic() - waited)
+                done = "let go of (its workers restarting for the next run)" if self._warm else "closed"
+                run_logger().info("Dask cluster %s in %.1f s beside the run's report; the run waited %.1f s of "
+                                  "that at its end", done, self._closed_in_s, time.monotonic() - waited)
         finally:
             self._threads.shutdown(wait=True)
 
@@ -106,8 +129,15 @@ class ClusterLifetime:
                 self._start.result()
             except Exception:  # already raised to the flow by ready(), or the flow failed before
                 logger.debug("The cluster did not start; closing what there is", exc_info=True)
-        if self.runner is None:  # not even made: nothing to close
-            return
         began = time.monotonic()
-        self.runner.__exit__(exc_type, exc, tb)
+        try:
+            if self.runner is not None:  # else not even made: nothing to close
+                try:
+                    if self._warm:
+                        self._warm.release(self._client)
+                finally:
+                    self.runner.__exit__(exc_type, exc, tb)
+        finally:
+            if self._warm:
+                self._warm.unlock()
         self._closed_in_s = time.monotonic() - began

@@ -3,7 +3,8 @@
     python -m prefect_ddp.deployments.serve
 
 No work pool and no worker: `prefect.serve` polls for runs of its deployments and runs
-each in a child process. This starts `prefect server start` on 127.0.0.1:4200 (another
+each in a child process, on a 2-worker Dask cluster this process keeps warm between runs
+(blocks/warm_cluster.py). This starts `prefect server start` on 127.0.0.1:4200 (another
 free port if that one is taken) unless PREFECT_API_URL points at a running server, serves
 the demo images from moto's S3 server as the `demo-images` block, and serves
 `transfer-learning/laptop`, whose defaults train on them in about a minute, and
@@ -29,6 +30,8 @@ from prefect.client.orchestration import get_client
 from prefect.deployments.runner import EntrypointType
 from prefect.exceptions import ObjectNotFound
 
+from prefect_ddp.blocks.cluster import DaskCluster
+from prefect_ddp.blocks.warm_cluster import warm_cluster
 from prefect_ddp.deployments.demo import (
     demo_parameters,
     parse_demo_args,
@@ -59,8 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     with ExitStack() as stack:
         api_url = use_prefect_server(stack, logs, port=UI_PORT if port_is_free(UI_PORT) else free_port())
         serve_demo_images(stack, logs, args.per_class)
-        parameters = {name: config.model_dump(exclude_defaults=True)
-                      for name, config in demo_parameters(args.epochs, os.path.abspath(args.output)).items()}
+        demo = demo_parameters(args.epochs, os.path.abspath(args.output))
+        parameters = {name: config.model_dump(exclude_defaults=True) for name, config in demo.items()}
+        # Served runs are this process's children: they use its warm cluster (blocks/warm_cluster.py).
+        stack.enter_context(warm_cluster(DaskCluster(n_workers=demo["cluster"].n_workers)))
         # By module path, not file path: the flows are found wherever prefect_ddp is installed.
         deployment = transfer_learning.to_deployment(
             name=DEPLOYMENT, parameters=parameters, entrypoint_type=EntrypointType.MODULE_PATH,

@@ -146,12 +146,13 @@ def warm_start(model: ModelConfig, kept: DataLocation | None, tracking: Tracking
 
 
 def cluster_lifetime(cluster: ClusterConfig) -> ClusterLifetime:
-    """The run's cluster, to start beside the flow's other work (blocks/cluster_lifetime.py)."""
+    """The run's cluster, to start beside the flow's other work, or the warm one of the process that
+    started the run (blocks/cluster_lifetime.py)."""
     if cluster.block:
         spec = load_block(DaskCluster, cluster.block)
     else:
         spec = DaskCluster(address=cluster.address, n_workers=cluster.n_workers)
-    return ClusterLifetime(spec.task_runner)
+    return ClusterLifetime.of(spec)
 
 
 def gang_size(runner: DaskTaskRunner, world_size: int | None) -> int:

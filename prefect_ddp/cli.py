@@ -1,7 +1,8 @@
-"""`prefect-ddp`: the demo and the laptop server, for a user who installed the package without the repository.
+"""`prefect-ddp`: the demo, the laptop server and a worker, for a user who installed the package without the repository.
 
     prefect-ddp demo [--epochs N ...]    # the whole flow on generated images, about a minute
     prefect-ddp serve [--epochs N ...]   # a local Prefect server, the deployments, the Run button
+    prefect-ddp worker --pool NAME       # `prefect worker start` beside a Dask cluster kept warm for its runs
 
 Each command takes the options of its module (`prefect-ddp demo --help`).
 """
@@ -14,6 +15,7 @@ import sys
 COMMANDS = {
     "demo": "prefect_ddp.deployments.demo",
     "serve": "prefect_ddp.deployments.serve",
+    "worker": "prefect_ddp.deployments.worker",
 }
 
 

@@ -20,6 +20,7 @@ from prefect.client.schemas.filters import (
 )
 
 from prefect_ddp.tasks.results.run_folder import run_folder_name
+from tests.support.api_helpers import all_logs
 from tests.support.deployed import REPO, check, prefect_cli
 
 TINY_TRAINING = '{"batch_size": 4, "image_size": 32, "num_workers": 0}'
@@ -44,6 +45,10 @@ def test_the_on_demand_deployment_runs_from_the_cli_with_nested_parameters(deplo
     ))
     assert "Flow run finished successfully in 'Completed'" in result.stdout
     (run,) = [r for r in on_demand_runs() if r.parameters.get("output", {}).get("url") == str(tmp_path)]
+    # `prefect-ddp worker` kept a cluster warm, and this run, asking for the same 2 workers, used it.
+    with get_client(sync_client=True) as api:
+        logs = all_logs(api, run.id, "Using the warm Dask cluster")
+    assert any("Using the warm Dask cluster" in log.message for log in logs), [log.message for log in logs][:20]
     # The shortcut set epochs; the nested object set the rest of training.
     assert run.parameters["epochs"] == 1 and run.parameters["training"]["batch_size"] == 4
     with get_client(sync_client=True) as api:

@@ -1,4 +1,4 @@
-"""The deployments of prefect.yaml, served the way the README says: pool, deploy, worker.
+"""The deployments of prefect.yaml, served the way the README says: pool, deploy, `prefect-ddp worker`.
 
 Shared by the CLI test and the browser test, which both need a worker running the
 `transfer-learning/on-demand` deployment against the session's Prefect server.
@@ -42,5 +42,6 @@ def deployed_with_worker(prefect_home: Path, log: Path) -> Iterator[dict[str, st
     env = cli_environment(prefect_home)
     check(prefect_cli(env, "work-pool", "create", POOL, "--type", "process", "--overwrite"))
     check(prefect_cli(env, "--no-prompt", "deploy", "--all"))
-    with running([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL], log, env, cwd=REPO):
+    # `prefect-ddp worker`: `prefect worker start` beside a warm cluster (blocks/warm_cluster.py).
+    with running([sys.executable, "-m", "prefect_ddp", "worker", "--pool", POOL], log, env, cwd=REPO):
         yield env

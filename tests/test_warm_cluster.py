@@ -1,0 +1,154 @@
+"""A cluster kept warm by the process that starts flow runs (blocks/warm_cluster.py).
+
+What it decides for the user: which processes run a run's ranks. A run on the warm cluster
+must find what a cluster of its own would give it: workers no earlier run has touched, its
+own Prefect API, folder and environment, and no one else's tasks. A run that cannot have
+that, or that finds another run on it, starts a cluster of its own and says why.
+Real parts: a TLS LocalCluster held by this process, flow runs in child processes against
+the session's Prefect server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from distributed import Client
+
+from prefect_ddp.blocks.cluster import DaskCluster
+from prefect_ddp.blocks.warm_cluster import claim_warm_cluster, read_ticket, wait_until_free, warm_cluster
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = DaskCluster(n_workers=2)
+
+
+@pytest.fixture(scope="module")
+def holder(prefect_api: str) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A warm 2-worker cluster held by this process, started in the repository's root (where the flow
+    runs below run); yields its ticket and the environment its child processes inherit."""
+    before = os.getcwd()
+    os.chdir(REPO)
+    try:
+        with warm_cluster(SPEC) as ticket:
+            yield ticket, dict(os.environ)
+    finally:
+        os.chdir(before)
+
+
+@pytest.fixture
+def warm(holder: tuple[Path, dict[str, str]], monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The warm cluster's ticket, with this test's environment made the holder's, as a flow run's is (pytest
+    changes PYTEST_CURRENT_TEST between a test's setup and its call: reset it in the test's body)."""
+    ticket, environment = holder
+    like_the_holder(monkeypatch, environment)
+    return ticket
+
+
+def like_the_holder(monkeypatch: pytest.MonkeyPatch, environment: dict[str, str]) -> None:
+    for key in set(os.environ) - set(environment):
+        monkeypatch.delenv(key)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+
+
+def connect(ticket: Path) -> Client:
+    info = read_ticket(ticket)
+    return Client(info.address, security=info.security(), timeout=30)
+
+
+def worker_pids(ticket: Path) -> set[int]:
+    with connect(ticket) as client:
+        return set(client.run(os.getpid).values())
+
+
+def run_flow(out: Path, environment: dict[str, str]) -> dict:
+    """tests/support/warm_flow.py in a child process of the holder, as a worker starts a flow run."""
+    subprocess.run([sys.executable, "-m", "tests.support.warm_flow", str(out)], check=True, cwd=REPO, timeout=240,
+                   env=environment)
+    return json.loads(out.read_text())
+
+
+def test_flow_runs_started_beside_it_run_their_ranks_on_its_workers_fresh_each_time(holder, tmp_path):
+    warm, environment = holder
+    wait_until_free(warm)
+    first_workers = worker_pids(warm)
+    assert run_flow(tmp_path / "first.json", environment) == {"warm": True, "pids": sorted(first_workers)}
+    # The run asked for its workers' restart and let go without waiting for it: the next run waits for it.
+    wait_until_free(warm)
+    second_workers = worker_pids(warm)
+    assert len(second_workers) == 2 and not second_workers & first_workers
+    assert run_flow(tmp_path / "second.json", environment) == {"warm": True, "pids": sorted(second_workers)}
+
+
+def test_one_run_at_a_time_and_a_run_that_died_on_it_leaves_fresh_workers_to_the_next(
+        warm, holder, monkeypatch, caplog):
+    like_the_holder(monkeypatch, holder[1])
+    wait_until_free(warm)
+    claim = claim_warm_cluster(SPEC)
+    assert claim is not None
+    with caplog.at_level(logging.INFO, logger="prefect_ddp"):
+        assert claim_warm_cluster(SPEC) is None  # in use: this run starts its own cluster
+    assert "is in use by another run" in caplog.text
+    used = worker_pids(warm)
+    claim.unlock()  # its process died: it never asked for the workers' restart
+    after_death = claim_warm_cluster(SPEC)
+    assert after_death is not None and after_death.restart_first
+    with connect(warm) as client:
+        after_death.prepare(client)
+        assert not set(client.run(os.getpid).values()) & used
+        after_death.release(client)
+    after_death.unlock()
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("workers", "the run asks for 3 workers of 1 thread(s) and the warm cluster has 2 of 1"),
+    ("environment", "its workers' environment differs from this run's in AWS_PROFILE"),
+    ("folder", "its workers run in "),
+    ("importable", "its workers cannot import from "),
+    ("address", "the run asks for the cluster at tcp://10.0.0.5:8786"),
+])
+def test_a_run_whose_ranks_would_see_a_difference_starts_its_own_cluster_and_says_why(
+        warm, holder, change, reason, monkeypatch, tmp_path, caplog):
+    like_the_holder(monkeypatch, holder[1])
+    spec = SPEC
+    if change == "workers":
+        spec = DaskCluster(n_workers=3)
+    elif change == "environment":
+        monkeypatch.setenv("AWS_PROFILE", "a-value-that-stays-private")
+    elif change == "folder":
+        monkeypatch.chdir(tmp_path)
+    elif change == "importable":
+        monkeypatch.syspath_prepend(str(tmp_path))
+    else:
+        spec = DaskCluster(address="tcp://10.0.0.5:8786")
+    with caplog.at_level(logging.INFO, logger="prefect_ddp"):
+        assert claim_warm_cluster(spec) is None
+    assert reason in caplog.text and "Starting a cluster for this run" in caplog.text
+    assert "a-value-that-stays-private" not in caplog.text
+
+
+def test_prefect_settings_of_the_run_and_dask_configuration_do_not_keep_it_off(warm, holder, monkeypatch):
+    like_the_holder(monkeypatch, holder[1])
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "a-run-id")
+    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__DAEMON", "False")
+    wait_until_free(warm)
+    claim = claim_warm_cluster(SPEC)
+    assert claim is not None
+    with connect(warm) as client:
+        claim.release(client)
+    claim.unlock()
+
+
+def test_only_this_user_can_reach_it(warm):
+    assert stat.S_IMODE(warm.stat().st_mode) == 0o600 and stat.S_IMODE(warm.parent.stat().st_mode) == 0o700
+    address = read_ticket(warm).address
+    assert address.startswith("tls://")
+    with pytest.raises(Exception):  # no certificate: no connection, so no tasks of anyone else's
+        Client(address.replace("tls://", "tcp://"), timeout=5)
