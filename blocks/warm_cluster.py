@@ -193,9 +193,10 @@ def warm_cluster(spec: DaskCluster) -> Iterator[Path]:
 class ImportModules(WorkerPlugin):
     """Import the modules every rank imports as each worker starts, restarted ones too.
 
-    Not `preload=`: on distributed 2026.8 the fourth restart of workers that preload torch and
-    torchvision never came back (they started and closed at once, 4 of 4 tries here); with this
-    plugin six restarts in a row did.
+    Not `preload=`: on distributed 2026.8 workers that preload torch and torchvision did not
+    come back from the third or fourth nanny restart in a row (3 of 3 scripts here; without
+    the preload, or with this plugin, six in a row did). The warm cluster no longer restarts
+    workers through their nannies, but a rank's crash still does.
     """
 
     name = "prefect-ddp-import-modules"
