@@ -149,7 +149,7 @@ def flow_breakdown(launches: list[Launch]) -> list[str]:
             [min(r.first_step_start for r in l.ranks) - l.marks["cluster_ready"] for l in launches],
         "last step -> run_gang returns (rank results, final states)":
             [l.marks["gang_returned"] - max(r.last_step_end for r in l.ranks) for l in launches],
-        "run_gang returns -> flow returns (cluster closed or warm workers restarted, flow run completed)":
+        "run_gang returns -> flow returns (cluster closed or warm workers named for replacement, flow run completed)":
             [l.marks["flow_returned"] - l.marks["gang_returned"] for l in launches],
         "flow returns -> process exits (Prefect's log and event workers drain)":
             [l.ended - l.marks["flow_returned"] for l in launches],

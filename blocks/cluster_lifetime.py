@@ -16,7 +16,7 @@ closes it in a thread while the flow aggregates, promotes and reports
 
 Where the process that started the run keeps a cluster warm (blocks/warm_cluster.py), the
 run uses that one instead when it fits: `ClusterLifetime.of(spec)` claims it, the start
-only connects, and the close restarts its workers for the next run and lets go of it.
+only connects, and the close names its workers for replacement and lets go of it.
 
 Even the runner is made in the thread (`DaskCluster.task_runner` checks that an existing
 scheduler answers), so a start that fails is raised by `ready()`: a flow that finds bad
@@ -115,7 +115,7 @@ class ClusterLifetime:
             else:
                 waited = time.monotonic()
                 closing.result()
-                done = "let go of (its workers restarting for the next run)" if self._warm else "closed"
+                done = "let go of (its workers being replaced for the next run)" if self._warm else "closed"
                 run_logger().info("Dask cluster %s in %.1f s beside the run's report; the run waited %.1f s of "
                                   "that at its end", done, self._closed_in_s, time.monotonic() - waited)
         finally:
@@ -132,11 +132,9 @@ class ClusterLifetime:
         began = time.monotonic()
         try:
             if self.runner is not None:  # else not even made: nothing to close
-                try:
-                    if self._warm:
-                        self._warm.release(self._client)
-                finally:
-                    self.runner.__exit__(exc_type, exc, tb)
+                if self._warm:
+                    self._warm.release(self._client)  # never raises: a failure leaves the in-use mark
+                self.runner.__exit__(exc_type, exc, tb)
         finally:
             if self._warm:
                 self._warm.unlock()

@@ -66,10 +66,10 @@ logger = logging.getLogger(__name__)
 WARM_CLUSTER_ENV = "PREFECT_DDP_WARM_CLUSTER"
 TICKET = "ticket.json"
 LOCK = "lock"
-# Left by a run while it uses the workers; replaced by RESTARTING once it asked for their restart.
+# Left by a run while it uses the workers; replaced by REPLACING once it named them for replacement.
 IN_USE = "in-use"
-# The workers the last run used, which the next run waits to see gone.
-RESTARTING = "restarting.json"
+# The workers the last run used, which the holder replaces and the next run waits to see gone.
+REPLACING = "replacing.json"
 # Variables a run's process may differ in from the holder's without its ranks seeing it:
 # Prefect's own settings (the run's id, its API: compared on its own), Dask's configuration
 # (the holder sets the training configuration itself, blocks/cluster.py), buffering,
@@ -213,12 +213,12 @@ def worker_addresses(dask_scheduler: Scheduler) -> list[str]:
     return list(dask_scheduler.workers)
 
 
-def ask_for_restart(client: Client, folder: Path) -> list[str]:
-    """Ask the holder to replace every worker, without waiting for it; the workers it replaces."""
+def ask_for_replacement(client: Client, folder: Path) -> list[str]:
+    """Name every worker for the holder to replace, without waiting for it; the workers named."""
     used = client.run_on_scheduler(worker_addresses)
-    staged = folder / f"{RESTARTING}.{os.getpid()}"
+    staged = folder / f"{REPLACING}.{os.getpid()}"
     staged.write_text(json.dumps(used))
-    staged.replace(folder / RESTARTING)  # whole, or not at all, for the holder that reads it
+    staged.replace(folder / REPLACING)  # whole, or not at all, for the holder that reads it
     return used
 
 
@@ -235,10 +235,10 @@ def replace_used_workers(cluster: SpecCluster, client: Client, folder: Path, n_w
     replaced: set[str] = set()
     while not stop.wait(REPLACER_POLL_S):
         try:
-            used = set(json.loads((folder / RESTARTING).read_text()))
-            if used <= replaced:
+            used = set(json.loads((folder / REPLACING).read_text()))
+            if used == replaced:
                 continue  # replaced already; the next run removes the note
-            replaced |= used
+            replaced = used
             cluster.scale(0)
             deadline = time.monotonic() + WORKERS_TIMEOUT_S
             while used & set(client.run_on_scheduler(worker_addresses)) and time.monotonic() < deadline:
@@ -250,24 +250,24 @@ def replace_used_workers(cluster: SpecCluster, client: Client, folder: Path, n_w
             logger.exception("Could not replace the warm cluster's workers")
 
 
-def fresh_workers(client: Client, folder: Path, n_workers: int, restart_first: bool) -> None:
-    """Wait until every worker is up and none is one an earlier run used (restarting them first where the
-    run that used them died before it asked for their restart)."""
-    restarting = folder / RESTARTING
-    if restart_first:
-        run_logger().info("The last run on the warm cluster ended before restarting its workers; restarting them")
-        used = set(ask_for_restart(client, folder))
+def fresh_workers(client: Client, folder: Path, n_workers: int, replace_first: bool) -> None:
+    """Wait until every worker is up and none is one an earlier run used (having them replaced first where
+    the run that used them died before it named them)."""
+    replacing = folder / REPLACING
+    if replace_first:
+        run_logger().info("The last run on the warm cluster ended before naming its workers for replacement; replacing them")
+        used = set(ask_for_replacement(client, folder))
     else:
-        used = set(json.loads(restarting.read_text())) if restarting.exists() else set()
+        used = set(json.loads(replacing.read_text())) if replacing.exists() else set()
     deadline = time.monotonic() + WORKERS_TIMEOUT_S
     while used & set(workers := client.run_on_scheduler(worker_addresses)) or len(workers) < n_workers:
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"The warm Dask cluster's workers did not restart within {WORKERS_TIMEOUT_S:.0f} s of the last "
+                f"The warm Dask cluster's workers were not replaced within {WORKERS_TIMEOUT_S:.0f} s of the last "
                 f"run (still up of those it used: {sorted(used & set(workers))}; up in all: {len(workers)} of "
                 f"{n_workers}). Stop `prefect-ddp worker` (or serve) and start it again.")
-        time.sleep(0.05)
-    restarting.unlink(missing_ok=True)
+        time.sleep(REPLACER_POLL_S)
+    replacing.unlink(missing_ok=True)
 
 
 @dataclass
@@ -277,14 +277,14 @@ class WarmClaim:
     ticket: Ticket
     folder: Path
     lock: IO[str]
-    restart_first: bool
+    replace_first: bool
 
     def task_runner(self) -> DaskTaskRunner:
         return DaskTaskRunner(address=self.ticket.address, client_kwargs={"security": self.ticket.security()})
 
     def prepare(self, client: Client) -> None:
         """Before the run's first task: every worker up, and none that an earlier run used."""
-        fresh_workers(client, self.folder, self.ticket.n_workers, self.restart_first)
+        fresh_workers(client, self.folder, self.ticket.n_workers, self.replace_first)
 
     def release(self, client: Client | None) -> None:
         """Ask the holder to replace the workers for the next run, without waiting for it: the next run
@@ -292,11 +292,11 @@ class WarmClaim:
         if client is None:
             return
         try:
-            ask_for_restart(client, self.folder)
+            ask_for_replacement(client, self.folder)
             (self.folder / IN_USE).unlink(missing_ok=True)
-        except Exception as exc:  # the next run restarts them first
-            run_logger().warning("Could not restart the warm cluster's workers after this run (%s: %s); the next "
-                                 "run restarts them before it uses them", type(exc).__name__, exc)
+        except Exception as exc:  # the next run has them replaced first
+            run_logger().warning("Could not name this run's workers for replacement on the warm cluster (%s: %s); "
+                                 "the next run has them replaced before it uses them", type(exc).__name__, exc)
 
     def unlock(self) -> None:
         """Let the next run claim the cluster: closing the file releases its lock."""
@@ -336,13 +336,13 @@ def claim_warm_cluster(spec: DaskCluster) -> WarmClaim | None:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        run_logger().info("The warm Dask cluster of process %d is in use by another run (or restarting its workers "
-                          "after one); starting a cluster for this run", ticket.holder_pid)
+        run_logger().info("The warm Dask cluster of process %d is in use by another run; starting a cluster for "
+                          "this run", ticket.holder_pid)
         return None
     in_use = path.parent / IN_USE
-    restart_first = in_use.exists()
+    replace_first = in_use.exists()
     in_use.write_text(json.dumps({"pid": os.getpid(), "since": time.time()}))
     run_logger().info("Using the warm Dask cluster of process %d at %s (%d workers)", ticket.holder_pid,
                       ticket.address, ticket.n_workers)
-    return WarmClaim(ticket, path.parent, lock, restart_first)
+    return WarmClaim(ticket, path.parent, lock, replace_first)
 

@@ -8,7 +8,7 @@
 Every other option goes to `prefect worker start` unchanged. The process worker runs each
 flow run as its child; a run whose cluster settings match the warm cluster uses it and
 skips the cluster's start (about 5 s here; bench/RESULTS.md, "Launch tax"), and the
-workers are restarted after each run, beside its report (blocks/warm_cluster.py). Runs
+workers are replaced after each run, beside its report (blocks/warm_cluster.py). Runs
 that ask for another cluster, or that arrive while another run holds the warm one, start
 their own, as under `prefect worker start`. Run it from the folder `prefect deploy` ran
 from, as that command: runs use the warm cluster only where they run in the folder it runs in.

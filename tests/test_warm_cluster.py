@@ -80,7 +80,7 @@ def test_flow_runs_started_beside_it_run_their_ranks_on_its_workers_fresh_each_t
     wait_until_free(warm)
     first_workers = worker_pids(warm)
     assert run_flow(tmp_path / "first.json", environment) == {"warm": True, "pids": sorted(first_workers)}
-    # The run asked for its workers' restart and let go without waiting for it: the next run waits for it.
+    # The run named its workers for replacement and let go without waiting for it: the next run waits for it.
     wait_until_free(warm)
     second_workers = worker_pids(warm)
     assert len(second_workers) == 2 and not second_workers & first_workers
@@ -97,9 +97,9 @@ def test_one_run_at_a_time_and_a_run_that_died_on_it_leaves_fresh_workers_to_the
         assert claim_warm_cluster(SPEC) is None  # in use: this run starts its own cluster
     assert "is in use by another run" in caplog.text
     used = worker_pids(warm)
-    claim.unlock()  # its process died: it never asked for the workers' restart
+    claim.unlock()  # its process died: it never named its workers for replacement
     after_death = claim_warm_cluster(SPEC)
-    assert after_death is not None and after_death.restart_first
+    assert after_death is not None and after_death.replace_first
     with connect(warm) as client:
         after_death.prepare(client)
         assert not set(client.run(os.getpid).values()) & used
