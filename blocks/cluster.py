@@ -10,6 +10,7 @@ Clusters this module creates are set up for training, which Dask's defaults are 
   "Facts: Dask").
 - The worker's profiler is off: sampling every thread's stack every 10 ms cost a rank's
   loop 4 % here (the dashboard's profile page stays empty).
+- The cluster never gives up on a worker its nanny is restarting (`lost-worker-timeout`).
 - Workers import torch and torchvision as they start (`PRELOADED_MODULES`): started beside
   the flow's listing (blocks/cluster_lifetime.py), that import no longer holds up the
   first decode check.
@@ -32,6 +33,9 @@ is missing. A worker set up for training starts as:
 Dask lower-cases the last key of an environment variable, and the nanny keeps its own
 upper-case one.) `dask worker --no-nanny` workers are not daemonic and get no
 MALLOC_TRIM_THRESHOLD_ of Dask's; they still need the profiler off.
+A cluster started from Python (`LocalCluster`, dask-jobqueue, any `SpecCluster`) also
+needs `dask.config.set({"distributed.deploy.lost-worker-timeout": "3650 days"})` in the
+process that holds it, or a worker the gang restarts twice within 15 s can be lost.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ TRAINING_DASK_CONFIG = {
     # The worker's profiler samples every thread's stack every 10 ms: 7 % more CPU in a
     # rank's loop here (loop 1.068x torchrun's with it, 1.024x without; bench/RESULTS.md).
     "distributed.worker.profile.enabled": False,
+    # 15 s after the scheduler loses a worker, the cluster object closes that worker's nanny
+    # for good unless a worker of the same name is up at that moment, even if it came back
+    # and is only restarting again. Nannies restart their own workers, so that timer only
+    # lost workers here: the ones the gang restarted twice within 15 s (docs/architecture.md,
+    # "Facts: Dask").
+    "distributed.deploy.lost-worker-timeout": "3650 days",
 }
 
 

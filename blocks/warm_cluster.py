@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -54,11 +53,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
-from distributed import Client, Scheduler, SpecCluster, Worker, WorkerPlugin
+from distributed import Client, Scheduler, SpecCluster
 from distributed.security import Security
 from prefect_dask import DaskTaskRunner
 
-from prefect_ddp.blocks.cluster import PRELOADED_MODULES, DaskCluster, worker_environment
+from prefect_ddp.blocks.cluster import DaskCluster, worker_environment
 from prefect_ddp.tasks.reporting import run_logger
 
 logger = logging.getLogger(__name__)
@@ -166,9 +165,8 @@ def warm_cluster(spec: DaskCluster) -> Iterator[Path]:
         cleanup.callback(sys.path.remove, cwd)
         create, kwargs = spec.local_cluster()
         began = time.monotonic()
-        cluster = cleanup.enter_context(create(**kwargs, security=True, preload=[]))
+        cluster = cleanup.enter_context(create(**kwargs, security=True))
         client = cleanup.enter_context(Client(cluster))
-        client.register_plugin(ImportModules(PRELOADED_MODULES))
         ticket = Ticket(
             address=cluster.scheduler_address, tls_ca=cluster.security.tls_ca_file,
             tls_cert=cluster.security.tls_client_cert, tls_key=cluster.security.tls_client_key,
@@ -190,25 +188,6 @@ def warm_cluster(spec: DaskCluster) -> Iterator[Path]:
         yield folder / TICKET
 
 
-class ImportModules(WorkerPlugin):
-    """Import the modules every rank imports as each worker starts, restarted ones too.
-
-    Not `preload=`: on distributed 2026.8 workers that preload torch and torchvision did not
-    come back from the third or fourth nanny restart in a row (3 of 3 scripts here; without
-    the preload, or with this plugin, six in a row did). The warm cluster no longer restarts
-    workers through their nannies, but a rank's crash still does.
-    """
-
-    name = "prefect-ddp-import-modules"
-
-    def __init__(self, modules: list[str]) -> None:
-        self.modules = modules
-
-    def setup(self, worker: Worker) -> None:
-        for module in self.modules:
-            importlib.import_module(module)
-
-
 def worker_addresses(dask_scheduler: Scheduler) -> list[str]:
     return list(dask_scheduler.workers)
 
@@ -226,11 +205,11 @@ def replace_used_workers(cluster: SpecCluster, client: Client, folder: Path, n_w
                          stop: threading.Event) -> None:
     """The holder's thread: whenever a run names the workers it used, replace them with new ones.
 
-    New workers under new names, started by the cluster (`scale`), not restarted by their
-    nannies: here a worker restarted by its nanny (`client.restart`, the scheduler's
-    `restart`) now and then started and closed at once, and did not come back (0 of 2 up
-    after 120 s, in 2 of 4 runs of tests/test_warm_cluster.py), as a worker does whose name
-    the scheduler still knows.
+    New workers under new names, started by the cluster (`scale`): a new nanny as well as a
+    new process, and no timer of an earlier worker's name can close them. Workers restarted
+    by their nannies (`client.restart`) now and then came back and were closed at once here
+    (0 of 2 up after 120 s, in 2 of 4 runs of tests/test_warm_cluster.py), before the
+    cluster's `lost-worker-timeout` was lifted (blocks/cluster.py).
     """
     replaced: set[str] = set()
     while not stop.wait(REPLACER_POLL_S):
