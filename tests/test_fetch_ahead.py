@@ -19,7 +19,7 @@ from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers
 from prefect_ddp.tasks.data.fetch_ahead import AHEAD, AheadBatch, AheadBatches, FetchAheadLoader, FetchesAhead
 from prefect_ddp.tasks.data.indexing import build_manifest, list_folder
-from tests.support.faulty_s3 import FaultyS3
+from tests.support.faulty_s3 import S3_READERS, FaultyS3
 from tests.support.flow_runs import block_copy
 
 
@@ -59,13 +59,14 @@ def manifest(image_location: DataLocation):
     return build_manifest(image_location.url, list_folder(image_location))
 
 
+@pytest.mark.parametrize("reader", S3_READERS)  # under s3fs, its connection pool bounds what is in flight
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_image_is_fetched_once_per_epoch_with_batches_in_flight_together(
-        image_location, manifest, front: FaultyS3, workers):
+        image_location, manifest, front: FaultyS3, workers, reader):
     good = [i for i, p in enumerate(manifest.paths) if "broken" not in p]
     location = block_copy(image_location, endpoint_url=front.endpoint)
     dataset = S3ImageFolder(manifest.root, [manifest.paths[i] for i in good], [manifest.labels[i] for i in good],
-                            location.storage_options(), eval_transform(32), fetch_threads=4)
+                            location.storage_options() | S3_READERS[reader], eval_transform(32), fetch_threads=4)
     options = {**forked_workers(), "persistent_workers": True} if workers else {}
     loader = FetchAheadLoader(dataset, list(range(len(dataset))), batch_size=4, num_workers=workers, **options)
     prefix = image_location.url.removeprefix("s3://")

@@ -40,7 +40,7 @@ from prefect_ddp.tasks.data.storage import read_json
 from prefect_ddp.tasks.gang import free_port, process_group
 from prefect_ddp.tasks.urls import child_url
 from tests.conftest import BUCKET
-from tests.support.faulty_s3 import FaultyS3
+from tests.support.faulty_s3 import S3_READERS, FaultyS3
 from tests.support.flow_runs import block_copy, run_tiny_flow
 
 CLASSES = ["a", "b", "c"]
@@ -276,6 +276,22 @@ def test_a_stalled_shard_fetch_fails_with_fetch_timeout(numbered, request, front
                                            r"fetch_timeout_s=1 s.*images_per_shard"):
         read_epoch(shards, 0, 0)
     front.clear()
+
+
+@pytest.mark.parametrize("reader", S3_READERS)
+def test_shards_are_fetched_ahead_several_at_once(numbered, request, front, reader):
+    location, manifest = numbered
+    output = output_url(request)
+    index, _ = write(location, manifest, output, per_shard=4)
+    folder = shard_folder(output, manifest, range(24), 4)
+    through_front = block_copy(location, endpoint_url=front.endpoint)
+    shards = ShardDataset(folder, index, through_front.storage_options() | S3_READERS[reader], image_number, 3,
+                          0, 1, 0)
+    front.stall_gets(f"{BUCKET}/shard-out/*", seconds=0.3)
+    numbers, _, _ = read_epoch(shards, 0, 0)
+    front.clear()
+    assert sorted(numbers) == list(range(24))
+    assert front.most_stalled == min(shards.ahead, len(index.shards)) > 1, (front.most_stalled, shards.ahead)
 
 
 @pytest.mark.slow  # about 60 s on 2 loaded cores: a whole flow run on the session cluster

@@ -162,16 +162,16 @@ class ShardDataset(IterableDataset):
         require_images_for_every_rank(index, world_size, batch_size)
         self.folder = folder
         self.index = index
-        self.storage_options = {**object_read_options(folder, storage_options, 1), "skip_instance_cache": True}
+        # Shards fetched ahead of the one being read: with small shards one GET's latency
+        # outlasts decoding a shard (32 images of 64 px: 13 ms against 30 ms here), so
+        # several are in flight, up to AHEAD_BYTES of them; s3fs's connection pool holds them all.
+        self.ahead = max(1, min(MAX_AHEAD, AHEAD_BYTES // max(index.bytes)))
+        self.storage_options = {**object_read_options(folder, storage_options, self.ahead), "skip_instance_cache": True}
         self.transform = transform
         self.collate = default_collate if transform else encoded_collate
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.loader_workers = max(1, loader_workers)
-        # Shards fetched ahead of the one being read: with small shards one GET's latency
-        # outlasts decoding a shard (32 images of 64 px: 13 ms against 30 ms here), so
-        # several are in flight, up to AHEAD_BYTES of them.
-        self.ahead = max(1, min(MAX_AHEAD, AHEAD_BYTES // max(index.bytes)))
         self.seed = seed
         self.fetch_timeout_s = fetch_timeout_s
         # Shared memory: persistent loader workers were forked before set_epoch is called.

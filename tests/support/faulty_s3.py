@@ -52,6 +52,11 @@ class _Rule:
     seconds: float = 0.0
 
 
+# Storage options that pick each of the two S3 readers (tasks/data/object_reads.py):
+# obstore, and s3fs, which reads where obstore cannot honour an option (a botocore
+# setting here) and in a loader process forked after its parent started obstore.
+S3_READERS = {"obstore": {}, "s3fs": {"config_kwargs": {"connect_timeout": 30}}}
+
 class FaultyS3:
     """The front's controls; made by `faulty_s3`, which also starts and stops it."""
 
