@@ -8,10 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
 
 import pytest
+from prefect.client.orchestration import get_client
 
 from prefect_ddp.tasks.gang import GangError, GangTimeout
 from prefect_ddp.tasks.gang.supervise import FAILURE_GRACE_S
-from tests.support.api_helpers import assert_no_task_run_left_running, rank_task_runs
+from tests.support.api_helpers import all_logs, assert_no_task_run_left_running, rank_task_runs
 from tests.support.gang_functions import gang_flow
 
 
@@ -134,9 +135,15 @@ def test_a_gang_waits_for_free_workers_then_names_who_holds_them(dask_cluster):
         holder = pool.submit(copy_context().run, gang_flow, dask_cluster.scheduler_address, "hold", {"seconds": 12})
         wait_until_leased(dask_cluster)
         started = time.monotonic()
+        state = gang_flow(dask_cluster.scheduler_address, "report", {}, world_size=1, lease_timeout_s=2,
+                          return_state=True)
         with pytest.raises(GangError, match=r"needs 1 free workers, but after waiting 2s fewer of the cluster's 2 are free\. "
                                             r"Held: tcp://\S+ by flow run \S+ \(.+\); tcp://\S+ by flow run"):
-            gang_flow(dask_cluster.scheduler_address, "report", {}, world_size=1, lease_timeout_s=2)
+            state.result()
         assert time.monotonic() - started >= 2
+        with get_client(sync_client=True) as api:  # the wait was said as it began
+            logs = [log.message for log in all_logs(api, state.state_details.flow_run_id, "Waiting up to")]
+        assert any(re.fullmatch(r"Waiting up to 2 s for 1 free worker\(s\) of the cluster's 2\. Held: tcp://\S+ by "
+                                r"flow run \S+ \(.+\); tcp://\S+ by flow run .+\.", line) for line in logs), logs
         assert len(holder.result()) == 2  # the holder was not disturbed
     assert [r["rank_sum"] for r in gang_flow(dask_cluster.scheduler_address, "report", {})] == [1.0, 1.0]

@@ -126,6 +126,7 @@ def _wait_for_free(client: distributed.Client, world_size: int | None,
                    timeout_s: float) -> list[tuple[str, distributed.Lock]]:
     """`world_size` workers (default: all), taken together once that many are free."""
     deadline = time.monotonic() + timeout_s
+    waited = False
     while True:
         workers = by_host(cluster_workers(client))
         wanted = world_size or len(workers)
@@ -137,6 +138,10 @@ def _wait_for_free(client: distributed.Client, world_size: int | None,
         taken = _try_take(workers, wanted)
         if taken is not None:
             return taken
+        if not waited:
+            run_logger().info("Waiting up to %.0f s for %d free worker(s) of the cluster's %d. Held: %s.",
+                              timeout_s, wanted, len(workers), _held_by(client, workers))
+            waited = True
         if time.monotonic() > deadline:
             raise GangError(
                 f"world_size={wanted} needs {wanted} free workers, but after waiting "
