@@ -36,7 +36,7 @@ from torchvision.transforms import v2
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
-from prefect_ddp.tasks.data.fetch_ahead import AHEAD, FetchesAhead
+from prefect_ddp.tasks.data.fetch_ahead import BATCHES_AT_ONCE, FetchesAhead
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import ProcessFilesystem
 
@@ -243,10 +243,10 @@ class S3ImageFolder(Dataset):
         self.root = root.rstrip("/")
         self.keys = list(keys)
         self.labels = list(labels)
-        # A loader process fetches its batch and the AHEAD after it at once, each
-        # `fetch_threads` at a time: s3fs's connection pool must hold them all, or it caps
-        # what is in flight at one batch's worth.
-        in_flight = fetch_threads * (AHEAD + 1)
+        # A loader process fetches BATCHES_AT_ONCE batches at once, each `fetch_threads` at a
+        # time: s3fs's connection pool must hold them all, or it caps what is in flight at
+        # one batch's worth.
+        in_flight = fetch_threads * BATCHES_AT_ONCE
         self.storage_options = {
             **object_read_options(root, storage_options, in_flight), "skip_instance_cache": True,
         }

@@ -26,6 +26,7 @@ from typing import Any
 from torch.utils.data import BatchSampler, DataLoader, Sampler
 
 AHEAD = 2  # batches each loader process fetches ahead of the one it decodes
+BATCHES_AT_ONCE = AHEAD + 1  # a loader process's batch and those it fetches ahead, all in flight at once
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,6 @@ class FetchesAhead:
     def _threads(self) -> ThreadPoolExecutor:
         """This process's fetch threads: a pool made before a fork has no threads after it."""
         if self._pool is None or self._pool[0] != os.getpid():
-            self._pool = (os.getpid(), ThreadPoolExecutor(AHEAD + 1, thread_name_prefix="fetch-ahead"))
+            self._pool = (os.getpid(), ThreadPoolExecutor(BATCHES_AT_ONCE, thread_name_prefix="fetch-ahead"))
             self._in_flight.clear()
         return self._pool[1]

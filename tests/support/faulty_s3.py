@@ -57,6 +57,7 @@ class _Rule:
 # setting here) and in a loader process forked after its parent started obstore.
 S3_READERS = {"obstore": {}, "s3fs": {"config_kwargs": {"connect_timeout": 30}}}
 
+
 class FaultyS3:
     """The front's controls; made by `faulty_s3`, which also starts and stops it."""
 
