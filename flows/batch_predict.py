@@ -1,8 +1,10 @@
 """The `batch-predict` flow: score an image folder with a kept model across the Dask workers.
 
     validate-source -> claim-output -> keep-model (copied once into RUN/model/)
-        -> list-images (once, into RUN/keys.json) -> score-chunk x chunks (mapped over the
-        workers, retried each on its own) -> summarize-predictions (summary.json, artifact)
+        -> list-images (once, into RUN/keys.json) -> every worker checked (it sees a local
+        RUN/, it has a GPU of its own) -> score-chunk x chunks (mapped over the workers,
+        retried each on its own) -> summarize-predictions (summary.json, artifact; fails
+        when too many images were unreadable)
 
 Output, below OUTPUT/RUN-NAME-ID/: `predictions/chunk-NNNNNN.parquet` (key, predicted,
 probability, top_k_classes, top_k_probabilities, true_class), `summary.json`, `keys.json`
@@ -25,7 +27,7 @@ from prefect_ddp.tasks.config import (
     OutputConfig,
     TrackingConfig,
 )
-from prefect_ddp.tasks.data.validation import chunked, validate_source
+from prefect_ddp.tasks.data.validation import DEFAULT_MAX_UNREADABLE, chunked, validate_source
 from prefect_ddp.tasks.prediction.image_keys import list_images
 from prefect_ddp.tasks.prediction.model_source import keep_model
 from prefect_ddp.tasks.prediction.parameters import (
@@ -33,14 +35,17 @@ from prefect_ddp.tasks.prediction.parameters import (
     ChunkSize,
     DataBlock,
     DataUrl,
+    MaxUnreadableFraction,
     ModelSpec,
     OutputBlock,
+    OutputShared,
     OutputUrl,
     TopK,
     TrackingBlock,
 )
 from prefect_ddp.tasks.prediction.scoring import ScoringJob, score_images
 from prefect_ddp.tasks.prediction.summary import summarize_predictions
+from prefect_ddp.tasks.prediction.workers import check_scoring_workers
 from prefect_ddp.tasks.results.run_folder import claim_run_folder, run_folder_name
 from prefect_ddp.tasks.urls import child_url
 
@@ -74,6 +79,8 @@ def batch_predict(
     chunk_size: ChunkSize = 256,
     batch_size: BatchSize = 32,
     top_k: TopK = 3,
+    max_unreadable_fraction: MaxUnreadableFraction = DEFAULT_MAX_UNREADABLE,
+    output_shared: OutputShared = False,
 ) -> dict[str, Any]:
     """Score every image below a folder with a kept model, in chunks across the Dask workers.
 
@@ -91,6 +98,9 @@ def batch_predict(
         chunk_size: Images per score-chunk task, the unit a rerun skips when done.
         batch_size: Images per forward pass.
         top_k: Most probable classes kept per image.
+        max_unreadable_fraction: Largest share of the images that may be unreadable; above it, or
+            when none could be read, the run fails after its summary (training's rule and default).
+        output_shared: output_url is a local path mounted on every worker's host, not checked.
     """
     source, base = images_and_output(data_url, data_block, output_url, output_block)
     tracking = tracking_settings(TrackingConfig(block=tracking_block))
@@ -104,6 +114,8 @@ def batch_predict(
         keys = list_images(source.plain(), out)
         job = ScoringJob(source=source.plain(), model=model_copy, output=out, batch_size=batch_size, top_k=top_k)
         chunks = chunked(keys, chunk_size)
-        score_images(starting.ready(), job, chunks)
+        runner = starting.ready()
+        check_scoring_workers(runner.client, out.url, output_shared)
+        score_images(runner, job, chunks)
         starting.close_in_background()  # the cluster closes while the flow summarizes
-        return summarize_predictions(job, len(chunks))
+        return summarize_predictions(job, len(chunks), max_unreadable_fraction)

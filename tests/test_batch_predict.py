@@ -1,13 +1,17 @@
 """batch-predict: a model trained here scores a labelled folder on moto S3 across the session's
-Dask cluster; a rerun skips the chunks already written; bad model specs are told clearly."""
+Dask cluster; a rerun skips the chunks already written; bad model specs are told clearly; a
+folder of nothing readable, or too many unreadable images, fails the run; each worker scores
+on a device of its own."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import distributed
 import pyarrow.parquet as pq
 import pytest
+import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
@@ -17,18 +21,27 @@ from prefect_ddp.flows.batch_predict import batch_predict
 from prefect_ddp.flows.transfer_learning import transfer_learning
 from prefect_ddp.tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
 from prefect_ddp.tasks.data.storage import write_json
-from prefect_ddp.tasks.data.validation import chunked
+from prefect_ddp.tasks.data.validation import chunked, unreadable_verdict
+from prefect_ddp.tasks.gang import GpuClaim
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.prediction.model_source import check_card, copy_registered_model, keep_model, resolve_model_folder
 from prefect_ddp.tasks.prediction.scoring import ScoringJob, built_model, chunk_url, read_chunk, score_chunk
+from prefect_ddp.tasks.prediction.summary import summarize_predictions
+from prefect_ddp.tasks.prediction.workers import (
+    ScoringRefused,
+    probe_scoring_worker,
+    scoring_device,
+    scoring_problems,
+)
 from tests.conftest import BUCKET, truncated_jpeg
-from tests.support.flow_runs import TINY_TRAINING
+from tests.support.flow_runs import TINY_TRAINING, assert_failed_cleanly
 
 MODEL_NAME = "shapes-scorer"
 CLASSES = ["circle", "square", "triangle"]
 CHUNK_SIZE = 4
 TOP_K = 2
 UNREADABLE = {"square/truncated.jpg", "triangle/not-an-image.jpg"}
+ALLOWED_UNREADABLE = 0.2  # the folder's 2 unreadable images of 13 are 15 %, above the default 10 %
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +82,8 @@ def scored(kept_model: str, labelled_folder, dask_cluster, tmp_path_factory):
         model=kept_model, data_url=url, data_block="test-images",
         output_url=str(tmp_path_factory.mktemp("predictions")),
         cluster=ClusterConfig(address=dask_cluster.scheduler_address),
-        chunk_size=CHUNK_SIZE, batch_size=3, top_k=TOP_K, return_state=True,
+        chunk_size=CHUNK_SIZE, batch_size=3, top_k=TOP_K, max_unreadable_fraction=ALLOWED_UNREADABLE,
+        return_state=True,
     )
     summary = state.result()
     return state, summary, Path(summary["files"]["summary.json"]).parent
@@ -187,3 +201,65 @@ def test_a_rerun_keeps_the_model_copied_first_though_the_pointer_moved(tmp_path)
     assert keep_model.fn(str(tmp_path / "kept" / "latest"), Location(), out) == copy
     assert (Path(copy.url) / "model.pt").read_bytes() == b"first"
     assert json.loads((Path(copy.url) / "source.json").read_text())["folder"] == str(first)
+
+
+def scored_job(run_dir: Path, source: Location) -> ScoringJob:
+    """The ScoringJob of the run that wrote `run_dir`."""
+    return ScoringJob(source=source, model=Location(url=str(run_dir / "model")), output=Location(url=str(run_dir)),
+                      batch_size=3, top_k=TOP_K)
+
+
+def test_more_unreadable_images_than_allowed_fail_after_the_summary(scored, image_location, labelled_folder):
+    _, _, run_dir = scored
+    url, _ = labelled_folder
+    (run_dir / "summary.json").unlink()
+    with pytest.raises(ValueError, match=r"2 of the 13 images checked under .*to-score' \(15.4%\) could not be read, "
+                                         r"more than max_unreadable_fraction=0.1 allows; e.g. square/truncated.jpg, "
+                                         r"triangle/not-an-image.jpg .*raise max_unreadable_fraction to score "
+                                         r"the rest"):
+        summarize_predictions.fn(scored_job(run_dir, image_location.plain().with_url(url)), 4, 0.1)
+    assert json.loads((run_dir / "summary.json").read_text())["unreadable"].keys() == UNREADABLE  # written first
+
+
+@pytest.mark.unit
+def test_no_readable_image_fails_whatever_the_allowed_share():
+    assert unreadable_verdict("s3://b/p", 2, {"a.jpg": "OSError", "b.jpg": "OSError"}, 1, "max_unreadable_fraction",
+                              "score the rest").startswith("None of the 2 images checked under 's3://b/p'")
+    assert unreadable_verdict("s3://b/p", 10, {"a.jpg": "OSError"}, 0.1, "max_unreadable_fraction", "score") is None
+
+
+def test_a_folder_of_nothing_readable_fails_and_keeps_its_chunks(kept_model, image_location, s3_fs, dask_cluster,
+                                                                tmp_path):
+    s3_fs.pipe({f"{BUCKET}/unreadable/a/{n}.jpg": b"no image" for n in range(3)})
+    state = batch_predict(
+        model=kept_model, data_url=f"s3://{BUCKET}/unreadable", data_block="test-images", output_url=str(tmp_path),
+        cluster=ClusterConfig(address=dask_cluster.scheduler_address), chunk_size=2, return_state=True,
+    )
+    assert_failed_cleanly(state, ValueError, r"None of the 3 images checked under .*unreadable' could be read: all 3 "
+                                             r"failed to decode or are missing, e.g. a/0.jpg, a/1.jpg, a/2.jpg")
+    (run_dir,) = tmp_path.iterdir()
+    assert sorted(p.name for p in (run_dir / "predictions").iterdir()) == ["chunk-000000.parquet",
+                                                                         "chunk-000001.parquet"]
+
+
+@pytest.mark.unit
+def test_a_worker_scores_on_the_gpu_it_claimed_and_one_without_is_refused():
+    assert scoring_device(None).type == "cpu"
+    assert str(scoring_device(GpuClaim("GPU-c", 2))) == "cuda:2"  # before: every worker on "cuda", i.e. GPU 0
+    held = GpuClaim(None, None, "all 2 GPU(s) it sees are held by other processes on its host")
+    with pytest.raises(ScoringRefused, match="no GPU of its own to score on: all 2 GPU"):
+        scoring_device(held)
+    problems = scoring_problems({"tcp://a:1": {"host": "h", "sees_output": True, "gpu_claim": held},
+                                 "tcp://b:1": {"host": "h", "sees_output": False, "gpu_claim": GpuClaim("GPU-a", 0)}},
+                                "/data/run")
+    assert [p.split(":")[0] for p in problems] == ["The run folder /data/run is local to the flow's host, and "
+                                                   "worker(s) tcp", "Worker tcp"]
+    assert "Fix: give an s3:// output_url" in problems[0] and "held by other processes" in problems[1]
+
+
+@pytest.mark.gpu
+def test_the_workers_of_one_host_score_on_gpus_of_their_own(dask_cluster):
+    with distributed.Client(dask_cluster) as client:
+        claims = client.run(probe_scoring_worker, None)
+    held = [probe["gpu_claim"].uuid for probe in claims.values() if probe["gpu_claim"].uuid]
+    assert len(held) == min(len(claims), torch.cuda.device_count()) == len(set(held)), claims

@@ -31,7 +31,7 @@ ALLOWED = {
     "results": {FOUNDATION, "data", "training", "results"},
     "blocks": {FOUNDATION, "blocks"},
     "sweeps": {FOUNDATION, "gang", "data", "training", "results", "blocks", "sweeps"},
-    "prediction": {FOUNDATION, "data", "training", "results", "prediction"},
+    "prediction": {FOUNDATION, "gang", "data", "training", "results", "prediction"},
     "flows": {FOUNDATION, "gang", "data", "training", "results", "blocks", "sweeps", "prediction", "flows"},
     "deployments": {FOUNDATION, "gang", "data", "training", "results", "blocks", "sweeps", "prediction", "flows",
                     "deployments"},

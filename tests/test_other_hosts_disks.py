@@ -5,6 +5,8 @@ module's folder: the flow's files there are invisible to them, as a local folder
 flow's host is to a remote GPU box. A local output is then refused before training (the
 ranks would write their own disk, and the flow find no model after the whole training),
 and a sweep whose study is in that folder still works: only the sweep's process opens it.
+batch-predict's workers read the model copy from the run's folder and write their chunks
+there, so it refuses such an output before scoring as well.
 Needs root and util-linux's `unshare`, as CI has; skips with the reason elsewhere.
 """
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from prefect_ddp.flows.batch_predict import batch_predict
 from prefect_ddp.flows.sweep import hyperparameter_sweep
 from prefect_ddp.tasks.config import (
     ClusterConfig,
@@ -25,7 +28,9 @@ from prefect_ddp.tasks.config import (
     OutputConfig,
     TrainingConfig,
 )
+from prefect_ddp.tasks.data.storage import write_json
 from prefect_ddp.tasks.gang import GangRefused
+from prefect_ddp.tasks.prediction.workers import ScoringRefused
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from tests.support.api_helpers import rank_task_runs
 from tests.support.external_dask import TRAINING_ENV, dask_processes, owner_environment
@@ -62,6 +67,23 @@ def test_a_local_output_the_workers_cannot_see_is_refused_before_training(remote
     assert rank_task_runs(state.state_details.flow_run_id, expected=0) == []  # no rank trained
     (run_folder,) = output.iterdir()
     assert sorted(p.name for p in run_folder.iterdir()) == ["run.json"]  # nothing but the claim
+
+
+def test_batch_predict_refuses_a_local_output_the_workers_cannot_see_before_scoring(remote_disk_cluster, flow_only,
+                                                                                    image_location, tmp_path):
+    image_location.save("test-images", overwrite=True)
+    model = tmp_path / "model"  # refused before any worker loads it: the weights' bytes are never read
+    model.mkdir()
+    (model / "model.pt").write_bytes(b"not read")
+    write_json(str(model / "model.json"), {"backbone": "resnet18", "classes": ["a", "b"], "image_size": 32}, {})
+    output = flow_only / "predictions"
+    state = batch_predict(model=str(model), data_block="test-images", output_url=str(output),
+                          cluster={"address": remote_disk_cluster}, return_state=True)
+    assert_failed_cleanly(state, ScoringRefused, rf"The run folder {output}/\S+ is local to the flow's host, and "
+                          r"worker\(s\) .* do not see the flow's files there.*Fix: give an s3:// output_url.*"
+                          r"output_shared=true")
+    (run_folder,) = output.iterdir()
+    assert sorted(p.name for p in run_folder.iterdir()) == ["keys.json", "model", "run.json"]  # no chunk scored
 
 
 def test_a_sweep_works_where_the_workers_cannot_reach_its_study(remote_disk_cluster, flow_only, image_location,

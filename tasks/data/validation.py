@@ -258,28 +258,52 @@ def raise_if_lost(futures: list[PrefectDaskFuture], chunks: list[list[Any]], wha
 
 
 def check_unreadable(manifest: Manifest, checked: int, bad: list[DecodeResult], limit: float) -> None:
-    """Stop before training when nothing, or too large a share of the images, can be read.
+    """Stop before training when nothing, or too large a share of the images, can be read."""
+    verdict = unreadable_verdict(manifest.root, checked, {manifest.paths[r.position]: r.error or "" for r in bad},
+                                 limit, "data.max_unreadable_fraction", "train on the rest")
+    if verdict:
+        raise ValueError(verdict)
+
+
+def unreadable_verdict(root: str, checked: int, bad: dict[str, str], limit: float, setting: str,
+                       goal: str) -> str | None:
+    """Why a run stops, when none or more than `limit` of the `checked` images under `root` could be read; else None.
 
     A few bad files are normal in a real bucket and are left out; many mean a wrong url,
-    a broken export or the wrong credentials, and a model trained on the rest would mislead.
+    a broken export or the wrong credentials, and a model trained on the rest (or the
+    predictions of the rest) would mislead. Training and batch-predict share this rule.
+
+    Args:
+        root: the folder the images are under.
+        checked: the images read or tried.
+        bad: {key: why it could not be read}, the first few named in the message.
+        limit: the largest share of `checked` that may be bad.
+        setting: the parameter holding `limit`, as the user sets it.
+        goal: what raising the limit lets the run do, e.g. "train on the rest".
+
+    >>> unreadable_verdict("s3://b/p", 10, {"a/1.jpg": "OSError"}, 0.1, "max_unreadable_fraction", "score the rest")
+    >>> unreadable_verdict("s3://b/p", 10, {"a/1.jpg": "OSError", "a/2.jpg": "OSError"}, 0.1, "limit", "go")[:50]
+    "2 of the 10 images checked under 's3://b/p' (20.0%"
     """
     if not bad:
-        return
-    first = ", ".join(manifest.paths[r.position] for r in bad[:SHOWN_KEYS])
+        return None
+    first = ", ".join(list(bad)[:SHOWN_KEYS])
+    first_error = next(iter(bad.values()))
     if len(bad) == checked:
-        raise ValueError(
-            f"None of the {checked} images checked under {manifest.root!r} could be read: all "
+        return (
+            f"None of the {checked} images checked under {root!r} could be read: all "
             f"{checked} failed to decode or are missing, e.g. {first} (first error: "
-            f"{bad[0].error}). Check that the url points at an image folder of valid images."
+            f"{first_error}). Check that the url points at an image folder of valid images."
         )
     share = len(bad) / checked
-    if share > limit:
-        raise ValueError(
-            f"{len(bad)} of the {checked} images checked under {manifest.root!r} ({share:.1%}) "
-            f"could not be read, more than data.max_unreadable_fraction={limit:g} allows; e.g. "
-            f"{first} (first error: {bad[0].error}). Fix or remove those files, or raise "
-            "data.max_unreadable_fraction to train on the rest."
-        )
+    if share <= limit:
+        return None
+    return (
+        f"{len(bad)} of the {checked} images checked under {root!r} ({share:.1%}) "
+        f"could not be read, more than {setting}={limit:g} allows; e.g. "
+        f"{first} (first error: {first_error}). Fix or remove those files, or raise "
+        f"{setting} to {goal}."
+    )
 
 
 def _report(manifest: Manifest, clean: Manifest, good: list[DecodeResult], bad: list[DecodeResult]) -> None:

@@ -44,6 +44,7 @@ from prefect_ddp.tasks.gang.errors import (
     GangStopped,
     GangTimeout,
 )
+from prefect_ddp.tasks.gang.gpu_claims import GpuClaim, claim_gpu
 from prefect_ddp.tasks.gang.plan import cluster_workers, free_port
 from prefect_ddp.tasks.gang.process_group import (
     all_gather_strings,
@@ -65,11 +66,12 @@ from prefect_ddp.tasks.gang.trial import (
     scheduler_queue,
     training_trial,
 )
+from prefect_ddp.tasks.gang.worker_checks import OutputMarker, output_marker, visible_gpus
 
 __all__ = [
     "PRUNED_AT", "REPORTED_AT", "GangAttempt", "GangError", "GangRefused", "GangResults", "GangStopped",
-    "GangTimeout", "RankContext", "TrialLink", "all_gather_strings", "all_reduce_sum", "broadcast_bytes",
-    "cluster_workers", "crash_unfinished_task_runs", "current_dask_runner", "current_trial", "free_port",
-    "process_group", "run_gang", "scheduler_queue", "stop_all_gangs", "stop_scope", "sync_buffers",
-    "training_trial", "wrap_ddp",
+    "GangTimeout", "GpuClaim", "OutputMarker", "RankContext", "TrialLink", "all_gather_strings", "all_reduce_sum",
+    "broadcast_bytes", "claim_gpu", "cluster_workers", "crash_unfinished_task_runs", "current_dask_runner",
+    "current_trial", "free_port", "output_marker", "process_group", "run_gang", "scheduler_queue", "stop_all_gangs",
+    "stop_scope", "sync_buffers", "training_trial", "visible_gpus", "wrap_ddp",
 ]

@@ -11,6 +11,8 @@ from typing import Annotated
 
 from pydantic import Field
 
+from prefect_ddp.tasks.data.validation import DEFAULT_MAX_UNREADABLE
+
 ModelSpec = Annotated[str, Field(
     min_length=1,
     description="The model to score with: OUTPUT/NAME/latest (the model kept under NAME), a run or "
@@ -40,4 +42,14 @@ BatchSize = Annotated[int, Field(ge=1, le=4096, description="Images per forward 
 TopK = Annotated[int, Field(ge=1, le=100, description="Most probable classes kept per image.")]
 TrackingBlock = Annotated[str | None, Field(
     description="Name of the saved `mlflow-tracking` block whose registry model=models:/NAME@ALIAS is read from.",
+)]
+MaxUnreadableFraction = Annotated[float, Field(
+    ge=0, le=1,
+    description=f"Largest share of the images that may be missing or fail to decode and be left out (training's "
+    f"data.max_unreadable_fraction, {DEFAULT_MAX_UNREADABLE:g} by default); above it, or when none could be "
+    "read, the run fails after writing summary.json. 0 allows none, 1 any but not all.",
+)]
+OutputShared = Annotated[bool, Field(
+    description="output_url is a local path on one filesystem mounted at the same path on every worker's host: "
+    "skips the check that every worker sees the flow's files there.",
 )]

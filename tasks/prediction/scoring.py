@@ -46,6 +46,7 @@ from prefect_ddp.tasks.data.validation import raise_fetch_failures, raise_if_los
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.prediction.image_keys import true_class
 from prefect_ddp.tasks.prediction.model_source import CARD, WEIGHTS
+from prefect_ddp.tasks.prediction.workers import worker_device
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.training.model import load_model
@@ -111,8 +112,9 @@ def chunk_url(output_url: str, index: int) -> str:
 
 
 def loaded_model(folder: Location) -> LoadedModel:
-    """The model in `folder` on this process's device, loaded on first use and kept (CACHED_MODELS)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The model in `folder` on this worker's own device (tasks/prediction/workers.py), loaded on
+    first use and kept (CACHED_MODELS)."""
+    device = worker_device()
     key = (folder.url, str(device))
     with _models_lock:  # a worker with several threads loads each model once
         if key not in _models:

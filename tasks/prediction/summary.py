@@ -22,6 +22,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect_ddp.tasks.data.dataset import FETCH_ATTEMPTS
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import filesystem, read_bytes, write_json
+from prefect_ddp.tasks.data.validation import DEFAULT_MAX_UNREADABLE, unreadable_verdict
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.prediction.image_keys import KEYS_FILE
 from prefect_ddp.tasks.prediction.model_source import CARD, SOURCE_RECORD
@@ -145,8 +146,15 @@ def accuracy_line(summary: dict[str, Any]) -> str:
 
 
 @task(name="summarize-predictions", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
-def summarize_predictions(job: ScoringJob, chunk_count: int) -> dict[str, Any]:
-    """Read every chunk, write summary.json beside them, publish the `batch-predictions` artifact."""
+def summarize_predictions(job: ScoringJob, chunk_count: int,
+                          max_unreadable_fraction: float = DEFAULT_MAX_UNREADABLE) -> dict[str, Any]:
+    """Read every chunk, write summary.json beside them, publish the `batch-predictions` artifact.
+
+    Then fail (ValueError, not retried) when no image, or more than `max_unreadable_fraction`
+    of them, could be read, as training does (prefect_ddp.tasks.data.validation.unreadable_verdict):
+    after the summary and the artifact, which list the unreadable images, keeping the chunks
+    written.
+    """
     options = job.output.storage_options()
     card = json.loads(read_bytes(child_url(job.model.url, CARD), job.model.storage_options()))
     table, unreadable = read_predictions(job.output, chunk_count)
@@ -164,4 +172,8 @@ def summarize_predictions(job: ScoringJob, chunk_count: int) -> dict[str, Any]:
                              description=f"Batch predictions of {job.source.url}")
     run_logger().info("Scored %d images, %d unreadable; accuracy %s", summary["rows"], len(unreadable),
                       "n/a" if summary["accuracy"] is None else f"{summary['accuracy']:.4f}")
+    verdict = unreadable_verdict(job.source.url, summary["rows"] + len(unreadable), unreadable,
+                                 max_unreadable_fraction, "max_unreadable_fraction", "score the rest")
+    if verdict:
+        raise ValueError(f"{verdict} Every unreadable image is listed in {files[SUMMARY_FILE]}.")
     return summary
