@@ -21,7 +21,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pydantic import BaseModel, Field, SecretStr
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 # Per request: at most two retries, 1 s apart growing, 30 s each; no progress bars in logs.
 REQUEST_SETTINGS = {
@@ -36,11 +38,21 @@ _SESSION = threading.Lock()
 class Tracking(BaseModel):
     """An MLflow tracking server, the experiment runs go to, and the credentials to reach it."""
 
+    model_config = ConfigDict(hide_input_in_errors=True)  # a refused tracking_uri may hold a password
+
     tracking_uri: str = Field(description="The MLflow server, e.g. http://mlflow.internal:5000.")
     experiment: str = Field("transfer-learning", description="Experiment the runs are recorded in.")
     username: str | None = Field(None, description="Basic-auth user, when the server asks for one.")
     password: SecretStr | None = Field(None, description="Basic-auth password.")
     token: SecretStr | None = Field(None, description="Bearer token, instead of a user and password.")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, uri: str) -> str:
+        """Refuse `https://user:pass@host`: the URI is written into latest.json, results, reports
+        and logs, where only the SecretStr fields are kept out (docs/architecture.md, "Tracking and
+        the registry")."""
+        return without_credentials(uri)
 
     def plain(self) -> Tracking:
         """These settings alone: what a subclass (a Prefect block) adds stays behind."""
@@ -56,6 +68,23 @@ class Tracking(BaseModel):
         if self.token:
             env["MLFLOW_TRACKING_TOKEN"] = self.token.get_secret_value()
         return env
+
+
+def without_credentials(uri: str) -> str:
+    """`uri` when it holds no user or password; ValueError, with them masked, otherwise.
+
+    >>> without_credentials("https://mlflow.internal:5000")
+    'https://mlflow.internal:5000'
+    """
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    masked = parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}").geturl()
+    raise ValueError(
+        f"tracking_uri={masked!r} holds credentials (shown as ***). The URI is recorded in latest.json, "
+        "results, reports and logs, so it must name only the server: give tracking_uri without them and put "
+        "them in the MLflow Tracking block's username and password fields (basic auth) or its token field."
+    )
 
 
 class TrackedRun(BaseModel):

@@ -252,3 +252,13 @@ def test_warm_start_takes_true_false_or_a_registered_model_and_that_needs_a_trac
     with pytest.raises(ValueError, match=r"names a registered model, but tracking.block is empty.*Set tracking.block"):
         require_registry(ModelConfig(warm_start="models:/cats@champion"), None)
     require_registry(ModelConfig(warm_start=True), None)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("uri", ["https://trainer:hunter2-secret@mlflow.internal", "https://hunter2-secret@mlflow.internal:5000/x"])
+@pytest.mark.parametrize("model", [Tracking, MlflowTracking])
+def test_credentials_in_the_tracking_uri_are_refused_naming_the_fields_they_belong_in(uri, model):
+    with pytest.raises(ValueError, match=r"holds credentials.*username and password fields.*token field") as refused:
+        model(tracking_uri=uri)
+    assert "hunter2-secret" not in str(refused.value) and "***@mlflow.internal" in str(refused.value)
+    assert model(tracking_uri="https://mlflow.internal", username="trainer", password="hunter2-secret")
