@@ -186,5 +186,6 @@ def promote_best(best: dict[str, Any] | None, out: DataLocation, kept: DataLocat
     summary = read_json(child_url(run_output.url, "metrics.json"), run_output.storage_options())
     run = {"name": best["run"], "flow_run_id": best["flow_run_id"], "deployment": deployment.get_name()}
     logged = best.get("mlflow_model")
-    registry = Registration(model=LoggedModel(tracking=tracking, **logged), name=name) if tracking and logged else None
+    model = LoggedModel(tracking=tracking, **logged) if tracking and logged else None
+    registry = Registration(tracking=tracking, name=name, model=model) if tracking else None
     return promote(summary, run_output, kept, run, registry)

@@ -286,7 +286,8 @@ def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, Dat
     promotion = None
     if kept and not in_sweep:
         name, folder = kept
-        promotion = promote(summary, out, folder, run, Registration(model=logged, name=name) if logged else None)
+        registry = Registration(tracking=tracked.tracking, name=name, model=logged) if tracked else None
+        promotion = promote(summary, out, folder, run, registry)
     publish_report(summary, manifest, out, promotion, warm, in_sweep)
     if tracked:
         complete_run(tracked, out, promotion_tags(promotion))

@@ -4,24 +4,30 @@ Tracking is optional (the `mlflow` extra). The flow's process and rank 0 get the
 settings, never the Prefect block they were saved in (`blocks/tracking.py`), as with
 `tasks.location.Location`. The secrets stay SecretStr until a request needs them.
 
-MLflow reads credentials and request settings from environment variables at each request,
-and the fluent API (`mlflow.pytorch.log_model`) from a process-wide tracking URI. A
-session sets both for its duration under one lock, so two runs in one process (a sweep's
-trials) never send one another's credentials, and restores them afterwards. Requests give
-up after two retries (MLflow's default retries for minutes): tracking that fails warns and
-never holds up or fails the training (docs/architecture.md, "Tracking and the registry").
+MLflow reads its request settings from environment variables at each request, and the
+fluent API (`mlflow.pytorch.log_model`) from a process-wide tracking URI: a session sets
+both for its duration under one lock and restores them afterwards. The credentials never
+go into the environment, where a Dask worker or any child process started meanwhile would
+inherit them: every HTTP request MLflow makes (runs, metrics, models, artifacts, registry)
+asks the auth provider that `MLFLOW_TRACKING_AUTH` names, and ours signs a request only
+when its URL is on the server of a session open in this process, with that session's
+credentials. Requests give up after two retries (MLflow's default retries for minutes):
+tracking that fails warns and never holds up or fails the training (docs/architecture.md,
+"Tracking and the registry").
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 # Per request: at most two retries, 1 s apart growing, 30 s each; no progress bars in logs.
 REQUEST_SETTINGS = {
@@ -31,10 +37,15 @@ REQUEST_SETTINGS = {
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
 }
 _SESSION = threading.Lock()
+# The name MLFLOW_TRACKING_AUTH gives MLflow: not a secret, only which provider signs requests.
+AUTH_PROVIDER = "prefect-ddp-session"
+_OPEN_SESSIONS: dict[str, Tracking] = {}  # tracking URI -> its settings, while a session is open
 
 
 class Tracking(BaseModel):
     """An MLflow tracking server, the experiment runs go to, and the credentials to reach it."""
+
+    model_config = ConfigDict(hide_input_in_errors=True)  # a refused tracking_uri may hold a password
 
     tracking_uri: str = Field(description="The MLflow server, e.g. http://mlflow.internal:5000.")
     experiment: str = Field("transfer-learning", description="Experiment the runs are recorded in.")
@@ -42,20 +53,46 @@ class Tracking(BaseModel):
     password: SecretStr | None = Field(None, description="Basic-auth password.")
     token: SecretStr | None = Field(None, description="Bearer token, instead of a user and password.")
 
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, uri: str) -> str:
+        """Refuse `https://user:pass@host`: the URI is written into latest.json, results, reports
+        and logs, where only the SecretStr fields are kept out (docs/architecture.md, "Tracking and
+        the registry")."""
+        return without_credentials(uri)
+
     def plain(self) -> Tracking:
         """These settings alone: what a subclass (a Prefect block) adds stays behind."""
         return Tracking.model_validate(self.model_dump(include=set(Tracking.model_fields)))
 
-    def environment(self) -> dict[str, str]:
-        """The variables MLflow reads at each request; holds the plain secrets, so never log it."""
-        env = dict(REQUEST_SETTINGS)
-        if self.username:
-            env["MLFLOW_TRACKING_USERNAME"] = self.username
-        if self.password:
-            env["MLFLOW_TRACKING_PASSWORD"] = self.password.get_secret_value()
-        if self.token:
-            env["MLFLOW_TRACKING_TOKEN"] = self.token.get_secret_value()
-        return env
+    def authorization(self) -> str | None:
+        """The Authorization header for this server, as MLflow would make it from its variables
+        (basic auth first, else the token); holds the plain secret, so never log it."""
+        if self.username and self.password:
+            pair = f"{self.username}:{self.password.get_secret_value()}".encode()
+            return "Basic " + base64.standard_b64encode(pair).decode()
+        return f"Bearer {self.token.get_secret_value()}" if self.token else None
+
+    def serves(self, url: str) -> bool:
+        """Whether a request to `url` goes to this server (its API or its artifacts)."""
+        return url == self.tracking_uri or url.startswith(self.tracking_uri.rstrip("/") + "/")
+
+
+def without_credentials(uri: str) -> str:
+    """`uri` when it holds no user or password; ValueError, with them masked, otherwise.
+
+    >>> without_credentials("https://mlflow.internal:5000")
+    'https://mlflow.internal:5000'
+    """
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    masked = parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}").geturl()
+    raise ValueError(
+        f"tracking_uri={masked!r} holds credentials (shown as ***). The URI is recorded in latest.json, "
+        "results, reports and logs, so it must name only the server: give tracking_uri without them and put "
+        "them in the MLflow Tracking block's username and password fields (basic auth) or its token field."
+    )
 
 
 class TrackedRun(BaseModel):
@@ -80,23 +117,59 @@ def import_mlflow() -> Any:
 
 @contextmanager
 def mlflow_session(tracking: Tracking) -> Iterator[Any]:
-    """An MlflowClient for `tracking`, with its credentials and request limits set meanwhile."""
+    """An MlflowClient for `tracking`, whose requests carry its credentials meanwhile."""
     mlflow = import_mlflow()
-    env = tracking.environment()
+    env = REQUEST_SETTINGS | {"MLFLOW_TRACKING_AUTH": AUTH_PROVIDER}
     with _SESSION:
+        _register_auth_provider()
         saved = {name: os.environ.get(name) for name in env}
         previous_uri = mlflow.get_tracking_uri()
         os.environ.update(env)
         mlflow.set_tracking_uri(tracking.tracking_uri)
+        _OPEN_SESSIONS[tracking.tracking_uri] = tracking
         try:
             yield mlflow.MlflowClient(tracking.tracking_uri)
         finally:
+            _OPEN_SESSIONS.pop(tracking.tracking_uri, None)
             mlflow.set_tracking_uri(previous_uri)
             for name, value in saved.items():
                 if value is None:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+
+
+def sign(request: Any) -> Any:
+    """Add the Authorization of the open session whose server `request` goes to (a requests
+    auth hook: MLflow's http_request passes it the prepared request, in whatever thread sends it)."""
+    for tracking in list(_OPEN_SESSIONS.values()):
+        if tracking.serves(request.url) and (header := tracking.authorization()):
+            request.headers["Authorization"] = header
+    return request
+
+
+def _register_auth_provider() -> None:
+    """Make AUTH_PROVIDER known to MLflow's auth registry, once per process.
+
+    MLflow looks the name up in that registry at each request (mlflow.utils.rest_utils
+    http_request, for the tracking and registry stores and the http/mlflow-artifacts
+    repositories alike). Registered here rather than by a package entry point, so an
+    environment installed before this provider existed still has it.
+    """
+    from mlflow.tracking.request_auth.abstract_request_auth_provider import RequestAuthProvider
+    from mlflow.tracking.request_auth.registry import _request_auth_provider_registry as registry
+
+    if any(provider.get_name() == AUTH_PROVIDER for provider in registry):
+        return
+
+    class SessionAuthProvider(RequestAuthProvider):
+        def get_name(self) -> str:
+            return AUTH_PROVIDER
+
+        def get_auth(self) -> Any:
+            return sign
+
+    registry.register(SessionAuthProvider)
 
 
 def epoch_metrics(record: dict[str, Any]) -> dict[str, float]:

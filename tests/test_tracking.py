@@ -10,9 +10,15 @@ down (it trains, warns and completes).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+import threading
 import multiprocessing
+import re
 from pathlib import Path
 
 import pytest
@@ -36,8 +42,9 @@ from prefect_ddp.tasks.results.promotion import Promotion, kept_location, promot
 from prefect_ddp.tasks.results.registry import ALIAS, Registration
 from prefect_ddp.tasks.results.tracking_run import RUN_FILES, log_model, start_run
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
-from prefect_ddp.tasks.tracking import Tracking, epoch_metrics
+from prefect_ddp.tasks.tracking import Tracking, epoch_metrics, mlflow_session
 from tests.support.image_folders import local_image_folder
+from tests.support.mlflow_auth_front import mlflow_auth_front
 
 NAME = "tracked-shapes"
 EXPERIMENT = "test-tracking"
@@ -81,8 +88,9 @@ def promote_as(name: str, candidate_folder: Location, tmp_path: Path, summary: d
     """Promote a copy of the candidate's run folder, named `name`, with `metric` as its val accuracy."""
     folder = tmp_path / name
     shutil.copytree(candidate_folder.url, folder)
+    registry = Registration(tracking=logged.tracking, name=kept.url.rsplit("/", 1)[-1], model=logged)
     return promote.fn(summary | {"best_val_acc": metric}, Location(url=str(folder)), kept,
-                      {"name": name, "flow_run_id": name}, Registration(model=logged, name=kept.url.rsplit("/", 1)[-1]))
+                      {"name": name, "flow_run_id": name}, registry)
 
 
 def run_of(client: MlflowClient, flow_run_id: str):
@@ -252,3 +260,147 @@ def test_warm_start_takes_true_false_or_a_registered_model_and_that_needs_a_trac
     with pytest.raises(ValueError, match=r"names a registered model, but tracking.block is empty.*Set tracking.block"):
         require_registry(ModelConfig(warm_start="models:/cats@champion"), None)
     require_registry(ModelConfig(warm_start=True), None)
+
+
+def test_a_retried_promote_finds_the_version_it_registered_rather_than_registering_another(tracked, candidate,
+                                                                                          tmp_path):
+    client, output, _ = tracked
+    summary, folder, logged = candidate
+    kept = kept_location(Location(url=str(output)), "retried")
+    run_folder = tmp_path / "retried-run"
+    shutil.copytree(folder.url, run_folder)
+    registry = Registration(tracking=logged.tracking, name="retried", model=logged)
+    args = (summary, Location(url=str(run_folder)), kept, {"name": "retried-run", "flow_run_id": "retried-run"}, registry)
+    lock = Path(kept.url) / "latest.json.lock"
+    lock.mkdir(parents=True)  # the pointer's lock cannot be opened: the attempt fails after registering
+    with pytest.raises(IsADirectoryError):
+        promote.fn(*args)
+    lock.rmdir()
+    promotion = promote.fn(*args)  # what Prefect's retry of the task runs
+    assert [v.version for v in client.search_model_versions("name = 'retried'")] == ["1"]
+    assert promotion.promoted and promotion.registered["version"] == promotion.champion == "1"
+
+
+@pytest.fixture(scope="module")
+def front(mlflow_uri):
+    """The session's mlflow server behind a front that demands user `trainer`'s password."""
+    with mlflow_auth_front(mlflow_uri, "trainer", SECRET) as front:
+        MlflowTracking(tracking_uri=front.uri, username="trainer", password=SECRET).save(
+            "test-mlflow-guarded", overwrite=True)
+        yield front
+
+
+def test_a_session_signs_each_request_and_a_child_started_meanwhile_inherits_no_password(front):
+    with mlflow_session(Tracking(tracking_uri=front.uri, username="trainer", password=SECRET)) as client:
+        client.search_experiments()
+        child = subprocess.run([sys.executable, "-c", "import os; print(dict(os.environ))"],
+                               capture_output=True, text=True, check=True)
+    assert SECRET not in child.stdout
+    assert front.seen and front.unauthorized == []
+
+
+@pytest.fixture(scope="module")
+def guarded(front, image_location, dask_cluster, tmp_path_factory):
+    """A tracked run through the front (every call must carry the password), while a thread
+    records whether this process's environment ever held the password."""
+    image_location.save("test-images", overwrite=True)
+    held, done = [], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.002):
+            if any(SECRET in value for value in list(os.environ.values())):
+                held.append(True)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    output = tmp_path_factory.mktemp("guarded")
+    try:
+        result = train(dask_cluster, output, "guarded-shapes", "test-mlflow-guarded", training={"epochs": 1})
+    finally:
+        done.set()
+        watcher.join(10)
+    return output, result, held
+
+
+def test_a_run_tracked_on_a_server_that_demands_a_password_sends_it_with_every_request_never_through_the_environment(
+        guarded, front, mlflow_uri):
+    _, (summary, flow_run_id), held = guarded
+    assert front.unauthorized == [] and held == []
+    client = MlflowClient(mlflow_uri)
+    run = run_of(client, flow_run_id)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")] == [1]  # rank 0, on a worker
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= set(RUN_FILES)
+    assert summary["promotion"]["champion"] == summary["promotion"]["registered"]["version"] == "1"
+    assert client.get_model_version_by_alias("guarded-shapes", ALIAS).run_id == run.info.run_id
+
+
+def promote_through(front_tracking: Tracking, logged, candidate_folder: Location, tmp_path: Path, summary: dict,
+                    metric: float, kept: Location, name: str) -> Promotion:
+    """promote_as, with the registry reached through the front as `front_tracking`."""
+    return promote_as(name, candidate_folder, tmp_path, summary, metric,
+                      logged.model_copy(update={"tracking": front_tracking}), kept)
+
+
+def test_an_alias_move_refused_after_registering_is_reported_then_repaired_by_the_next_promotion(
+        guarded, candidate, front, tmp_path, mlflow_uri, caplog):
+    output, _, _ = guarded
+    summary, folder, logged = candidate
+    kept = kept_location(Location(url=str(output)), "guarded-shapes")
+    through = Tracking(tracking_uri=front.uri, username="trainer", password=SECRET)
+    client = MlflowClient(mlflow_uri)
+    before = client.get_model_version_by_alias("guarded-shapes", ALIAS).version
+    front.deny("POST", "/registered-models/alias")  # this user registers, but may not move aliases
+    try:
+        with caplog.at_level(logging.WARNING):
+            better = promote_through(through, logged, folder, tmp_path, summary, 0.99, kept, "better-denied")
+    finally:
+        front.allow_all()
+    new = better.registered["version"]
+    assert front.denied and better.promoted and new != before
+    assert better.champion == before == client.get_model_version_by_alias("guarded-shapes", ALIAS).version
+    assert re.search(rf"alias 'champion' of 'guarded-shapes' names version {before}, but latest.json names version "
+                     rf"{new} \(RestException: PERMISSION_DENIED", better.registry_disagrees)
+    assert "MLflow registry: the registry's alias 'champion'" in caplog.text
+    worse = promote_through(through, logged, folder, tmp_path, summary, 0.10, kept, "worse-after")
+    assert not worse.promoted and worse.champion == new and worse.registry_disagrees is None
+    assert client.get_model_version_by_alias("guarded-shapes", ALIAS).version == read_pointer(kept)["registered"]["version"]
+
+
+def test_batch_predict_refuses_a_champion_it_cannot_move_to_the_kept_model_and_moves_it_when_it_can(
+        guarded, candidate, front, tmp_path, mlflow_uri, dask_cluster):
+    output, _, _ = guarded
+    summary, folder, logged = candidate
+    kept = kept_location(Location(url=str(output)), "guarded-shapes")
+    through = Tracking(tracking_uri=front.uri, username="trainer", password=SECRET)
+    spec = "models:/guarded-shapes@champion"
+    front.deny("POST", "/registered-models/alias")
+    try:
+        best = promote_through(through, logged, folder, tmp_path, summary, 1.0, kept, "best-denied")
+        assert best.registry_disagrees and best.champion != best.registered["version"]
+        with pytest.raises(ValueError, match=r"names version \d+, but latest.json names version \d+.*Give "
+                                             r"model=.*guarded-shapes/latest \(the kept model itself\)"):
+            batch_predict(model=spec, data_block="test-images", output_url=str(tmp_path / "refused"),
+                          cluster=ClusterConfig(address=dask_cluster.scheduler_address),
+                          tracking_block="test-mlflow-guarded")
+    finally:
+        front.allow_all()
+    result = batch_predict(model=spec, data_block="test-images", output_url=str(tmp_path / "scored"),
+                           cluster=ClusterConfig(address=dask_cluster.scheduler_address),
+                           tracking_block="test-mlflow-guarded")
+    copy = Path(result["files"]["model"])
+    source = json.loads((copy / "source.json").read_text())
+    assert source["registry"]["was"] == best.champion and source["registry"]["now"] == best.registered["version"]
+    assert MlflowClient(mlflow_uri).get_model_version_by_alias("guarded-shapes", ALIAS).version == best.registered["version"]
+    assert (copy / "model.pt").read_bytes() == (Path(read_pointer(kept)["version"]) / "model.pt").read_bytes()
+    assert front.unauthorized == []
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("uri", ["https://trainer:hunter2-secret@mlflow.internal", "https://hunter2-secret@mlflow.internal:5000/x"])
+@pytest.mark.parametrize("model", [Tracking, MlflowTracking])
+def test_credentials_in_the_tracking_uri_are_refused_naming_the_fields_they_belong_in(uri, model):
+    with pytest.raises(ValueError, match=r"holds credentials.*username and password fields.*token field") as refused:
+        model(tracking_uri=uri)
+    assert "hunter2-secret" not in str(refused.value) and "***@mlflow.internal" in str(refused.value)
+    assert model(tracking_uri="https://mlflow.internal", username="trainer", password="hunter2-secret")

@@ -6,6 +6,12 @@ run folder or a version folder (both hold `model.pt` and `model.json`), or a reg
 model (`models:/NAME@ALIAS`, read from the MLflow registry of the run's tracking block). Each
 becomes the run's copy; from there on nothing cares which.
 
+Given the tracking block, a run named the pointer or `models:/NAME@champion` first checks
+that the two name the same model, and moves the alias where they do not (the pointer
+decides which model is kept: prefect_ddp.tasks.results.registry); what it found goes into
+`source.json`. A champion that still disagrees is refused, rather than scored as if it were
+the kept model.
+
 The run copies that folder's model into `RUN/model/` before it scores anything, and a
 rerun of the same flow run scores with that copy: the pointer may have moved to a newer
 model meanwhile, and one run's predictions must all come from one model.
@@ -23,6 +29,7 @@ from prefect_ddp.tasks.data.storage import exists, read_bytes, write_bytes, writ
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.results.promotion import POINTER, read_pointer
+from prefect_ddp.tasks.results.registry import ALIAS, align_champion, pointer_of
 from prefect_ddp.tasks.results.tracking_run import fetch_registered_model
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.tracking import Tracking
@@ -49,15 +56,21 @@ def resolve_model_folder(spec: str, store: Location) -> Location:
         store: connection settings for `spec`'s storage (its url is not used).
 
     """
-    url = absolute_url(spec).rstrip("/")
-    options = store.storage_options()
-    if posixpath.basename(url) == POINTER or (
-        posixpath.basename(url) == POINTER_NAME and exists(f"{url}.json", options)
-    ):
-        return kept_version(spec, store.with_url(posixpath.dirname(url)))
-    folder = store.with_url(url)
+    if kept := kept_folder(spec, store):
+        return kept_version(spec, kept)
+    folder = store.with_url(absolute_url(spec).rstrip("/"))
     require_model_files(spec, folder)
     return folder
+
+
+def kept_folder(spec: str, store: Location) -> Location | None:
+    """`OUTPUT/NAME` when `spec` names its pointer (OUTPUT/NAME/latest or .../latest.json), else None."""
+    url = absolute_url(spec).rstrip("/")
+    if posixpath.basename(url) == POINTER or (
+        posixpath.basename(url) == POINTER_NAME and exists(f"{url}.json", store.storage_options())
+    ):
+        return store.with_url(posixpath.dirname(url))
+    return None
 
 
 def kept_version(spec: str, kept: Location) -> Location:
@@ -118,13 +131,38 @@ def check_card(data: bytes, url: str) -> dict[str, Any]:
     return card
 
 
-def copy_registered_model(spec: str, tracking: Tracking | None, copy: Location) -> Location:
-    """The registered model `spec` (models:/NAME@ALIAS) copied from the registry into `copy`."""
+def check_champion(spec: str, store: Location, tracking: Tracking) -> dict[str, Any] | None:
+    """The registry's `champion` checked against the pointer when `spec` names either, moved
+    where they disagree; None for other specs. Refuses models:/NAME@champion that still disagrees."""
+    name, _, alias = spec.removeprefix(REGISTRY_PREFIX).partition("@")
+    if spec.startswith(REGISTRY_PREFIX):
+        pointer_url = pointer_of(tracking, name) if alias == ALIAS else None
+        if not pointer_url:  # another alias or a version, or registered before the pointer was recorded
+            return None
+        kept = store.with_url(posixpath.dirname(pointer_url))
+    elif kept := kept_folder(spec, store):
+        name = ((read_pointer(kept) or {}).get("registered") or {}).get("name") or posixpath.basename(kept.url)
+    else:
+        return None
+    check = align_champion(tracking, name, lambda: read_pointer(kept))
+    if spec.startswith(REGISTRY_PREFIX) and not check.agrees:
+        raise ValueError(
+            f"model={spec!r}: {check.disagreement()}. Scoring with it would not score with the kept model. "
+            f"Give model={child_url(kept.url, POINTER_NAME)} (the kept model itself), or let this tracking "
+            f"block's user move aliases of {name!r} and run again."
+        )
+    return check.model_dump() | {"agrees": check.agrees}
+
+
+def copy_registered_model(spec: str, tracking: Tracking | None, copy: Location,
+                          record: dict[str, Any] | None = None) -> Location:
+    """The registered model `spec` (models:/NAME@ALIAS) copied from the registry into `copy`;
+    `record` adds to what source.json says of it."""
     if tracking is None:
         raise ValueError(f"model={spec!r} names a registered model, but no tracking block was given to read "
                          "it from. Set tracking_block to the mlflow-tracking block of the server holding it.")
-    write_json(child_url(copy.url, SOURCE_RECORD), {"model": spec, "folder": f"registry at {tracking.tracking_uri}"},
-               copy.storage_options())
+    source = {"model": spec, "folder": f"registry at {tracking.tracking_uri}"} | (record or {})
+    write_json(child_url(copy.url, SOURCE_RECORD), source, copy.storage_options())
     fetch_registered_model(tracking, spec, copy)  # model.json last, as below
     check_card(read_bytes(child_url(copy.url, CARD), copy.storage_options()), f"{spec} (extra_files/{CARD})")
     run_logger().info("Scoring with model=%s from %s, copied to %s", spec, tracking.tracking_uri, copy.url)
@@ -142,14 +180,16 @@ def keep_model(spec: str, store: Location, out: Location, tracking: Tracking | N
     if exists(child_url(copy.url, CARD), target):
         run_logger().info("Scoring with the model this run copied before, in %s", copy.url)
         return copy
+    checked = check_champion(spec, store, tracking) if tracking else None
+    record = {"registry": checked} if checked else {}
     if spec.startswith(REGISTRY_PREFIX):
-        return copy_registered_model(spec, tracking, copy)
+        return copy_registered_model(spec, tracking, copy, record)
     folder = resolve_model_folder(spec, store)
     source = folder.storage_options()
     card_bytes = read_bytes(child_url(folder.url, CARD), source)
     check_card(card_bytes, child_url(folder.url, CARD))
     write_bytes(child_url(copy.url, WEIGHTS), read_bytes(child_url(folder.url, WEIGHTS), source), target)
-    write_json(child_url(copy.url, SOURCE_RECORD), {"model": spec, "folder": folder.url}, target)
+    write_json(child_url(copy.url, SOURCE_RECORD), {"model": spec, "folder": folder.url} | record, target)
     write_bytes(child_url(copy.url, CARD), card_bytes, target)
     run_logger().info("Scoring with model=%s: %s, copied to %s", spec, folder.url, copy.url)
     return copy

@@ -39,7 +39,7 @@ from prefect_ddp.tasks.data.storage import (
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.results.pointer import Document, read_json_document, update_json
-from prefect_ddp.tasks.results.registry import ALIAS, Registration, drop_version, move_champion, register_version
+from prefect_ddp.tasks.results.registry import ALIAS, Registration, align_champion, drop_version, register_version
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.training.model import SAVED_MODEL_FILES, WarmStart
 from prefect_ddp.tasks.urls import child_url, safe_segment
@@ -60,6 +60,7 @@ class Promotion(BaseModel):
     previous_metric: float | None = None
     registered: dict[str, str] | None = None  # the MLflow model version made for this run, when kept
     champion: str | None = None  # the version the registry's alias names after this promotion
+    registry_disagrees: str | None = None  # how the alias and the pointer disagree, when they still do
 
 
 def kept_location(output_base: Location, name: str) -> Location:
@@ -105,13 +106,15 @@ def promote(summary: dict[str, Any], run_output: Location, kept: Location,
     """
     metric = summary[METRIC]
     version = version_location(kept, run_output)
+    pointer_url = child_url(kept.url, POINTER)
     seen = read_pointer(kept)
     promoted, reason = decide(metric, seen)
-    registered = champion = None
+    registered = None
     if promoted:  # write the candidate whole, then point at it if it still wins
         record = run | {"url": run_output.url, "promoted_at": datetime.now(timezone.utc).isoformat()}
         write_version(summary, run_output, version, record)
-        registered = register_version(registry.model, registry.name) if registry else None
+        registered = (register_version(registry.model, registry.name, version.url, pointer_url)
+                      if registry and registry.model else None)
 
         def swap(current: Document | None) -> Document | None:
             nonlocal promoted, reason, seen
@@ -120,23 +123,25 @@ def promote(summary: dict[str, Any], run_output: Location, kept: Location,
             pointer = {METRIC: metric, "version": version.url, "run": record}
             return (pointer | ({"registered": registered} if registered else {})) if promoted else None
 
-        update_json(child_url(kept.url, POINTER), kept.storage_options(), swap)
+        update_json(pointer_url, kept.storage_options(), swap)
         if not promoted:  # overtaken by a better model: nothing ever pointed at this version
             remove_tree(version.url, version.storage_options())
             if registered:
                 drop_version(registry.model, registered)
                 registered = None
-        elif registry:
-            champion = move_champion(registry.model, lambda: read_pointer(kept))
     run_logger().info("Model %s: %s.", "promoted" if promoted else "not promoted", reason)
-    if champion:
-        run_logger().info("Registered model %r: alias %r now names version %s.", registry.name, ALIAS, champion)
+    # Kept or not, the alias follows the pointer: this also repairs an earlier promotion's
+    # registry failure (docs/architecture.md, "Tracking and the registry").
+    check = align_champion(registry.tracking, registry.name, lambda: read_pointer(kept)) if registry else None
+    if check and check.now:
+        run_logger().info("Registered model %r: alias %r names version %s.", registry.name, ALIAS, check.now)
     return Promotion(
-        promoted=promoted, reason=reason, pointer_url=child_url(kept.url, POINTER),
+        promoted=promoted, reason=reason, pointer_url=pointer_url,
         kept_url=version.url if promoted else seen["version"],
         previous_run=seen["run"].get("name") if seen else None,
         previous_metric=seen[METRIC] if seen else None,
-        registered=registered, champion=champion,
+        registered=registered, champion=check.now if check else None,
+        registry_disagrees=check.disagreement() if check and not check.agrees else None,
     )
 
 

@@ -36,11 +36,12 @@ def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None, prun
     if promotion is None:
         return started + ("Not promoted: the run is outside a deployment and sets no "
                           "output.model_name, so no model is kept for it.\n")
+    registry = f"\n**Registry disagrees**: {promotion.registry_disagrees}.\n" if promotion.registry_disagrees else ""
     if promotion.promoted:
         return started + (f"**Promoted**: `{promotion.pointer_url}` now points to `{promotion.kept_url}`: "
-                          f"{promotion.reason}.\n")
+                          f"{promotion.reason}.\n") + registry
     return started + (f"**Not promoted**: `{promotion.pointer_url}` still points to `{promotion.kept_url}`: "
-                      f"{promotion.reason}.\n")
+                      f"{promotion.reason}.\n") + registry
 
 
 def resumed_text(after_epoch: int | None) -> str:
