@@ -262,6 +262,8 @@ def transfer_learning(
             timeout=timedelta(seconds=cluster.gang_timeout_s) if cluster.gang_timeout_s else None,
             max_restarts=cluster.max_restarts,
             hang_timeout=timedelta(seconds=cluster.hang_timeout_s) if cluster.hang_timeout_s else None,
+            # A rank waiting for a batch is silent up to the fetch timeout before it fails on its own.
+            hang_floor=timedelta(seconds=training.fetch_timeout_s),
             lease_timeout=timedelta(seconds=cluster.lease_timeout_s),
             trial=current_trial(),
         )

@@ -186,7 +186,8 @@ class TrainingConfig(_Strict):
         60, ge=1, le=3600,
         description="Limit in seconds for fetching one batch of images, retries included. A "
         "rank whose storage stalls longer fails with a TimeoutError naming the images, and the "
-        "gang restarts, instead of waiting out the process group's timeout.",
+        "gang restarts, instead of waiting out the process group's timeout. A gang of live "
+        "workers is never taken for hung (cluster.hang_timeout_s) sooner.",
     )
 
     def fetches_in_flight(self) -> int:
@@ -219,7 +220,9 @@ class ClusterConfig(_Strict):
     hang_timeout_s: int | None = Field(
         None, ge=5, le=86400, description="Stop and re-form the gang when no rank makes progress this "
         "long (a frozen worker is found this long after it froze); empty: the larger of 60 s and 5x the "
-        "longest gap between steps seen so far. Loading data, validation and checkpoints get 5x longer.",
+        "longest of the last 20 gaps between steps, below 80% of init_timeout_s. Loading data, "
+        "validation batches and checkpoints get 5x longer (an empty limit still stays below 80% of "
+        "init_timeout_s); live workers get at least training.fetch_timeout_s.",
     )
     lease_timeout_s: int = Field(
         600, ge=0, le=86400,

@@ -1,11 +1,17 @@
+import hashlib
+
 import pytest
 import torch
+import torchvision
 
 from prefect_ddp.tasks.config import BACKBONES, ModelConfig
 from prefect_ddp.tasks.data.storage import load_torch, save_torch
 from prefect_ddp.tasks.training.model import (
+    DOWNLOAD_CHUNK_BYTES,
     build_model,
     classifier_path,
+    download_to_cache,
+    download_weights,
     head_prefix,
     load_model,
     model_card,
@@ -66,3 +72,48 @@ def test_loading_refuses_pickled_code(tmp_path):
     torch.save({"payload": print}, path)  # a callable: weights_only must refuse it
     with pytest.raises(Exception, match="Weights only load failed"):
         load_torch(str(path), {})
+
+
+def published(folder, data: bytes, named_hash: str | None = None) -> str:
+    """`data` as a file whose name carries a SHA-256 prefix, as torchvision names its weights; its URL."""
+    path = folder / f"tiny-{named_hash or hashlib.sha256(data).hexdigest()[:8]}.pth"
+    path.write_bytes(data)
+    return path.as_uri()
+
+
+def test_weights_are_downloaded_into_torchs_cache_with_progress_as_their_bytes_arrive(tmp_path):
+    (tmp_path / "published").mkdir()
+    state = build_model(ModelConfig(backbone="mobilenet_v3_small"), num_classes=3).state_dict()
+    save_torch(str(tmp_path / "state.pth"), state, {})
+    data = (tmp_path / "state.pth").read_bytes()
+    url = published(tmp_path / "published", data)
+    cache = tmp_path / "hub" / "checkpoints"
+    calls = []
+    path = download_to_cache(url, cache, lambda: calls.append(1))
+    chunks = -(-len(data) // DOWNLOAD_CHUNK_BYTES)
+    assert len(calls) == chunks > 1  # once per chunk, not once at the end
+    assert path.read_bytes() == data and sorted(p.name for p in cache.iterdir()) == [path.name]
+    # What torchvision's own loading then finds in its cache, without a download of its own.
+    loaded = torch.hub.load_state_dict_from_url(url, model_dir=str(cache), weights_only=True)
+    assert torch.equal(loaded["classifier.3.weight"], state["classifier.3.weight"])
+    assert download_to_cache(url, cache, lambda: calls.append(1)) == path and len(calls) == chunks  # cached
+
+
+def test_a_download_that_does_not_match_the_hash_in_its_name_is_refused_and_leaves_nothing(tmp_path):
+    url = published(tmp_path, b"not the weights", named_hash="00000000")
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=r"have SHA-256 [0-9a-f]{8}\.\.\., but their name tiny-00000000.pth says "
+                                         r"00000000\.\.\.: the download was cut short.*Run again"):
+        download_to_cache(url, cache, lambda: None)
+    assert list(cache.iterdir()) == []
+
+
+def test_weights_already_cached_random_init_and_state_dict_uris_download_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    cached = tmp_path / "hub" / "checkpoints" / torchvision.models.ResNet18_Weights.DEFAULT.url.rsplit("/", 1)[1]
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"cached")
+    for config in (ModelConfig(backbone="resnet18", weights="DEFAULT"), ModelConfig(backbone="resnet18"),
+                   ModelConfig(backbone="resnet18", weights=str(tmp_path / "mine.pt"))):
+        download_weights(config, lambda: pytest.fail(f"{config.weights!r} was downloaded"))
+    assert cached.read_bytes() == b"cached"

@@ -48,6 +48,7 @@ class GangSpec:
     needs_child_processes: bool = False
     shared_output: bool = False
     hang_timeout_s: float | None = None  # None: follows the run (tasks/gang/progress.py)
+    hang_floor_s: float = 0.0  # the least silence a gang of live workers is allowed
     warned: set[str] = field(default_factory=set)  # worker-setup warnings already logged
 
 
@@ -65,7 +66,7 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], at
         )
         futures: list[PrefectDaskFuture] = []
         hang = HangWatch(client, contexts[0].progress_topic, {c.rank: c.worker_address for c in contexts},
-                         spec.hang_timeout_s)
+                         spec.hang_timeout_s, spec.hang_floor_s, collective_timeout_s=spec.init_timeout_s)
         try:
             for ctx in contexts:
                 futures.append(_submit(runner, spec, ctx, probes[ctx.worker_address]["cpus"]))

@@ -40,12 +40,12 @@ class RankContext:
         return f"{self.stop_flag}-progress" if self.stop_flag else None
 
     def progress(self, phase: str, epoch: int | None = None, step: int | None = None) -> None:
-        """Say where this rank is now: rendezvous, data, step, validation or checkpoint.
+        """Say where this rank is now: rendezvous, download, data, step, validation or checkpoint.
 
         The supervisor takes a gang that makes no progress for the hang limit for hung
-        (docs/architecture.md, "Gang: progress"); data and checkpoint phases get a longer
-        allowance, so call this before a long load or save. `check_stop()` counts a step of
-        the current phase on its own.
+        (docs/architecture.md, "Gang: progress"); data, validation and checkpoint phases get
+        a longer allowance, so call this before a long load or save. Within a phase, call it
+        again (or `check_stop()`) as work gets done: each call is progress.
         """
         send_progress(self.progress_topic, self.rank, phase, epoch, step)
 

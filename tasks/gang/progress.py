@@ -12,35 +12,50 @@ it how far they have got:
   the time of the rank's last progress.
 - The supervisor asks the scheduler, in one call, for the events that arrived since its
   last poll and how long ago each rank's worker last heartbeated, and keeps each rank's
-  last event and the longest gap between two events seen so far (a frozen process stops its heartbeats too; one blocked in a collective does
-  not, as its event loop runs in another thread).
+  last event and its last `GAP_WINDOW` gaps between two steps (a frozen process stops its
+  heartbeats too; one blocked in a collective does not, as its event loop runs in another
+  thread).
 - The gang is hung when no rank has made progress for the hang limit and a rank's worker
-  has stopped heartbeating (frozen), or, with every worker alive, for the longer limit of
-  a slow phase: before the first step, in validation and around checkpoints a rank may be
-  silent for long (`SLOW_PHASE_FACTOR` times the limit). A function that never reports
-  beyond the rendezvous is only ever taken for hung when its worker freezes.
-- The limit is `hang_timeout_s` when given; otherwise the larger of `DEFAULT_HANG_S` and
-  `GAP_FACTOR` times the longest gap between progress events seen so far in the run.
+  has stopped heartbeating (frozen), or, with every worker alive, for the allowance: the
+  limit (`SLOW_PHASE_FACTOR` times it in a slow phase: before the first step, in
+  validation and around checkpoints a rank may be slow), never less than the floor (the
+  recipe's fetch timeout: a live rank waiting for one batch is silent that long before its
+  own error says so). A function that never reports beyond the rendezvous is only ever
+  taken for hung when its worker freezes.
+- The limit is `hang_timeout_s` when given; otherwise an estimate that follows the run:
+  the larger of `DEFAULT_HANG_S` and `GAP_FACTOR` times the longest of the recent gaps
+  between steps, so one slow step raises it only for the next `GAP_WINDOW` steps. An
+  estimated limit and allowance stay below `CAP_SHARE` of the process group's timeout:
+  a rank stuck longer leaves its peers failing on that timeout in their next collective,
+  which names no culprit.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import distributed
 
-PHASES = ("rendezvous", "data", "step", "validation", "checkpoint")
+PHASES = ("rendezvous", "download", "data", "step", "validation", "checkpoint")
 # Phases in which a rank may legitimately be silent for long: meeting the others, building
-# loaders and the first step (compilation, cuDNN autotuning, the first fetches), a whole
-# validation pass (no step reports inside it), and checkpoints.
+# loaders and the first step (compilation, cuDNN autotuning, the first fetches), a
+# validation batch (the first one's images are not fetched ahead), and checkpoints. A
+# download reports as its bytes arrive, so it gets the plain limit.
 SLOW_PHASES = {"rendezvous", "data", "validation", "checkpoint"}
 SEND_EVERY_S = 1.0
 DEFAULT_HANG_S = 60.0
 GAP_FACTOR = 5.0
+# Gaps between steps each rank's estimate remembers: one slow step (a stall, a swap burst)
+# raises the limit only until this many steps have come after it.
+GAP_WINDOW = 20
 SLOW_PHASE_FACTOR = 5.0
+# An estimated limit or allowance stays below this share of the process group's timeout,
+# so a hang is named before the peers fail on that timeout (docs/architecture.md, "Gang: progress").
+CAP_SHARE = 0.8
 # A worker that has not heartbeated for this long (its heartbeats come every 0.5-5 s,
 # depending on the cluster's size) is taken for frozen.
 FROZEN_AFTER_S = 10.0
@@ -131,26 +146,50 @@ async def remove_unresponsive(addresses: list[str], dask_scheduler: Any = None) 
 class HangWatch:
     """The supervisor's side: polls the scheduler and says when, and why, the gang is hung."""
 
+    # Settings
     client: distributed.Client
     topic: str
     workers: dict[int, str]  # rank -> worker address
-    hang_timeout_s: float | None = None
+    hang_timeout_s: float | None = None  # None: estimated from the recent gaps between steps
+    floor_s: float = 0.0  # the least silence a gang of live workers is allowed (the fetch timeout)
+    collective_timeout_s: float = 300.0  # the process group's timeout, which caps an estimate
+    # Runtime attributes
     started_at: float | None = None  # scheduler clock, set at the first poll
     last: dict[int, tuple[float, dict[str, Any]]] = field(default_factory=dict)  # rank -> (stamp, record)
-    longest_gap: float = 0.0  # between two reports of one rank in one phase that may not be slow
+    gaps: dict[int, deque[float]] = field(default_factory=dict)  # rank -> its last GAP_WINDOW gaps between steps
+
+    def recent_gap(self) -> float:
+        """The longest gap between two steps of one rank among each rank's last GAP_WINDOW."""
+        return max((max(gaps) for gaps in self.gaps.values() if gaps), default=0.0)
+
+    def cap(self) -> float:
+        return CAP_SHARE * self.collective_timeout_s
 
     def limit(self) -> float:
+        """How long a gang with a frozen worker may make no progress: hang_timeout_s, or the estimate."""
         if self.hang_timeout_s is not None:
             return self.hang_timeout_s
-        return max(DEFAULT_HANG_S, GAP_FACTOR * self.longest_gap)
+        return min(max(DEFAULT_HANG_S, GAP_FACTOR * self.recent_gap()), self.cap())
+
+    def allowance(self, slow: bool) -> float:
+        """How long a gang of live workers may make no progress, in a slow phase or not.
+
+        At least the floor: a frozen worker waits on nothing, but a live rank may wait that
+        long for one batch before its own fetch timeout fails it, naming the images.
+        """
+        allowed = self.limit() * (SLOW_PHASE_FACTOR if slow else 1.0)
+        if self.hang_timeout_s is None:
+            allowed = min(allowed, self.cap())
+        return max(allowed, self.floor_s)
 
     def take(self, events: list[tuple[float, dict[str, Any]]]) -> None:
-        """Fold newly arrived reports into each rank's last one and the longest gap."""
+        """Fold newly arrived reports into each rank's last one and its recent gaps between steps."""
         for stamp, record in events:
-            previous = self.last.get(record["rank"])
-            if previous is not None and record["phase"] == previous[1]["phase"] not in SLOW_PHASES:
-                self.longest_gap = max(self.longest_gap, stamp - previous[0])
-            self.last[record["rank"]] = (stamp, record)
+            rank = record["rank"]
+            previous = self.last.get(rank)
+            if previous is not None and record["phase"] == previous[1]["phase"] == "step":
+                self.gaps.setdefault(rank, deque(maxlen=GAP_WINDOW)).append(stamp - previous[0])
+            self.last[rank] = (stamp, record)
 
     def check(self) -> str | None:
         """Why the gang is hung, naming the rank, its worker and its last progress; None while it is not."""
@@ -162,18 +201,19 @@ class HangWatch:
         progressed = max((stamp for stamp, _ in last.values()), default=0.0)
         silent = seen["now"] - max(progressed, self.started_at)
         limit = self.limit()
-        if silent < limit:
+        if silent < limit:  # the allowance is never shorter
             return None
         frozen = [rank for rank, address in self.workers.items()
                   if (seen["worker_silence"][address] or 0) >= FROZEN_AFTER_S]
         # A function that reports nothing beyond the rendezvous (it never calls ctx.progress
         # or ctx.check_stop) is only ever taken for hung when its worker is frozen.
         reporting = len(last) == len(self.workers) and all(r["phase"] != "rendezvous" for _, r in last.values())
-        slow = any(r["phase"] in SLOW_PHASES for _, r in last.values())
-        if not frozen and (not reporting or silent < (SLOW_PHASE_FACTOR * limit if slow else limit)):
+        allowed = self.allowance(slow=any(r["phase"] in SLOW_PHASES for _, r in last.values()))
+        if not frozen and (not reporting or silent < allowed):
             return None
         ranks = frozen or sorted(self.workers, key=lambda r: last.get(r, (0.0, {}))[0])[:1]
-        return "; ".join(self.describe(rank, last.get(rank), seen, limit, rank in frozen) for rank in ranks)
+        return "; ".join(self.describe(rank, last.get(rank), seen, limit if frozen else allowed, rank in frozen)
+                         for rank in ranks)
 
     def describe(self, rank: int, last: tuple[float, dict[str, Any]] | None, seen: dict[str, Any],
                  limit: float, frozen: bool) -> str:
@@ -183,17 +223,17 @@ class HangWatch:
         why = (f"its worker has not answered the scheduler for {seen['worker_silence'][address]:.0f} s (frozen)"
                if frozen else "its worker is alive but the rank is stuck")
         return (f"Rank {rank} on {address} made no progress for {since:.0f} s {where}: {why}; "
-                f"the hang limit is {limit:.0f} s (cluster.hang_timeout_s)")
+                f"the hang limit is {limit:.0f} s (cluster.hang_timeout_s; raise it if the rank was only slow)")
 
     def forget(self) -> None:
         self.client.run_on_scheduler(forget_on_scheduler, self.topic)
 
 
 def after_text(record: dict[str, Any]) -> str:
-    """'after step 412 of epoch 3 (phase: step)'."""
+    """'after step 412 of epoch 3 (phase: step)'; a validation pass counts batches."""
     parts = []
     if record.get("step") is not None:
-        parts.append(f"step {record['step']}")
+        parts.append(f"{'batch' if record['phase'] == 'validation' else 'step'} {record['step']}")
     if record.get("epoch") is not None:
         parts.append(f"epoch {record['epoch']}")
     return f"after {' of '.join(parts) or 'starting'} (phase: {record['phase']})"

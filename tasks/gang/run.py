@@ -74,6 +74,7 @@ def run_gang(
     needs_child_processes: bool = False,
     shared_output: bool = False,
     hang_timeout: timedelta | None = None,
+    hang_floor: timedelta | None = None,
 ) -> GangResults[R]:
     """Run `train_fn(ctx, config)` on `world_size` Dask workers as one DDP world.
 
@@ -102,8 +103,12 @@ def run_gang(
         hang_timeout: how long the gang may make no progress (`ctx.progress`,
             `ctx.check_stop`) before it is stopped as hung and re-formed; a frozen worker is
             found this long after it froze. Default: the larger of 60 s and 5 times the
-            longest gap between progress reports seen in the attempt
+            longest of the recent gaps between steps, below 80 % of `init_timeout`
             (docs/architecture.md, "Gang: progress").
+        hang_floor: the least silence a gang of live workers is allowed: the longest a
+            rank may wait on its own, e.g. for one batch (the recipe passes
+            training.fetch_timeout_s), so its own error comes first. A frozen worker is
+            still found at the hang limit. Default: none.
 
     Before any rank starts, each worker's setup is checked (worker_checks): settings
     that break training raise GangRefused naming the fix, slow ones are logged as
@@ -124,7 +129,8 @@ def run_gang(
     prepare_to_send(runner.client, train_fn, config)
     spec = GangSpec(train_fn, config, output_url, init_timeout.total_seconds(), trial, Deadline.after(timeout),
                     needs_child_processes, shared_output,
-                    hang_timeout_s=hang_timeout.total_seconds() if hang_timeout is not None else None)
+                    hang_timeout_s=hang_timeout.total_seconds() if hang_timeout is not None else None,
+                    hang_floor_s=hang_floor.total_seconds() if hang_floor is not None else 0.0)
     attempts: list[GangAttempt] = []
     try:
         return GangResults(_until_one_completes(runner, spec, world_size, max_restarts, lease_timeout, attempts), attempts)

@@ -7,7 +7,15 @@ weights_only=True) and `model.json` (backbone, classes and preprocessing), so th
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+import os
+import tempfile
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import IO, Any
 
 import torch
 import torchvision
@@ -23,6 +31,11 @@ from prefect_ddp.tasks.retries import retry_transient
 
 # A saved model's files, in the order they are copied: the card last, so a copy that has it is whole.
 SAVED_MODEL_FILES = ("model.pt", "model.json")
+# torchvision weights are downloaded in chunks of this size, each one progress.
+DOWNLOAD_CHUNK_BYTES = 1 << 20
+# A download that receives no byte for this long fails (urllib would wait for ever), well
+# within the hang limit (60 s by default), so the rank says why first.
+DOWNLOAD_STALL_S = 30.0
 
 
 def classifier_path(model: nn.Module) -> tuple[nn.Module, str]:
@@ -85,6 +98,63 @@ def build_model(
         for name, param in model.named_parameters():
             param.requires_grad = name.startswith(prefix)
     return model
+
+
+def download_weights(config: ModelConfig, on_progress: Callable[[], None]) -> None:
+    """Put the torchvision weights `config` names into torch's cache, calling `on_progress` as bytes arrive.
+
+    torchvision would download them inside build_model, saying nothing until the end: on a
+    slow link longer than a rank may be silent (docs/architecture.md, "Gang: progress").
+    build_model then finds them cached. Random init, a state_dict URI and weights already
+    cached need nothing.
+    """
+    weights = None if is_state_dict_uri(config.weights) else _torchvision_weights(config.backbone, config.weights)
+    if weights is not None:
+        download_to_cache(weights.url, Path(torch.hub.get_dir()) / "checkpoints", on_progress)
+
+
+def download_to_cache(url: str, folder: Path, on_progress: Callable[[], None]) -> Path:
+    """`url` in `folder` under its own file name, as torch.hub caches it; not fetched again once there.
+
+    Checked against the SHA-256 prefix its name carries, as torch.hub checks a download,
+    and written to a file of its own then renamed: ranks on one host downloading at once
+    never read half a file.
+    """
+    path = folder / Path(urllib.parse.urlparse(url).path).name
+    if path.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    handle, partial_name = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(handle, "wb") as out, urllib.request.urlopen(url, timeout=DOWNLOAD_STALL_S) as response:
+            sha256 = copy_reporting(response, out, on_progress)
+        require_named_hash(url, path.name, sha256)
+        os.replace(partial_name, path)
+    finally:
+        Path(partial_name).unlink(missing_ok=True)
+    return path
+
+
+def copy_reporting(source: IO[bytes], target: IO[bytes], on_progress: Callable[[], None]) -> str:
+    """Copy `source` to `target` chunk by chunk, calling `on_progress` after each; the bytes' SHA-256."""
+    digest = hashlib.sha256()
+    for chunk in iter(partial(source.read, DOWNLOAD_CHUNK_BYTES), b""):
+        target.write(chunk)
+        digest.update(chunk)
+        on_progress()
+    return digest.hexdigest()
+
+
+def require_named_hash(url: str, name: str, sha256: str) -> None:
+    """Refuse a download whose SHA-256 does not start with the prefix in its file name (torch.hub's rule)."""
+    named = torch.hub.HASH_REGEX.search(name)
+    if named and not sha256.startswith(named[1]):
+        raise ValueError(
+            f"The weights downloaded from {url} have SHA-256 {sha256[:len(named[1])]}..., but their name "
+            f"{name} says {named[1]}...: the download was cut short or altered on the way. Run again; if "
+            "it persists, check what stands between the workers and the download (a proxy), or give "
+            "model.weights as a state_dict URI you have checked."
+        )
 
 
 def load_starting_weights(uri: str, storage_options: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -58,7 +58,13 @@ from prefect_ddp.tasks.training.checkpoints import (
     job_fingerprint,
     record_attempt,
 )
-from prefect_ddp.tasks.training.model import WarmStart, build_model, load_warm_start, model_card
+from prefect_ddp.tasks.training.model import (
+    WarmStart,
+    build_model,
+    download_weights,
+    load_warm_start,
+    model_card,
+)
 from prefect_ddp.tasks.training.progress import ProgressReporter
 from prefect_ddp.tasks.training.step_times import (
     StepClock,
@@ -177,15 +183,38 @@ def train_one_epoch(
 
 
 @torch.inference_mode()
-def evaluate(model: nn.Module, loader: DataLoader, inputs: ToDevice) -> PassSums:
-    """This rank's shard of the val set, in full precision; returns the rank's local sums."""
+def evaluate(model: nn.Module, loader: DataLoader, inputs: ToDevice,
+             on_batch: Callable[[int, int], None] | None = None) -> PassSums:
+    """This rank's shard of the val set, in full precision; returns the rank's local sums.
+
+    `on_batch(done, total)` is called after every batch, for progress reports: a pass over
+    a large validation set lasts far longer than a rank may be silent (`validate`).
+    """
     model.eval()
     sums = PassSums()
-    for images, labels in loader:
+    for done, (images, labels) in enumerate(loader, start=1):
         images, labels = inputs(images, labels)
         logits = model(images)
         sums.add(loader, logits, labels, *readable_loss(logits, labels))
+        if on_batch:
+            on_batch(done, len(loader))
     return sums
+
+
+def validate(ctx: RankContext, model: nn.Module, loader: DataLoader, inputs: ToDevice, epoch: int) -> PassSums:
+    """`evaluate`, telling the supervisor after every batch and leaving if the gang is being stopped.
+
+    Without a report per batch, a validation pass longer than the hang limit allows was
+    taken for a hang on every attempt (docs/architecture.md, "Gang: progress").
+    """
+    ctx.progress("validation", epoch=epoch + 1)
+    return evaluate(model, loader, inputs, on_batch=partial(between_batches, ctx, epoch))
+
+
+def between_batches(ctx: RankContext, epoch: int, done: int, total: int) -> None:
+    """After every validation batch: tell the supervisor, leave if the gang is being stopped."""
+    ctx.progress("validation", epoch=epoch + 1, step=done)
+    ctx.check_stop()
 
 
 def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoader]:
@@ -374,6 +403,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     device = torch.device(ctx.device)
     amp_dtype = autocast_dtype(job.training, device, log)
     train_inputs, val_inputs = batch_inputs(job.training, device)
+    # A download says how it gets on, so its time does not count against the start's allowance.
+    download_weights(job.model, partial(ctx.progress, "download"))
     ctx.progress("data")
     train_loader, val_loader = make_loaders(ctx, job)
     model = build_model(job.model, len(job.manifest.classes), job.source.storage_options())
@@ -402,8 +433,7 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
                             rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock)
     trained_at = time.monotonic()
     sync_buffers(rank.state.model)
-    ctx.progress("validation", epoch=epoch + 1)
-    val = evaluate(rank.state.model, rank.val_loader, rank.val_inputs)
+    val = validate(ctx, rank.state.model, rank.val_loader, rank.val_inputs, epoch)
     sums = [*train.sums(), *val.sums()]
     rows = gang_rows(rank.clock.totals(), time.monotonic() - trained_at, trained_at - started, int(train.count),
                      ctx.rank, ctx.world_size)

@@ -19,6 +19,7 @@ from prefect_dask import DaskTaskRunner
 
 from prefect_ddp.tasks.gang import GangStopped, RankContext, all_reduce_sum, run_gang
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
+from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
 from prefect_ddp.tasks.sweeps.sweep import sweep
 
 
@@ -151,20 +152,27 @@ def slow_but_alive(ctx: RankContext, config: dict) -> dict:
     return report_rank(ctx, config)
 
 
-RANK_FUNCTIONS = {"report": report_rank, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
+def train_job(ctx: RankContext, config: dict) -> dict:
+    """The recipe's own per-rank entry point, on a TrainJob that travelled as a flow parameter."""
+    return train_classifier(ctx, TrainJob.model_validate(config))
+
+
+RANK_FUNCTIONS = {"report": report_rank, "train": train_job, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
                   "sleep": sleep_past_the_deadline, "hold": hold_worker, "loop": loop_until_stopped}
 
 
 @flow(name="gang-test")
 def gang_flow(address: str, fn_name: str, config: dict, world_size: int | None = None, max_restarts: int = 0,
-              timeout_s: float | None = None, lease_timeout_s: float = 600, hang_timeout_s: float | None = None):
+              timeout_s: float | None = None, lease_timeout_s: float = 600, hang_timeout_s: float | None = None,
+              hang_floor_s: float | None = None):
     """One gang of RANK_FUNCTIONS[fn_name] on the cluster at `address`; each rank's result."""
     with DaskTaskRunner(address=address) as runner:
         return run_gang(RANK_FUNCTIONS[fn_name], config, task_runner=runner, world_size=world_size,
                         max_restarts=max_restarts, init_timeout=timedelta(seconds=60),
                         timeout=timedelta(seconds=timeout_s) if timeout_s else None,
                         lease_timeout=timedelta(seconds=lease_timeout_s),
-                        hang_timeout=timedelta(seconds=hang_timeout_s) if hang_timeout_s else None)
+                        hang_timeout=timedelta(seconds=hang_timeout_s) if hang_timeout_s else None,
+                        hang_floor=timedelta(seconds=hang_floor_s) if hang_floor_s else None)
 
 
 @flow(name="sweep-test")
