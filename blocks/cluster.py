@@ -40,14 +40,17 @@ process that holds it, or a worker the gang restarts twice within 15 s can be lo
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import dask
-from distributed import LocalCluster
+from distributed import Client, LocalCluster
 from distributed.comm import parse_address
 from distributed.comm.addressing import parse_host_port
+from distributed.security import Security
 from prefect.blocks.core import Block
 from prefect_dask import DaskTaskRunner
 from pydantic import Field
@@ -86,13 +89,18 @@ def cuda_device_count() -> int:
 PRELOADED_MODULES = ["torch", "torchvision"]
 
 
+# The dashboard shows the cluster's tasks and workers to whoever connects: this host's users
+# only, and on a port of its own, so clusters side by side never collide.
+LOOPBACK_DASHBOARD = "127.0.0.1:0"
+
+
 def create_local_cluster(**kwargs: Any) -> LocalCluster:
     """A LocalCluster of non-daemonic worker processes, one thread each."""
     dask.config.set(TRAINING_DASK_CONFIG)
     kwargs.setdefault("preload", PRELOADED_MODULES)
     kwargs.setdefault("processes", True)
     kwargs.setdefault("threads_per_worker", 1)
-    kwargs.setdefault("dashboard_address", ":0")
+    kwargs.setdefault("dashboard_address", LOOPBACK_DASHBOARD)
     kwargs["env"] = {**worker_environment(), **kwargs.get("env", {})}
     return LocalCluster(**kwargs)
 
@@ -109,7 +117,7 @@ def create_cuda_cluster(**kwargs: Any):
     dask.config.set(TRAINING_DASK_CONFIG)
     kwargs.setdefault("preload", PRELOADED_MODULES)
     kwargs.pop("processes", None)
-    kwargs.setdefault("dashboard_address", ":0")
+    kwargs.setdefault("dashboard_address", LOOPBACK_DASHBOARD)
     kwargs["env"] = {**worker_environment(), **kwargs.get("env", {})}
     return LocalCUDACluster(**kwargs)
 
@@ -139,6 +147,53 @@ def check_scheduler_reachable(address: str, timeout_s: float = SCHEDULER_CONNECT
         ) from exc
 
 
+# The TLS clusters this process holds, by scheduler address, with the security that reaches them
+# (a sweep's cluster, for its trials: flows/sweep.py). Certificates never travel in a flow's
+# parameters; a run in this process given only the address finds them here.
+_held_security: dict[str, Security] = {}
+_held_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def shared_in_process(client: Client) -> Iterator[str]:
+    """Let runs in this process connect to `client`'s cluster by its address alone while the block runs.
+
+    Yields the address to hand them. A plain tcp:// cluster needs nothing more, so only a
+    TLS one is registered.
+
+    Example:
+        >>> with shared_in_process(runner.client) as address:       # doctest: +SKIP
+        ...     DaskCluster(address=address).task_runner()            # connects with runner's certificate
+    """
+    address = client.scheduler.address
+    tls = address.startswith("tls://")
+    if tls:
+        with _held_lock:
+            _held_security[address] = client.security
+    try:
+        yield address
+    finally:
+        if tls:
+            with _held_lock:
+                _held_security.pop(address, None)
+
+
+def client_security(address: str) -> dict[str, Any]:
+    """The client_kwargs that reach `address`: the security of a cluster this process holds, else
+    Dask's configured one (`distributed.comm.tls.*`), which a tls:// scheduler needs."""
+    with _held_lock:
+        held = _held_security.get(address)
+    if held is not None:
+        return {"security": held}
+    if address.startswith("tls://") and not Security().tls_client_cert:
+        raise ValueError(
+            f"cluster.address {address} is a TLS scheduler, and this process holds no certificate for it: "
+            "neither a cluster it started (a sweep's, for its trials) nor Dask's configuration "
+            "(distributed.comm.tls.client.cert / .key / .ca-file). Configure those for your scheduler, "
+            "or give a tcp:// address, or leave the address empty to start a local cluster.")
+    return {}
+
+
 class DaskCluster(Block):
     """The Dask cluster a training run uses.
 
@@ -163,15 +218,23 @@ class DaskCluster(Block):
         return self.gpu if self.gpu is not None else cuda_device_count() > 0
 
     def local_cluster(self) -> tuple[Callable[..., Any], dict[str, Any]]:
-        """The function that starts this spec's local cluster, and its arguments."""
+        """The function that starts this spec's local cluster, and its arguments.
+
+        The cluster speaks TLS with a certificate made for it (`security=True`): a plain tcp://
+        scheduler on this host would run any local user's tasks as the flow's user. Its client
+        (the runner's) gets the certificate from the cluster; runs in this process that connect
+        by address get it from `shared_in_process`.
+        """
         if self.uses_gpu():
-            return create_cuda_cluster, {}
-        return create_local_cluster, {"n_workers": self.n_workers, "threads_per_worker": self.threads_per_worker}
+            return create_cuda_cluster, {"security": True}
+        return create_local_cluster, {"n_workers": self.n_workers, "threads_per_worker": self.threads_per_worker,
+                                      "security": True}
 
     def task_runner(self) -> DaskTaskRunner:
         """A DaskTaskRunner for this cluster; entering it starts (or connects to) the cluster."""
         if self.address:
+            security = client_security(self.address)
             check_scheduler_reachable(self.address)
-            return DaskTaskRunner(address=self.address)
+            return DaskTaskRunner(address=self.address, client_kwargs=security)
         cluster_class, cluster_kwargs = self.local_cluster()
         return DaskTaskRunner(cluster_class=cluster_class, cluster_kwargs=cluster_kwargs)

@@ -16,7 +16,10 @@ closes it in a thread while the flow aggregates, promotes and reports
 
 Where the process that started the run keeps a cluster warm (blocks/warm_cluster.py), the
 run uses that one instead when it fits: `ClusterLifetime.of(spec)` claims it, the start
-only connects, and the close names its workers for replacement and lets go of it.
+only connects, and the close names its workers for replacement and lets go of it. Where
+the warm cluster cannot give the run fresh workers after all (its holder could not
+replace the last run's, or it did not answer), the start logs why and starts the run's
+own cluster instead: a warm cluster saves seconds, and never fails a run.
 
 Even the runner is made in the thread (`DaskCluster.task_runner` checks that an existing
 scheduler answers), so a start that fails is raised by `ready()`: a flow that finds bad
@@ -39,7 +42,7 @@ from distributed import Client
 from prefect_dask import DaskTaskRunner
 
 from prefect_ddp.blocks.cluster import DaskCluster
-from prefect_ddp.blocks.warm_cluster import WarmClaim, claim_warm_cluster
+from prefect_ddp.blocks.warm_cluster import WarmClaim, WarmClusterUnavailable, claim_warm_cluster
 from prefect_ddp.tasks.reporting import run_logger
 
 logger = logging.getLogger(__name__)
@@ -48,9 +51,11 @@ logger = logging.getLogger(__name__)
 class ClusterLifetime:
     """Make, enter and start a DaskTaskRunner in a thread; close it in a thread."""
 
-    def __init__(self, make_runner: Callable[[], DaskTaskRunner], warm: WarmClaim | None = None) -> None:
+    def __init__(self, make_runner: Callable[[], DaskTaskRunner], warm: WarmClaim | None = None,
+                 own: Callable[[], DaskTaskRunner] | None = None) -> None:
         self._make_runner = make_runner
         self._warm = warm
+        self._own = own  # the run's own cluster, where the warm one fails it
         self.runner: DaskTaskRunner | None = None
         self._client: Client | None = None
         self._threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cluster-lifetime")
@@ -65,7 +70,7 @@ class ClusterLifetime:
     def of(cls, spec: DaskCluster) -> ClusterLifetime:
         """`spec`'s cluster: the warm one of the process that started this run where it fits, else its own."""
         warm = claim_warm_cluster(spec)
-        return cls(warm.task_runner, warm) if warm else cls(spec.task_runner)
+        return cls(warm.task_runner, warm, spec.task_runner) if warm else cls(spec.task_runner)
 
     @property
     def is_warm(self) -> bool:
@@ -81,11 +86,33 @@ class ClusterLifetime:
         return self
 
     def _started(self) -> None:
-        self.runner = self._make_runner().__enter__()
-        self._client = self.runner.client  # the runner starts (or connects to) its cluster on first use
-        if self._warm:
-            self._warm.prepare(self._client)
+        try:
+            self._enter(self._make_runner)
+            if self._warm:
+                self._warm.prepare(self._client)
+        except Exception as exc:
+            if not self._warm or self._own is None:
+                raise
+            self._fall_back(exc)
         self._up_after_s = time.monotonic() - self._began
+
+    def _enter(self, make_runner: Callable[[], DaskTaskRunner]) -> None:
+        self.runner = make_runner().__enter__()
+        self._client = self.runner.client  # the runner starts (or connects to) its cluster on first use
+
+    def _fall_back(self, exc: Exception) -> None:
+        """Let go of the warm cluster, which could not serve this run, and start the run's own."""
+        reason = str(exc) if isinstance(exc, WarmClusterUnavailable) else f"{type(exc).__name__}: {exc}"
+        run_logger().warning("Not using the warm Dask cluster after all: %s. Starting a cluster for this run.",
+                             reason)
+        warm, self._warm = self._warm, None
+        try:
+            if self.runner is not None:
+                self.runner.__exit__(None, None, None)
+        finally:
+            warm.withdraw()
+        self.runner = self._client = None
+        self._enter(self._own)
 
     def ready(self) -> DaskTaskRunner:
         """The runner, once its cluster is up; a failed start raises here, in the flow."""

@@ -69,22 +69,36 @@ LOCK = "lock"
 IN_USE = "in-use"
 # The workers the last run used, which the holder replaces and the next run waits to see gone.
 REPLACING = "replacing.json"
+# Why the holder could not replace them, while it could not: runs start their own cluster meanwhile,
+# and the holder tries again every REPLACE_RETRY_S, removing the note once it has.
+REPLACE_FAILED = "replace-failed"
+REPLACE_RETRY_S = 5.0
 # Variables a run's process may differ in from the holder's without its ranks seeing it:
 # Prefect's own settings (the run's id, its API: compared on its own), Dask's configuration
 # (the holder sets the training configuration itself, blocks/cluster.py), buffering,
 # PYTHONPATH (which Prefect's process worker sets for each run; what it does, the run's
-# sys.path, is compared on its own) and the inductor cache folder torch sets in a process
-# that imports parts of it (each worker computes the same one).
+# sys.path, is compared on its own), the inductor cache folder torch sets in a process
+# that imports parts of it (each worker computes the same one) and the ticket's own
+# variable, which the holder sets after it wrote the ticket. This project's own settings
+# (PREFECT_DDP_*: the byte cache's folder, ...) are compared: the ranks read them.
 IGNORED_PREFIXES = ("PREFECT_", "DASK_")
-IGNORED_VARIABLES = frozenset({"PYTHONUNBUFFERED", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"})
+OWN_PREFIX = "PREFECT_DDP_"
+IGNORED_VARIABLES = frozenset({"PYTHONUNBUFFERED", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", WARM_CLUSTER_ENV})
 WORKERS_TIMEOUT_S = 120.0
 REPLACER_POLL_S = 0.05
+
+
+def ranks_would_see(key: str) -> bool:
+    """Whether a run's ranks would read this variable, so that it must be the workers' too."""
+    if key in IGNORED_VARIABLES:
+        return False
+    return key.startswith(OWN_PREFIX) or not key.startswith(IGNORED_PREFIXES)
 
 
 def environment_digest(environ: dict[str, str]) -> dict[str, str]:
     """Each variable the ranks could see, as a hash: the ticket may name a variable, never its value."""
     return {key: hashlib.sha256(value.encode()).hexdigest()[:16] for key, value in sorted(environ.items())
-            if not key.startswith(IGNORED_PREFIXES) and key not in IGNORED_VARIABLES}
+            if ranks_would_see(key)}
 
 
 @dataclass(frozen=True)
@@ -165,7 +179,7 @@ def warm_cluster(spec: DaskCluster) -> Iterator[Path]:
         cleanup.callback(sys.path.remove, cwd)
         create, kwargs = spec.local_cluster()
         began = time.monotonic()
-        cluster = cleanup.enter_context(create(**kwargs, security=True))
+        cluster = cleanup.enter_context(create(**kwargs))  # TLS: DaskCluster.local_cluster
         client = cleanup.enter_context(Client(cluster))
         ticket = Ticket(
             address=cluster.scheduler_address, tls_ca=cluster.security.tls_ca_file,
@@ -201,6 +215,10 @@ def ask_for_replacement(client: Client, folder: Path) -> list[str]:
     return used
 
 
+class WarmClusterUnavailable(RuntimeError):
+    """The warm cluster cannot give this run fresh workers now: the run starts a cluster of its own."""
+
+
 def replace_used_workers(cluster: SpecCluster, client: Client, folder: Path, n_workers: int,
                          stop: threading.Event) -> None:
     """The holder's thread: whenever a run names the workers it used, replace them with new ones.
@@ -210,28 +228,60 @@ def replace_used_workers(cluster: SpecCluster, client: Client, folder: Path, n_w
     by their nannies (`client.restart`) now and then came back and were closed at once here
     (0 of 2 up after 120 s, in 2 of 4 runs of tests/test_warm_cluster.py), before the
     cluster's `lost-worker-timeout` was lifted (blocks/cluster.py).
+
+    A set counts as replaced only once it is: where a replacement fails, the note
+    REPLACE_FAILED says why (runs start their own cluster meanwhile) and it is tried again
+    REPLACE_RETRY_S later, on a new client where the old one closed (a client that lost its
+    scheduler closes for good), until it succeeds.
     """
     replaced: set[str] = set()
+    retry_at = 0.0
     while not stop.wait(REPLACER_POLL_S):
         try:
             used = set(json.loads((folder / REPLACING).read_text()))
-            if used == replaced:
-                continue  # replaced already; the next run removes the note
-            replaced = used
-            cluster.scale(0)
-            deadline = time.monotonic() + WORKERS_TIMEOUT_S
-            while used & set(client.run_on_scheduler(worker_addresses)) and time.monotonic() < deadline:
-                time.sleep(REPLACER_POLL_S)
-            cluster.scale(n_workers)
         except FileNotFoundError:
             continue
-        except Exception:  # the next run's wait names what is missing
-            logger.exception("Could not replace the warm cluster's workers")
+        if used == replaced or time.monotonic() < retry_at:
+            continue  # replaced already (the next run removes the note), or not yet time to try again
+        try:
+            if retry_at and client.status != "running":
+                client = Client(cluster)
+            replace_workers(cluster, client, used, n_workers)
+        except Exception as exc:
+            logger.exception("Could not replace the warm cluster's workers; trying again in %.0f s", REPLACE_RETRY_S)
+            (folder / REPLACE_FAILED).write_text(f"{type(exc).__name__}: {exc}")
+            retry_at = time.monotonic() + REPLACE_RETRY_S
+            continue
+        replaced, retry_at = used, 0.0
+        (folder / REPLACE_FAILED).unlink(missing_ok=True)
+
+
+def replace_workers(cluster: SpecCluster, client: Client, used: set[str], n_workers: int) -> None:
+    """Close the workers `used` names and start `n_workers` new ones; raises where they did not close."""
+    cluster.scale(0)
+    deadline = time.monotonic() + WORKERS_TIMEOUT_S
+    while still := used & set(client.run_on_scheduler(worker_addresses)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the workers {sorted(still)} were still up {WORKERS_TIMEOUT_S:.0f} s after the "
+                               "cluster was asked to close them")
+        time.sleep(REPLACER_POLL_S)
+    cluster.scale(n_workers)
+
+
+def replace_failure(folder: Path) -> str | None:
+    """Why the holder could not replace the last run's workers, while it could not; None otherwise."""
+    try:
+        failure = (folder / REPLACE_FAILED).read_text()
+    except FileNotFoundError:
+        return None
+    return f"its holder could not replace the last run's workers ({failure}); it tries again every " \
+           f"{REPLACE_RETRY_S:.0f} s"
 
 
 def fresh_workers(client: Client, folder: Path, n_workers: int, replace_first: bool) -> None:
     """Wait until every worker is up and none is one an earlier run used (having them replaced first where
-    the run that used them died before it named them)."""
+    the run that used them died before it named them). Raises WarmClusterUnavailable where the holder
+    could not replace them, or they did not come within WORKERS_TIMEOUT_S."""
     replacing = folder / REPLACING
     if replace_first:
         run_logger().info("The last run on the warm cluster ended before naming its workers for replacement; replacing them")
@@ -240,11 +290,12 @@ def fresh_workers(client: Client, folder: Path, n_workers: int, replace_first: b
         used = set(json.loads(replacing.read_text())) if replacing.exists() else set()
     deadline = time.monotonic() + WORKERS_TIMEOUT_S
     while used & set(workers := client.run_on_scheduler(worker_addresses)) or len(workers) < n_workers:
+        if failure := replace_failure(folder):
+            raise WarmClusterUnavailable(failure)
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"The warm Dask cluster's workers were not replaced within {WORKERS_TIMEOUT_S:.0f} s of the last "
-                f"run (still up of those it used: {sorted(used & set(workers))}; up in all: {len(workers)} of "
-                f"{n_workers}). Stop `prefect-ddp worker` (or serve) and start it again.")
+            raise WarmClusterUnavailable(
+                f"its workers were not replaced within {WORKERS_TIMEOUT_S:.0f} s of the last run (still up of "
+                f"those it used: {sorted(used & set(workers))}; up in all: {len(workers)} of {n_workers})")
         time.sleep(REPLACER_POLL_S)
     replacing.unlink(missing_ok=True)
 
@@ -264,6 +315,13 @@ class WarmClaim:
     def prepare(self, client: Client) -> None:
         """Before the run's first task: every worker up, and none that an earlier run used."""
         fresh_workers(client, self.folder, self.ticket.n_workers, self.replace_first)
+
+    def withdraw(self) -> None:
+        """The run uses no warm worker after all: let go, leaving the in-use mark of a run that died
+        before this one (its workers may still need replacing) and removing this run's own."""
+        if not self.replace_first:
+            (self.folder / IN_USE).unlink(missing_ok=True)
+        self.unlock()
 
     def release(self, client: Client | None) -> None:
         """Ask the holder to replace the workers for the next run, without waiting for it: the next run
@@ -306,7 +364,7 @@ def claim_warm_cluster(spec: DaskCluster) -> WarmClaim | None:
         run_logger().info("Not using the warm Dask cluster of %s (%s); starting a cluster for this run",
                           ticket_path, exc)
         return None
-    if reason := ticket.mismatch(spec):
+    if reason := ticket.mismatch(spec) or replace_failure(path.parent):
         lock.close()
         run_logger().info("Not using the warm Dask cluster of process %d: %s. Starting a cluster for this run.",
                           ticket.holder_pid, reason)

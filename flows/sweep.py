@@ -16,6 +16,7 @@ from prefect import flow
 from prefect.runtime import deployment
 from prefect.states import State
 
+from prefect_ddp.blocks.cluster import shared_in_process
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.flows.transfer_learning import (
     cluster_lifetime,
@@ -136,18 +137,21 @@ def hyperparameter_sweep(
     params = flat_params({"settings": settings.model_dump(), "space": {p: d.model_dump() for p, d in space.items()}} | base)
     with cluster_lifetime(cluster) as starting, tracking_run(tracker, settings.name, params, {}) as parent:
         runner = starting.ready()
-        shared = cluster.model_copy(update={
-            "address": runner.client.scheduler.address, "block": None,
-            "world_size": settings.ranks_per_trial, "lease_timeout_s": settings.lease_timeout_s,
-        })
+        # Trials connect by address; a TLS cluster's certificate stays in this process (blocks/cluster.py).
+        with shared_in_process(runner.client) as address:
+            shared = cluster.model_copy(update={
+                "address": address, "block": None,
+                "world_size": settings.ranks_per_trial, "lease_timeout_s": settings.lease_timeout_s,
+            })
 
-        def train_trial(trial: Any, link: TrialLink) -> dict[str, Any]:
-            parameters = with_params(base, trial.params) | {"cluster": shared.model_dump()}
-            with child_runs_of(parent):
-                return transfer_learning_trial(parameters, link, trial_run_name(trial.number, trial.params))
+            def train_trial(trial: Any, link: TrialLink) -> dict[str, Any]:
+                parameters = with_params(base, trial.params) | {"cluster": shared.model_dump()}
+                with child_runs_of(parent):
+                    return transfer_learning_trial(parameters, link, trial_run_name(trial.number, trial.params))
 
-        run_trials(study, space, settings, runner.client, train_trial)
+            trials = run_trials(study, space, settings, runner.client, train_trial)
         record = publish_sweep_report(study, settings, out)
+        trials.require_one_trained(settings.name)  # after the report, which shows each trial's error
         promotion = promote_best(record["best"], out, kept, tracker, kept_name) if kept else None
         if parent:
             complete_run(parent, out.with_url(child_url(out.url, safe_segment(settings.name))),

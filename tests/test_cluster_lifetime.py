@@ -8,15 +8,17 @@ Real LocalClusters: threaded ones where processes add nothing to what is checked
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import psutil
 import pytest
-from distributed import LocalCluster
+from distributed import Client, LocalCluster
 from prefect_dask import DaskTaskRunner
 
-from prefect_ddp.blocks.cluster import create_local_cluster
+from prefect_ddp.blocks.cluster import DaskCluster, create_local_cluster
 from prefect_ddp.blocks.cluster_lifetime import ClusterLifetime
+from prefect_ddp.blocks.warm_cluster import IN_USE, WarmClaim, WarmClusterUnavailable
 
 START_TIMEOUT_S = 60
 
@@ -87,3 +89,38 @@ def test_bad_input_found_before_the_cluster_is_needed_is_what_the_flow_reports()
     with pytest.raises(ValueError, match="only one class"):
         with ClusterLifetime(unreachable_scheduler):
             raise ValueError("only one class")
+
+
+def warm_that_fails() -> DaskTaskRunner:
+    raise WarmClusterUnavailable("its holder could not replace the last run's workers (CommClosedError: closed)")
+
+
+def test_a_run_the_warm_cluster_cannot_serve_starts_its_own_and_says_why(tmp_path, caplog):
+    """It failed after 120 s where the holder had not replaced the last run's workers."""
+    (tmp_path / IN_USE).write_text("{}")  # this run's claim
+    claim = WarmClaim(ticket=None, folder=tmp_path, lock=open(tmp_path / "lock", "w"), replace_first=False)
+    with caplog.at_level(logging.INFO, logger="prefect_ddp"):
+        with ClusterLifetime(warm_that_fails, claim, own=threaded_runner) as cluster:
+            assert cluster.ready().client.submit(sum, [1, 2]).result() == 3
+            assert not cluster.is_warm
+    assert "Not using the warm Dask cluster after all: its holder could not replace the last run's workers " \
+           "(CommClosedError: closed). Starting a cluster for this run." in caplog.text
+    assert claim.lock.closed and not (tmp_path / IN_USE).exists()  # let go: the next run may claim it
+
+
+def listening_ports(host: str) -> set[int]:
+    return {c.laddr.port for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.ip == host}
+
+
+def test_a_runs_own_cluster_speaks_tls_and_shows_its_dashboard_on_loopback_only(prefect_api):
+    """Its scheduler took plain TCP from anyone on the host, and its dashboard listened on 0.0.0.0."""
+    with ClusterLifetime(DaskCluster(n_workers=1, gpu=False).task_runner) as cluster:
+        runner = cluster.ready()
+        address = runner.client.scheduler.address
+        assert address.startswith("tls://")
+        with pytest.raises(OSError):  # without the run's certificate, no connection: no one else's tasks
+            Client(address.replace("tls://", "tcp://"), timeout=5)
+        assert runner.client.submit(sum, [1, 2]).result() == 3
+        dashboard = runner._cluster.scheduler.http_server.port
+        assert dashboard in listening_ports("127.0.0.1") and dashboard not in listening_ports("0.0.0.0")

@@ -56,7 +56,15 @@ def test_cluster_block_with_address_connects_instead_of_creating():
     runner = DaskCluster(address="tcp://10.0.0.5:8786").task_runner()
     assert runner.address == "tcp://10.0.0.5:8786"
     local = DaskCluster(n_workers=3, gpu=False).task_runner()
-    assert local.cluster_kwargs == {"n_workers": 3, "threads_per_worker": 1}
+    assert local.cluster_kwargs == {"n_workers": 3, "threads_per_worker": 1, "security": True}
+
+
+@pytest.mark.unit
+def test_a_tls_address_without_a_certificate_is_refused_naming_where_one_comes_from():
+    """Dask's own error was "TLS expects a ssl_context argument", at the first connection."""
+    with pytest.raises(ValueError, match=r"cluster.address tls://127.0.0.1:1 is a TLS scheduler, and this process "
+                       r"holds no certificate for it.*distributed.comm.tls.client.cert"):
+        DaskCluster(address="tls://127.0.0.1:1").task_runner()
 
 
 @pytest.mark.unit

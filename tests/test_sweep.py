@@ -30,7 +30,7 @@ from prefect_ddp.tasks.config import (
     TrainingConfig,
 )
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
-from prefect_ddp.tasks.sweeps.sweep import sweep
+from prefect_ddp.tasks.sweeps.sweep import NoTrialTrained, sweep
 from tests.support.api_helpers import rank_task_runs
 from tests.support.gang_functions import report_every_epoch
 from tests.support.image_folders import local_image_folder
@@ -143,6 +143,24 @@ def test_trials_never_promote_and_the_sweep_promotes_its_best_trial_once_at_its_
     assert pointer["version"] == promotion["kept_url"] and pointer["run"]["name"] == record["best"]["run"]
     assert [p.name for p in (tmp_path / "swept" / "versions").iterdir()] == [best_run.name]  # one promotion
     assert (Path(pointer["version"]) / "model.pt").read_bytes() == (best_run / "model.pt").read_bytes()
+
+
+def test_a_sweep_none_of_whose_trials_trained_fails_naming_their_errors(images, dask_cluster, tmp_path):
+    """It ended Completed, its report the only sign that nothing trained (issue 29)."""
+    state = hyperparameter_sweep(
+        space={"training.batch_size": {"kind": "grid", "values": [0, 5000]}},  # each out of its bounds
+        settings=SweepSettings(name="none-trained", n_trials=2, concurrency=2, sampler="grid", pruner="none"),
+        data=DataConfig(url=images, index_cache_minutes=0),
+        cluster=ClusterConfig(address=dask_cluster.scheduler_address),
+        output=OutputConfig(url=str(tmp_path)),
+        return_state=True,
+    )
+    assert state.is_failed()
+    with pytest.raises(NoTrialTrained, match=r"(?s)Sweep 'none-trained': none of its 2 trial\(s\) trained.*"
+                       r"trial 0: .*batch_size.*; trial 1: .*batch_size"):
+        state.result()
+    assert (tmp_path / "none-trained" / "sweep.json").exists()  # the report, with each trial's error, came first
+    assert len(child_runs(state.state_details.flow_run_id)) == 2
 
 
 def test_promoting_needs_a_name_to_keep_the_model_under(images, dask_cluster, tmp_path):

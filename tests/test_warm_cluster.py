@@ -16,14 +16,27 @@ import os
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from distributed import Client
+from distributed import Client, LocalCluster
 
 from prefect_ddp.blocks.cluster import DaskCluster
-from prefect_ddp.blocks.warm_cluster import claim_warm_cluster, read_ticket, wait_until_free, warm_cluster
+from prefect_ddp.blocks.warm_cluster import (
+    REPLACE_FAILED,
+    REPLACING,
+    claim_warm_cluster,
+    replace_failure,
+    replace_used_workers,
+    read_ticket,
+    wait_until_free,
+    warm_cluster,
+    worker_addresses,
+)
+from tests.support.image_folders import local_image_folder
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = DaskCluster(n_workers=2)
@@ -87,6 +100,25 @@ def test_flow_runs_started_beside_it_run_their_ranks_on_its_workers_fresh_each_t
     assert run_flow(tmp_path / "second.json", environment) == {"warm": True, "pids": sorted(second_workers)}
 
 
+def test_a_sweep_started_beside_it_trains_its_trials_on_its_workers(holder, tmp_path):
+    """Its trials were handed the TLS address without the certificate: each failed at once with
+    "TLS expects a ssl_context argument", and the sweep ended Completed (issue 29)."""
+    warm, environment = holder
+    local_image_folder(tmp_path / "images", per_class=6)
+    wait_until_free(warm)
+    with connect(warm) as client:
+        workers = set(client.run_on_scheduler(worker_addresses))
+    out = tmp_path / "sweep.json"
+    subprocess.run([sys.executable, "-m", "tests.support.warm_sweep", str(tmp_path / "images"),
+                    str(tmp_path / "runs"), str(out)], check=True, cwd=REPO, timeout=300, env=environment)
+    sweep = json.loads(out.read_text())
+    assert sweep["state"] == "COMPLETED", sweep["message"]
+    assert [trial["state"] for trial in sweep["trials"]] == ["completed", "completed"], sweep["trials"]
+    for trial in sweep["trials"]:
+        assert Path(trial["model_url"]).exists()
+        assert set(trial["workers"]) <= workers  # the warm cluster's, not a cluster of the sweep's own
+
+
 def test_one_run_at_a_time_and_a_run_that_died_on_it_leaves_fresh_workers_to_the_next(
         warm, holder, monkeypatch, caplog):
     like_the_holder(monkeypatch, holder[1])
@@ -113,6 +145,7 @@ def test_one_run_at_a_time_and_a_run_that_died_on_it_leaves_fresh_workers_to_the
     ("folder", "its workers run in "),
     ("importable", "its workers cannot import from "),
     ("address", "the run asks for the cluster at tcp://10.0.0.5:8786"),
+    ("cache", "its workers' environment differs from this run's in PREFECT_DDP_CACHE_DIR"),
 ])
 def test_a_run_whose_ranks_would_see_a_difference_starts_its_own_cluster_and_says_why(
         warm, holder, change, reason, monkeypatch, tmp_path, caplog):
@@ -126,6 +159,8 @@ def test_a_run_whose_ranks_would_see_a_difference_starts_its_own_cluster_and_say
         monkeypatch.chdir(tmp_path)
     elif change == "importable":
         monkeypatch.syspath_prepend(str(tmp_path))
+    elif change == "cache":  # the ranks' byte cache would be the holder's folder (tasks/data/byte_cache.py)
+        monkeypatch.setenv("PREFECT_DDP_CACHE_DIR", str(tmp_path / "a-cache-of-its-own"))
     else:
         spec = DaskCluster(address="tcp://10.0.0.5:8786")
     with caplog.at_level(logging.INFO, logger="prefect_ddp"):
@@ -152,3 +187,52 @@ def test_only_this_user_can_reach_it(warm):
     assert address.startswith("tls://")
     with pytest.raises(Exception):  # no certificate: no connection, so no tasks of anyone else's
         Client(address.replace("tls://", "tcp://"), timeout=5)
+
+
+def wait_for(condition, what: str, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
+        time.sleep(0.05)
+    return value
+
+
+def test_a_replacement_that_failed_is_tried_again_until_it_replaces_the_workers(tmp_path):
+    """The replacer marked a set replaced before replacing it: one failure, and it never tried again
+    (the cluster kept 0 workers, and every later warm run waited 120 s and failed)."""
+    with (LocalCluster(n_workers=1, processes=False, threads_per_worker=1, dashboard_address=None) as cluster,
+          Client(cluster) as watcher):
+        used = set(watcher.run_on_scheduler(worker_addresses))
+        (tmp_path / REPLACING).write_text(json.dumps(sorted(used)))  # as a run's release names them
+        holders = Client(cluster, set_as_default=False)
+        holders.close()  # the holder's client, closed under it: its first replacement fails
+        stop = threading.Event()
+        replacer = threading.Thread(target=replace_used_workers, args=(cluster, holders, tmp_path, 1, stop))
+        replacer.start()
+        try:
+            failure = wait_for(lambda: replace_failure(tmp_path), "a note saying why the replacement failed")
+            assert "could not replace the last run's workers" in failure
+            wait_for(lambda: len(set(watcher.run_on_scheduler(worker_addresses)) - used) == 1
+                     and not used & set(watcher.run_on_scheduler(worker_addresses)), "a new worker in its place")
+            wait_for(lambda: not (tmp_path / REPLACE_FAILED).exists(), "the note gone once replaced")
+        finally:
+            stop.set()
+            replacer.join()
+
+
+def test_while_the_holder_cannot_replace_the_workers_runs_start_their_own_and_a_later_run_uses_it(
+        warm, holder, monkeypatch, caplog):
+    like_the_holder(monkeypatch, holder[1])
+    wait_until_free(warm)
+    note = warm.parent / REPLACE_FAILED
+    note.write_text("ClosedClientError: the client was closed")  # what the replacer leaves where it failed
+    try:
+        with caplog.at_level(logging.INFO, logger="prefect_ddp"):
+            assert claim_warm_cluster(SPEC) is None
+        assert "could not replace the last run's workers (ClosedClientError: the client was closed)" in caplog.text
+        assert "Starting a cluster for this run" in caplog.text
+    finally:
+        note.unlink()  # the replacer's retry succeeded
+    claim = claim_warm_cluster(SPEC)
+    assert claim is not None
+    claim.withdraw()

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,29 @@ class SweepAlreadyRunning(RuntimeError):
     """Another sweep of the same name is running now: a second one would break the first."""
 
 
+class NoTrialTrained(RuntimeError):
+    """Every trial a sweep ran failed: the sweep found nothing, and must not look as if it had."""
+
+
+@dataclass
+class TrialsRun:
+    """What became of the trials one sweep run trained. A pruned trial trained: it reported at
+    least one epoch, and the sweep chose to stop it."""
+
+    trained: int = 0
+    failed: dict[int, str] = field(default_factory=dict)  # trial number -> why it failed
+
+    def require_one_trained(self, name: str) -> None:
+        """Raise where trials ran and none of them trained, naming each one's error."""
+        if self.trained or not self.failed:
+            return
+        errors = "; ".join(f"trial {number}: {reason}" for number, reason in sorted(self.failed.items()))
+        raise NoTrialTrained(
+            f"Sweep {name!r}: none of its {len(self.failed)} trial(s) trained, so there is no result to compare "
+            f"or promote. Their errors: {errors}. Fix the cause and run it again (under another settings.name, "
+            "or with a larger settings.n_trials: failed trials count as finished in the study).")
+
+
 def owner_of(study: optuna.Study) -> dict[str, Any] | None:
     """The sweep that holds the study now: one whose heartbeat is fresh, else None."""
     owner = study.user_attrs.get(OWNER)
@@ -206,8 +230,9 @@ def sole_sweep(study: optuna.Study) -> Iterator[None]:
 def run_trials(
     study: optuna.Study, space: dict[str, Dimension], settings: SweepSettings, client: distributed.Client,
     train_trial: Callable[[Any, TrialLink], dict[str, Any]],
-) -> None:
-    """Ask for trials, `concurrency` at a time, until the study has `n_trials` finished ones.
+) -> TrialsRun:
+    """Ask for trials, `concurrency` at a time, until the study has `n_trials` finished ones;
+    what became of the trials this call trained.
 
     `train_trial(trial, link)` trains one trial and returns its outcome (state, message,
     run, model_url); it runs in a thread of its own, while a relay takes its gang's
@@ -220,7 +245,7 @@ def run_trials(
         with stop_scope() as stopping, ThreadPoolExecutor(max_workers=settings.concurrency,
                                                           thread_name_prefix="trial") as pool:
             try:
-                _ask_and_tell(study, space, settings, client, train_trial, to_run, pool)
+                return _ask_and_tell(study, space, settings, client, train_trial, to_run, pool)
             except BaseException:
                 # Cancel, SIGTERM or Ctrl-C reach this thread only: stop the trials' gangs,
                 # and keep them from forming again (a stop is never a failure to retry),
@@ -232,8 +257,9 @@ def run_trials(
 
 def _ask_and_tell(study: optuna.Study, space: dict[str, Dimension], settings: SweepSettings,
                   client: distributed.Client, train_trial: Callable[[Any, TrialLink], dict[str, Any]],
-                  to_run: int, pool: ThreadPoolExecutor) -> None:
+                  to_run: int, pool: ThreadPoolExecutor) -> TrialsRun:
     pending: dict[Future, tuple[Any, float]] = {}
+    trials = TrialsRun()
     while to_run or pending:
         while to_run and len(pending) < settings.concurrency:
             trial = study.ask(distributions(space))
@@ -245,7 +271,12 @@ def _ask_and_tell(study: optuna.Study, space: dict[str, Dimension], settings: Sw
         done, _ = wait(pending, return_when=FIRST_COMPLETED)
         for future in done:
             trial, started = pending.pop(future)
-            tell(study, trial, outcome_of(future) | {"seconds": round(time.monotonic() - started, 1)})
+            failure = tell(study, trial, outcome_of(future) | {"seconds": round(time.monotonic() - started, 1)})
+            if failure is None:
+                trials.trained += 1
+            else:
+                trials.failed[trial.number] = failure
+    return trials
 
 
 def relayed(train_trial: Callable[[Any, TrialLink], dict[str, Any]], trial: Any, relay: TrialRelay) -> dict[str, Any]:
@@ -261,12 +292,14 @@ def outcome_of(future: Future) -> dict[str, Any]:
         return {"state": "failed", "message": f"{type(exc).__name__}: {exc}"}
 
 
-def tell(study: Any, trial: Any, outcome: dict[str, Any]) -> None:
-    """Record a finished trial: its outcome, and its value (best reported) or its state."""
+def tell(study: Any, trial: Any, outcome: dict[str, Any]) -> str | None:
+    """Record a finished trial: its outcome, and its value (best reported) or its state; why it
+    failed, or None where it trained (completed or pruned)."""
     trial.set_user_attr(OUTCOME, outcome)
     (recorded,) = [t for t in study.get_trials(deepcopy=False) if t.number == trial.number]
     values = [value for _, value in sorted(recorded.intermediate_values.items())]
     log = run_logger()
+    reason = None
     if PRUNED_AT in recorded.user_attrs:
         study.tell(trial, state=TrialState.PRUNED)
     elif outcome["state"] == "completed" and values:
@@ -277,6 +310,7 @@ def tell(study: Any, trial: Any, outcome: dict[str, Any]) -> None:
         log.warning("Trial %d failed: %s", trial.number, reason)
         study.tell(trial, state=TrialState.FAIL)
     log.info("Trial %d: %s.", trial.number, study.get_trials(deepcopy=False)[trial.number].state.name.lower())
+    return reason
 
 
 def trial_run_name(number: int, params: dict[str, Any]) -> str:
@@ -326,6 +360,9 @@ def sweep(
     Returns:
         What `sweep.json` holds: every trial (best first), the best one, importances.
 
+    Raises:
+        NoTrialTrained: trials ran and every one failed (after the report is written).
+
     Example:
         >>> sweep(train, {"lr": 0.1, "epochs": 5},                      # doctest: +SKIP
         ...       {"lr": {"kind": "log_uniform", "low": 1e-4, "high": 1e-1}},
@@ -341,5 +378,7 @@ def sweep(
         folder = child_url(output.url, safe_segment(settings.name), f"trial-{trial.number}")
         return gang_trial(train_fn, with_params(config, trial.params), link, settings, runner, folder)
 
-    run_trials(study, space, settings, runner.client, train_trial)
-    return publish_sweep_report(study, settings, output)
+    trials = run_trials(study, space, settings, runner.client, train_trial)
+    record = publish_sweep_report(study, settings, output)
+    trials.require_one_trained(settings.name)
+    return record
