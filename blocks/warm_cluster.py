@@ -59,6 +59,7 @@ from prefect_dask import DaskTaskRunner
 
 from prefect_ddp.blocks.cluster import DaskCluster, worker_environment
 from prefect_ddp.tasks.reporting import run_logger
+from prefect_ddp.tasks.tracking import TRACKING_VARIABLES
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +79,14 @@ REPLACE_RETRY_S = 5.0
 # (the holder sets the training configuration itself, blocks/cluster.py), buffering,
 # PYTHONPATH (which Prefect's process worker sets for each run; what it does, the run's
 # sys.path, is compared on its own), the inductor cache folder torch sets in a process
-# that imports parts of it (each worker computes the same one) and the ticket's own
-# variable, which the holder sets after it wrote the ticket. This project's own settings
+# that imports parts of it (each worker computes the same one), what MLflow tracking sets
+# in the run's process (the import's telemetry id, an open session's settings: rank 0 sets
+# its own) and the ticket's own variable, which the holder sets after it wrote the ticket. This project's own settings
 # (PREFECT_DDP_*: the byte cache's folder, ...) are compared: the ranks read them.
 IGNORED_PREFIXES = ("PREFECT_", "DASK_")
 OWN_PREFIX = "PREFECT_DDP_"
-IGNORED_VARIABLES = frozenset({"PYTHONUNBUFFERED", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", WARM_CLUSTER_ENV})
+IGNORED_VARIABLES = frozenset({"PYTHONUNBUFFERED", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", WARM_CLUSTER_ENV}
+                              | TRACKING_VARIABLES)
 WORKERS_TIMEOUT_S = 120.0
 REPLACER_POLL_S = 0.05
 

@@ -39,6 +39,11 @@ REQUEST_SETTINGS = {
 _SESSION = threading.Lock()
 # The name MLFLOW_TRACKING_AUTH gives MLflow: not a secret, only which provider signs requests.
 AUTH_PROVIDER = "prefect-ddp-session"
+# What tracking leaves in a process's environment: a session's settings while it is open, and
+# the telemetry id `import mlflow` sets. Each process that tracks (the flow's, rank 0's worker)
+# sets its own, so a run's process may differ from its workers in these alone (the warm
+# cluster's fit check, blocks/warm_cluster.py, ignores them).
+TRACKING_VARIABLES = frozenset(REQUEST_SETTINGS) | {"MLFLOW_TRACKING_AUTH", "_MLFLOW_TELEMETRY_SESSION_ID"}
 _OPEN_SESSIONS: dict[str, Tracking] = {}  # tracking URI -> its settings, while a session is open
 
 

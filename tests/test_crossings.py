@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,23 +105,27 @@ def holder(prefect_api: str) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture
-def launcher(request, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """The cluster a Python-launched cell asks for. For `warm`, this test's environment is made the
-    holder's (a run the holder starts has it); otherwise no warm cluster is on offer."""
+def launcher(request, monkeypatch: pytest.MonkeyPatch) -> Callable[[], dict[str, Any]]:
+    """The cluster a Python-launched cell asks for, as a call its body makes first. For `warm`,
+    the call makes the test's environment the holder's, as a run the holder starts has it (in the
+    body: pytest changes PYTEST_CURRENT_TEST between a test's setup and its call)."""
     cell: Cell = request.param
     if cell.cluster == "warm":
         environment = request.getfixturevalue("holder")
-        wait_until_free(Path(environment["ticket"]))
-        for key in set(os.environ) - set(environment):
-            monkeypatch.delenv(key)
-        for key, value in environment.items():
-            if key != "ticket":
-                monkeypatch.setenv(key, value)
-        return {"n_workers": 2}
+
+        def like_the_holder() -> dict[str, Any]:
+            wait_until_free(Path(environment["ticket"]))
+            for key in set(os.environ) - set(environment):
+                monkeypatch.delenv(key)
+            for key, value in environment.items():
+                if key != "ticket":
+                    monkeypatch.setenv(key, value)
+            return {"n_workers": 2}
+
+        return like_the_holder
     monkeypatch.delenv(WARM_CLUSTER_ENV, raising=False)
-    if cell.cluster == "external":
-        return {"address": request.getfixturevalue("external")}
-    return {"n_workers": 1}
+    cluster = {"address": request.getfixturevalue("external")} if cell.cluster == "external" else {"n_workers": 1}
+    return lambda: cluster
 
 
 def tracking_block(cell: Cell) -> str | None:
@@ -245,7 +249,7 @@ def test_transfer_learning_deployment_warm_tracking_on(kept_tracked, blocks):
 def test_transfer_learning_python_external_tracking_down(launcher, blocks, tmp_path, caplog):
     state = transfer_learning(
         data=DataConfig(**DATA), model=ModelConfig(**MODEL), training=TrainingConfig(**TINY_TRAINING),
-        cluster=ClusterConfig(**launcher, init_timeout_s=60, max_restarts=0),
+        cluster=ClusterConfig(**launcher(), init_timeout_s=60, max_restarts=0),
         output=OutputConfig(url=str(tmp_path), model_name="untracked"),
         tracking=TrackingConfig(block=DOWN, experiment=EXPERIMENT), return_state=True)
     assert state.is_completed(), state.message
@@ -289,7 +293,7 @@ def run_sweep(cell: Cell, cluster: dict[str, Any], output: Path, name: str) -> A
 @pytest.mark.parametrize("launcher", [Cell("hyperparameter-sweep", "python", "warm", "down")], indirect=True, ids=str)
 def test_hyperparameter_sweep_python_warm_tracking_down(launcher, blocks, tmp_path):
     cell = Cell("hyperparameter-sweep", "python", "warm", "down")
-    state = run_sweep(cell, launcher, tmp_path, "swept-warm")
+    state = run_sweep(cell, launcher(), tmp_path, "swept-warm")
     assert_cluster(cell, state.state_details.flow_run_id)
     pointer = assert_every_trial_trained_and_the_best_kept(state.result(), tmp_path, "swept-warm")
     assert pointer.get("registered") is None
@@ -298,7 +302,7 @@ def test_hyperparameter_sweep_python_warm_tracking_down(launcher, blocks, tmp_pa
 @pytest.mark.parametrize("launcher", [Cell("hyperparameter-sweep", "python", "local", "on")], indirect=True, ids=str)
 def test_hyperparameter_sweep_python_local_tracking_on(launcher, blocks, tmp_path):
     cell = Cell("hyperparameter-sweep", "python", "local", "on")
-    state = run_sweep(cell, launcher | {"n_workers": 2}, tmp_path, "swept-local")
+    state = run_sweep(cell, launcher() | {"n_workers": 2}, tmp_path, "swept-local")
     assert_cluster(cell, state.state_details.flow_run_id)
     record = state.result()
     pointer = assert_every_trial_trained_and_the_best_kept(record, tmp_path, "swept-local")
@@ -321,7 +325,7 @@ def test_hyperparameter_sweep_deployment_external_tracking_off(blocks, deploymen
 def test_batch_predict_python_external_tracking_on(launcher, kept_tracked, tmp_path):
     output, _ = kept_tracked
     summary = batch_predict(model=f"models:/tracked@{ALIAS}", data_block="test-images", output_url=str(tmp_path),
-                            cluster=ClusterConfig(**launcher), tracking_block=TRACKED, chunk_size=8)
+                            cluster=ClusterConfig(**launcher()), tracking_block=TRACKED, chunk_size=8)
     # The registry's champion and OUTPUT/tracked/latest name one model, and it is what scored.
     assert_scored_with(summary, kept(output, "tracked")["version"])
 
@@ -330,7 +334,7 @@ def test_batch_predict_python_external_tracking_on(launcher, kept_tracked, tmp_p
 def test_batch_predict_python_warm_tracking_off(launcher, kept_plain, tmp_path):
     output, _ = kept_plain
     state = batch_predict(model=f"{output}/plain/latest", data_block="test-images", output_url=str(tmp_path),
-                          cluster=ClusterConfig(**launcher), chunk_size=8, return_state=True)
+                          cluster=ClusterConfig(**launcher()), chunk_size=8, return_state=True)
     assert_cluster(Cell("batch-predict", "python", "warm", "off"), state.state_details.flow_run_id)
     assert_scored_with(state.result(), kept(output, "plain")["version"])
 

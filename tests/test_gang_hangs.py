@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from deployments.sample_data import shapes_dataset
 from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.deployments.sample_data import shapes_dataset
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.indexing import build_manifest
 from prefect_ddp.tasks.data.splitting import Split

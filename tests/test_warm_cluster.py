@@ -169,10 +169,14 @@ def test_a_run_whose_ranks_would_see_a_difference_starts_its_own_cluster_and_say
     assert "a-value-that-stays-private" not in caplog.text
 
 
-def test_prefect_settings_of_the_run_and_dask_configuration_do_not_keep_it_off(warm, holder, monkeypatch):
+def test_prefect_settings_of_the_run_dask_configuration_and_mlflow_tracking_do_not_keep_it_off(warm, holder,
+                                                                                               monkeypatch):
     like_the_holder(monkeypatch, holder[1])
     monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "a-run-id")
     monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__DAEMON", "False")
+    # A tracked run's process: `import mlflow` sets its telemetry id; an open session, its settings.
+    monkeypatch.setenv("_MLFLOW_TELEMETRY_SESSION_ID", "a-session-id")
+    monkeypatch.setenv("MLFLOW_TRACKING_AUTH", "prefect-ddp-session")
     wait_until_free(warm)
     claim = claim_warm_cluster(SPEC)
     assert claim is not None
