@@ -27,13 +27,20 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from distributed import Client
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 
 from prefect_ddp.blocks.cluster import DaskCluster
 from prefect_ddp.blocks.tracking import MlflowTracking
-from prefect_ddp.blocks.warm_cluster import WARM_CLUSTER_ENV, wait_until_free, warm_cluster
+from prefect_ddp.blocks.warm_cluster import (
+    WARM_CLUSTER_ENV,
+    read_ticket,
+    wait_until_free,
+    warm_cluster,
+    worker_addresses,
+)
 from prefect_ddp.flows.batch_predict import batch_predict
 from prefect_ddp.flows.sweep import hyperparameter_sweep
 from prefect_ddp.flows.transfer_learning import transfer_learning
@@ -160,7 +167,7 @@ def kept(output: Path, name: str) -> dict[str, Any]:
 def assert_kept(output: Path, name: str, run_folder: Path) -> dict[str, Any]:
     """`run_folder`'s model is the one kept under `name`: latest.json names it, and its copy is the run's."""
     pointer = kept(output, name)
-    assert pointer["run"]["name"] == run_folder.name.rsplit("-", 1)[0], pointer
+    assert Path(pointer["version"]).name == run_folder.name, pointer  # versions/<the run's folder name>
     assert Path(pointer["version"], "model.pt").read_bytes() == (run_folder / "model.pt").read_bytes()
     return pointer
 
@@ -291,12 +298,21 @@ def run_sweep(cell: Cell, cluster: dict[str, Any], output: Path, name: str) -> A
 
 
 @pytest.mark.parametrize("launcher", [Cell("hyperparameter-sweep", "python", "warm", "down")], indirect=True, ids=str)
-def test_hyperparameter_sweep_python_warm_tracking_down(launcher, blocks, tmp_path):
+def test_hyperparameter_sweep_python_warm_tracking_down(launcher, holder, blocks, tmp_path):
+    """Its trials were handed the warm cluster's TLS address without the certificate: each failed
+    at once ("TLS expects a ssl_context argument") and the sweep ended Completed (issue 29)."""
     cell = Cell("hyperparameter-sweep", "python", "warm", "down")
-    state = run_sweep(cell, launcher(), tmp_path, "swept-warm")
+    cluster = launcher()
+    ticket = read_ticket(Path(holder["ticket"]))
+    with Client(ticket.address, security=ticket.security(), timeout=30) as client:
+        warm_workers = set(client.run_on_scheduler(worker_addresses))
+    state = run_sweep(cell, cluster, tmp_path, "swept-warm")
     assert_cluster(cell, state.state_details.flow_run_id)
-    pointer = assert_every_trial_trained_and_the_best_kept(state.result(), tmp_path, "swept-warm")
+    record = state.result()
+    pointer = assert_every_trial_trained_and_the_best_kept(record, tmp_path, "swept-warm")
     assert pointer.get("registered") is None
+    for trial in record["trials"]:  # the warm cluster's workers, not a cluster of the sweep's own
+        assert set(trial["workers"]) <= warm_workers, (trial["workers"], warm_workers)
 
 
 @pytest.mark.parametrize("launcher", [Cell("hyperparameter-sweep", "python", "local", "on")], indirect=True, ids=str)

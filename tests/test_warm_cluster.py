@@ -36,7 +36,6 @@ from prefect_ddp.blocks.warm_cluster import (
     warm_cluster,
     worker_addresses,
 )
-from tests.support.image_folders import local_image_folder
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = DaskCluster(n_workers=2)
@@ -98,25 +97,6 @@ def test_flow_runs_started_beside_it_run_their_ranks_on_its_workers_fresh_each_t
     second_workers = worker_pids(warm)
     assert len(second_workers) == 2 and not second_workers & first_workers
     assert run_flow(tmp_path / "second.json", environment) == {"warm": True, "pids": sorted(second_workers)}
-
-
-def test_a_sweep_started_beside_it_trains_its_trials_on_its_workers(holder, tmp_path):
-    """Its trials were handed the TLS address without the certificate: each failed at once with
-    "TLS expects a ssl_context argument", and the sweep ended Completed (issue 29)."""
-    warm, environment = holder
-    local_image_folder(tmp_path / "images", per_class=6)
-    wait_until_free(warm)
-    with connect(warm) as client:
-        workers = set(client.run_on_scheduler(worker_addresses))
-    out = tmp_path / "sweep.json"
-    subprocess.run([sys.executable, "-m", "tests.support.warm_sweep", str(tmp_path / "images"),
-                    str(tmp_path / "runs"), str(out)], check=True, cwd=REPO, timeout=300, env=environment)
-    sweep = json.loads(out.read_text())
-    assert sweep["state"] == "COMPLETED", sweep["message"]
-    assert [trial["state"] for trial in sweep["trials"]] == ["completed", "completed"], sweep["trials"]
-    for trial in sweep["trials"]:
-        assert Path(trial["model_url"]).exists()
-        assert set(trial["workers"]) <= workers  # the warm cluster's, not a cluster of the sweep's own
 
 
 def test_one_run_at_a_time_and_a_run_that_died_on_it_leaves_fresh_workers_to_the_next(
