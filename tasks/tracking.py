@@ -45,6 +45,9 @@ AUTH_PROVIDER = "prefect-ddp-session"
 # cluster's fit check, blocks/warm_cluster.py, ignores them).
 TRACKING_VARIABLES = frozenset(REQUEST_SETTINGS) | {"MLFLOW_TRACKING_AUTH", "_MLFLOW_TELEMETRY_SESSION_ID"}
 _OPEN_SESSIONS: dict[str, Tracking] = {}  # tracking URI -> its settings, while a session is open
+# The auth provider the environment named before a session replaced it (a user's own plugin,
+# e.g. single sign-on): every request still goes through it first.
+_outer_provider: str | None = None
 
 
 class Tracking(BaseModel):
@@ -79,8 +82,28 @@ class Tracking(BaseModel):
         return f"Bearer {self.token.get_secret_value()}" if self.token else None
 
     def serves(self, url: str) -> bool:
-        """Whether a request to `url` goes to this server (its API or its artifacts)."""
-        return url == self.tracking_uri or url.startswith(self.tracking_uri.rstrip("/") + "/")
+        """Whether a request to `url` goes to this server (its API or its artifacts), however the
+        URI spells its scheme, host and port: requests sends them lower-cased, default port dropped."""
+        origin, path = server_of(self.tracking_uri)
+        url_origin, url_path = server_of(url)
+        return url_origin == origin and (url_path == path or url_path.startswith(path + "/"))
+
+
+def server_of(uri: str) -> tuple[tuple[str, str, int | None], str]:
+    """(scheme, host, port) as a request sends them, and the path without its trailing slash.
+
+    >>> server_of("HTTP://MLflow.internal:80/api/")
+    (('http', 'mlflow.internal', 80), '/api')
+    """
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    return (scheme, (parts.hostname or "").lower(), port), parts.path.rstrip("/")
+
+
+def same_server(one: str, other: str) -> bool:
+    """Whether two tracking URIs name one server, spelled alike or not."""
+    return server_of(one) == server_of(other)
 
 
 def without_credentials(uri: str) -> str:
@@ -125,10 +148,12 @@ def mlflow_session(tracking: Tracking) -> Iterator[Any]:
     """An MlflowClient for `tracking`, whose requests carry its credentials meanwhile."""
     mlflow = import_mlflow()
     env = REQUEST_SETTINGS | {"MLFLOW_TRACKING_AUTH": AUTH_PROVIDER}
+    global _outer_provider
     with _SESSION:
         _register_auth_provider()
         saved = {name: os.environ.get(name) for name in env}
         previous_uri = mlflow.get_tracking_uri()
+        _outer_provider = saved["MLFLOW_TRACKING_AUTH"]
         os.environ.update(env)
         mlflow.set_tracking_uri(tracking.tracking_uri)
         _OPEN_SESSIONS[tracking.tracking_uri] = tracking
@@ -136,6 +161,7 @@ def mlflow_session(tracking: Tracking) -> Iterator[Any]:
             yield mlflow.MlflowClient(tracking.tracking_uri)
         finally:
             _OPEN_SESSIONS.pop(tracking.tracking_uri, None)
+            _outer_provider = None
             mlflow.set_tracking_uri(previous_uri)
             for name, value in saved.items():
                 if value is None:
@@ -146,7 +172,12 @@ def mlflow_session(tracking: Tracking) -> Iterator[Any]:
 
 def sign(request: Any) -> Any:
     """Add the Authorization of the open session whose server `request` goes to (a requests
-    auth hook: MLflow's http_request passes it the prepared request, in whatever thread sends it)."""
+    auth hook: MLflow's http_request passes it the prepared request, in whatever thread sends it),
+    after the auth provider the environment named before the session, if any, had its turn."""
+    if _outer_provider and _outer_provider != AUTH_PROVIDER:
+        from mlflow.tracking.request_auth.registry import fetch_auth
+
+        request = fetch_auth(_outer_provider)(request)
     for tracking in list(_OPEN_SESSIONS.values()):
         if tracking.serves(request.url) and (header := tracking.authorization()):
             request.headers["Authorization"] = header

@@ -11,7 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefect_ddp.tasks.gang.progress import DEFAULT_HANG_S, GAP_WINDOW, HangWatch, after_text, send_progress
+from prefect_ddp.tasks.gang.progress import (
+    DEFAULT_HANG_S,
+    GAP_WINDOW,
+    HangWatch,
+    after_text,
+    collective_timeout_s,
+    send_progress,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -116,6 +123,18 @@ def test_a_live_gang_may_be_silent_for_the_fetch_timeout_but_a_frozen_worker_is_
     assert "made no progress for 201 s" in late and "the hang limit is 200 s" in late
     frozen = watch([(12, e) for _, e in waiting], {WORKERS[0]: 0.5, WORKERS[1]: 12}, hang_timeout_s=10, floor_s=200)
     assert "Rank 1" in frozen.check() and "(frozen); the hang limit is 10 s" in frozen.check()
+
+
+def test_a_fetch_timeout_longer_than_the_cap_raises_the_process_groups_timeout_so_the_rank_is_named_first():
+    """With fetch_timeout_s 600 and init_timeout_s 300, a live rank's peers failed on gloo's 300 s
+    timeout, naming no cause, before the hang rule (which held them 600 s) or the rank's own error."""
+    timeout_s = collective_timeout_s(300, floor_s=600)
+    assert timeout_s == 750 and collective_timeout_s(300, floor_s=60) == 300
+    waiting = [(599, step(0, 7)), (599, step(1, 7))]
+    assert watch(waiting, ALIVE, hang_timeout_s=None, floor_s=600, collective_timeout_s=timeout_s).check() is None
+    late = watch([(601, e) for _, e in waiting], ALIVE, hang_timeout_s=None, floor_s=600,
+                 collective_timeout_s=timeout_s).check()
+    assert "the hang limit is 600 s" in late and 600 < timeout_s  # named before the peers' timeout
 
 
 def test_a_download_reports_progress_and_gets_the_plain_limit():

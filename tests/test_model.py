@@ -1,4 +1,6 @@
 import hashlib
+import os
+import stat
 
 import pytest
 import torch
@@ -93,6 +95,10 @@ def test_weights_are_downloaded_into_torchs_cache_with_progress_as_their_bytes_a
     chunks = -(-len(data) // DOWNLOAD_CHUNK_BYTES)
     assert len(calls) == chunks > 1  # once per chunk, not once at the end
     assert path.read_bytes() == data and sorted(p.name for p in cache.iterdir()) == [path.name]
+    # Readable as torch.hub's own downloads are (the umask's permissions), in a cache other users share.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
     # What torchvision's own loading then finds in its cache, without a download of its own.
     loaded = torch.hub.load_state_dict_from_url(url, model_dir=str(cache), weights_only=True)
     assert torch.equal(loaded["classifier.3.weight"], state["classifier.3.weight"])

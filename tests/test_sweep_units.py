@@ -11,7 +11,14 @@ from prefect_ddp.blocks.study_storage import StudyStorage
 from prefect_ddp.flows.sweep import check_metric, check_space
 from prefect_ddp.tasks.sweeps.search_space import Dimension, grid, with_params
 from prefect_ddp.tasks.sweeps.settings import INTERRUPTED, SweepSettings
-from prefect_ddp.tasks.sweeps.sweep import make_sampler, study_storage, trial_run_name, trials_left
+from prefect_ddp.tasks.sweeps.sweep import (
+    NoTrialTrained,
+    TrialsRun,
+    make_sampler,
+    study_storage,
+    trial_run_name,
+    trials_left,
+)
 from prefect_ddp.tasks.sweeps.sweep_report import (
     best_row,
     importances,
@@ -110,3 +117,13 @@ def test_a_database_password_is_refused_as_a_parameter_and_taken_from_a_block_in
     assert study_storage(SweepSettings(storage_block="test-studies"), "s3://bucket/out") == url
     with pytest.raises(ValueError, match=r"No study-storage block named 'missing'.*StudyStorage\(...\).save\('missing'\)"):
         study_storage(SweepSettings(storage_block="missing"), "s3://bucket/out")
+
+
+@pytest.mark.unit
+def test_a_sweep_fails_only_when_no_trial_of_its_study_trained():
+    failed = TrialsRun(trained=0, failed={0: "ValueError: batch_size too large", 1: "ValueError: batch_size too large"})
+    with pytest.raises(NoTrialTrained, match=r"Sweep 's': none of its 2 trial\(s\) trained.*trial 0: ValueError"):
+        failed.require_one_trained("s", best=None)
+    # Continued with more trials that all failed: the study keeps the result of its earlier run.
+    failed.require_one_trained("s", best={"trial": 3, "value": 0.8})
+    TrialsRun(trained=1, failed={1: "boom"}).require_one_trained("s", best=None)  # a run with one result

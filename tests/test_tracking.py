@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 import pytest
+import requests
 from mlflow import MlflowClient
 
 from prefect_ddp.blocks.tracking import MlflowTracking
@@ -39,10 +40,11 @@ from prefect_ddp.tasks.config import (
 from prefect_ddp.tasks.gang import free_port
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.results.promotion import Promotion, kept_location, promote, read_pointer
-from prefect_ddp.tasks.results.registry import ALIAS, Registration
+from prefect_ddp.tasks.prediction.model_source import check_champion
+from prefect_ddp.tasks.results.registry import ALIAS, POINTER_TAG, Registration
 from prefect_ddp.tasks.results.tracking_run import RUN_FILES, log_model, start_run
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
-from prefect_ddp.tasks.tracking import Tracking, epoch_metrics, mlflow_session
+from prefect_ddp.tasks.tracking import Tracking, epoch_metrics, mlflow_session, same_server, sign
 from tests.support.image_folders import local_image_folder
 from tests.support.mlflow_auth_front import mlflow_auth_front
 
@@ -404,3 +406,56 @@ def test_credentials_in_the_tracking_uri_are_refused_naming_the_fields_they_belo
         model(tracking_uri=uri)
     assert "hunter2-secret" not in str(refused.value) and "***@mlflow.internal" in str(refused.value)
     assert model(tracking_uri="https://mlflow.internal", username="trainer", password="hunter2-secret")
+
+
+def test_a_reader_that_spells_the_server_otherwise_or_cannot_read_the_pointer_never_removes_the_champion(
+        tracked, mlflow_uri, tmp_path):
+    """batch-predict checks the alias against latest.json; it removed `champion` for everyone where it
+    read the server's URI spelled otherwise, or could not read latest.json (scoring away from the output)."""
+    client, output, _ = tracked
+    store, spec = Location(url=str(output)), f"models:/{NAME}@{ALIAS}"
+    champion = client.get_model_version_by_alias(NAME, ALIAS).version
+    check = check_champion(spec, store, Tracking(tracking_uri="HTTP" + mlflow_uri.removeprefix("http") + "/"))
+    assert check["agrees"] and check["now"] == champion  # one server, however spelled
+    pointer = client.get_registered_model(NAME).tags[POINTER_TAG]
+    client.set_registered_model_tag(NAME, POINTER_TAG, str(tmp_path / "training-host" / NAME / "latest.json"))
+    try:
+        check = check_champion(spec, store, Tracking(tracking_uri=mlflow_uri))
+    finally:
+        client.set_registered_model_tag(NAME, POINTER_TAG, pointer)
+    assert not check["agrees"] and "no latest.json here" in check["unchecked"]
+    assert client.get_model_version_by_alias(NAME, ALIAS).version == champion
+
+
+@pytest.mark.unit
+def test_a_session_signs_requests_to_its_server_however_its_uri_is_spelled_and_to_no_other():
+    tracking = Tracking(tracking_uri="HTTP://LocalHost:5000/", username="trainer", password=SECRET)
+    assert tracking.serves("http://localhost:5000/api/2.0/mlflow/runs/get")  # as requests sends it
+    assert not tracking.serves("http://localhost:50001/api") and not tracking.serves("http://otherhost:5000/api")
+    assert Tracking(tracking_uri="https://mlflow.example").serves("https://MLflow.example:443/api")
+    assert same_server("http://127.0.0.1:5000", "HTTP://127.0.0.1:5000/") and not same_server("http://a:5000", "http://a:5001")
+
+
+@pytest.mark.unit
+def test_a_users_own_mlflow_auth_provider_still_signs_every_request_inside_a_session(monkeypatch):
+    from mlflow.tracking.request_auth.abstract_request_auth_provider import RequestAuthProvider
+    from mlflow.tracking.request_auth.registry import _request_auth_provider_registry as registry
+
+    class SingleSignOn(RequestAuthProvider):
+        def get_name(self) -> str:
+            return "test-single-sign-on"
+
+        def get_auth(self):
+            def add(request):
+                request.headers["X-Sso"] = "signed"
+                return request
+            return add
+
+    registry.register(SingleSignOn)
+    monkeypatch.setenv("MLFLOW_TRACKING_AUTH", "test-single-sign-on")
+    with mlflow_session(Tracking(tracking_uri="http://127.0.0.1:9", username="trainer", password=SECRET)):
+        ours = sign(requests.Request("GET", "http://127.0.0.1:9/api/2.0/mlflow/experiments/search").prepare())
+        other = sign(requests.Request("GET", "http://elsewhere:5000/api/2.0/mlflow/runs/get").prepare())
+    assert ours.headers["X-Sso"] == "signed" and ours.headers["Authorization"].startswith("Basic ")
+    assert other.headers["X-Sso"] == "signed" and "Authorization" not in other.headers
+    assert os.environ["MLFLOW_TRACKING_AUTH"] == "test-single-sign-on"

@@ -142,6 +142,18 @@ async def remove_unresponsive(addresses: list[str], dask_scheduler: Any = None) 
     return silent
 
 
+def collective_timeout_s(init_timeout_s: float, floor_s: float) -> float:
+    """The process group's timeout: `init_timeout_s`, raised where a live rank may wait on its
+    own (`floor_s`, the recipe's fetch timeout) longer than CAP_SHARE of it. Its peers wait that
+    long in their next collective: with the timeout below the floor, they failed on it first,
+    naming no cause, where the rank's own error names the images it waited for.
+
+    >>> collective_timeout_s(300, 60), collective_timeout_s(60, 60)
+    (300, 75.0)
+    """
+    return max(init_timeout_s, floor_s / CAP_SHARE)
+
+
 @dataclass
 class HangWatch:
     """The supervisor's side: polls the scheduler and says when, and why, the gang is hung."""

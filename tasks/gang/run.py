@@ -20,6 +20,7 @@ from prefect_ddp.tasks.gang.errors import (
     GangTimeout,
 )
 from prefect_ddp.tasks.gang.lease import leased_workers
+from prefect_ddp.tasks.gang.progress import collective_timeout_s
 from prefect_ddp.tasks.gang.results import COMPLETED, GangAttempt, GangResults
 from prefect_ddp.tasks.gang.sending import prepare_to_send
 from prefect_ddp.tasks.gang.stopping import scope_stopped
@@ -87,7 +88,9 @@ def run_gang(
         task_runner: the DaskTaskRunner to use; default: the current flow's.
         world_size: number of ranks; default: every worker of the cluster.
         output_url: handed to the ranks as `ctx.output_url`.
-        init_timeout: limit for the ranks to meet, and for any collective to complete.
+        init_timeout: limit for the ranks to meet, and for any collective to complete;
+            raised to `hang_floor` / 0.8 where that is longer, since a peer may wait that long
+            for a rank that waits `hang_floor` on its own.
         timeout: limit for the whole call, all attempts together, counted from the call
             (waiting for free workers is limited by `lease_timeout` alone). When it passes
             the ranks are stopped and GangTimeout is raised; the gang is not re-formed.
@@ -127,10 +130,11 @@ def run_gang(
     check_limits(timeout, max_restarts)
     runner = task_runner or current_dask_runner()
     prepare_to_send(runner.client, train_fn, config)
-    spec = GangSpec(train_fn, config, output_url, init_timeout.total_seconds(), trial, Deadline.after(timeout),
-                    needs_child_processes, shared_output,
+    floor_s = hang_floor.total_seconds() if hang_floor is not None else 0.0
+    spec = GangSpec(train_fn, config, output_url, collective_timeout_s(init_timeout.total_seconds(), floor_s), trial,
+                    Deadline.after(timeout), needs_child_processes, shared_output,
                     hang_timeout_s=hang_timeout.total_seconds() if hang_timeout is not None else None,
-                    hang_floor_s=hang_floor.total_seconds() if hang_floor is not None else 0.0)
+                    hang_floor_s=floor_s)
     attempts: list[GangAttempt] = []
     try:
         return GangResults(_until_one_completes(runner, spec, world_size, max_restarts, lease_timeout, attempts), attempts)

@@ -133,7 +133,8 @@ def check_card(data: bytes, url: str) -> dict[str, Any]:
 
 def check_champion(spec: str, store: Location, tracking: Tracking) -> dict[str, Any] | None:
     """The registry's `champion` checked against the pointer when `spec` names either, moved
-    where they disagree; None for other specs. Refuses models:/NAME@champion that still disagrees."""
+    where they disagree; None for other specs. Refuses models:/NAME@champion that still disagrees
+    (a pointer it cannot read, or one of another server's, leaves it unchecked, with a warning)."""
     name, _, alias = spec.removeprefix(REGISTRY_PREFIX).partition("@")
     if spec.startswith(REGISTRY_PREFIX):
         pointer_url = pointer_of(tracking, name) if alias == ALIAS else None
@@ -144,8 +145,10 @@ def check_champion(spec: str, store: Location, tracking: Tracking) -> dict[str, 
         name = ((read_pointer(kept) or {}).get("registered") or {}).get("name") or posixpath.basename(kept.url)
     else:
         return None
-    check = align_champion(tracking, name, lambda: read_pointer(kept))
-    if spec.startswith(REGISTRY_PREFIX) and not check.agrees:
+    # A reader: it moves the alias to the version the pointer names, never removes it, and
+    # leaves it unchecked where the pointer is not readable here or names another server's version.
+    check = align_champion(tracking, name, lambda: read_pointer(kept), remove_unregistered=False)
+    if spec.startswith(REGISTRY_PREFIX) and check.error:
         raise ValueError(
             f"model={spec!r}: {check.disagreement()}. Scoring with it would not score with the kept model. "
             f"Give model={child_url(kept.url, POINTER_NAME)} (the kept model itself), or let this tracking "

@@ -132,7 +132,8 @@ def promote(summary: dict[str, Any], run_output: Location, kept: Location,
     run_logger().info("Model %s: %s.", "promoted" if promoted else "not promoted", reason)
     # Kept or not, the alias follows the pointer: this also repairs an earlier promotion's
     # registry failure (docs/architecture.md, "Tracking and the registry").
-    check = align_champion(registry.tracking, registry.name, lambda: read_pointer(kept)) if registry else None
+    check = (align_champion(registry.tracking, registry.name, lambda: read_pointer(kept), remove_unregistered=True)
+             if registry else None)
     if check and check.now:
         run_logger().info("Registered model %r: alias %r names version %s.", registry.name, ALIAS, check.now)
     return Promotion(

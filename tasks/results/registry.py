@@ -35,7 +35,7 @@ from pydantic import BaseModel
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.results.pointer import MAX_ROUNDS
 from prefect_ddp.tasks.results.tracking_run import LoggedModel, warn
-from prefect_ddp.tasks.tracking import Tracking, mlflow_session
+from prefect_ddp.tasks.tracking import Tracking, mlflow_session, same_server
 
 ALIAS = "champion"
 KEPT_VERSION_TAG = "prefect_ddp.kept_version"  # on a model version: the version folder it holds
@@ -59,10 +59,11 @@ class ChampionCheck(BaseModel):
     was: str | None  # the version champion named when checked
     now: str | None  # the version it names after the check (None: no alias)
     error: str | None = None  # why it could not be checked or moved
+    unchecked: str | None = None  # why the alias was left as it was, unchecked (the pointer is not this server's)
 
     @property
     def agrees(self) -> bool:
-        return self.error is None and self.now == self.pointer_version
+        return self.error is None and self.unchecked is None and self.now == self.pointer_version
 
     @property
     def repaired(self) -> bool:
@@ -70,6 +71,9 @@ class ChampionCheck(BaseModel):
 
     def disagreement(self) -> str:
         """What is wrong, for the promotion's result, the report and batch-predict's record."""
+        if self.unchecked:
+            return (f"the registry's alias {ALIAS!r} of {self.name!r} (on {_version(self.now)}) could not be "
+                    f"checked against latest.json and was left as it was: {self.unchecked}")
         return (f"the registry's alias {ALIAS!r} of {self.name!r} names {_version(self.now)}, but latest.json "
                 f"names {_version(self.pointer_version)} ({self.error}): models:/{self.name}@{ALIAS} and the kept "
                 "model are different models until the next promotion, or a batch-predict run given this "
@@ -114,20 +118,38 @@ def drop_version(model: LoggedModel, registered: dict[str, Any]) -> None:
         warn(f"delete version {registered['version']} of {registered['name']!r}, which was not promoted", error)
 
 
-def align_champion(tracking: Tracking, name: str, read_pointer: Callable[[], dict[str, Any] | None]) -> ChampionCheck:
+def align_champion(tracking: Tracking, name: str, read_pointer: Callable[[], dict[str, Any] | None],
+                   remove_unregistered: bool) -> ChampionCheck:
     """Point `champion` at the version the kept model's pointer names, until the pointer holds still.
 
-    A pointer that names no registered version (kept before tracking was on, or its logging
-    or registration failed) removes the alias: no version holds the kept model. Never
-    raises: a registry that fails is told in the check's `error` and warned about.
+    What the pointer names decides. A version of `name` on this server: the alias is moved
+    to it (the repair). A version registered on another server, or no pointer readable here
+    (a reader elsewhere than the training's output): the alias is left, unchecked, since
+    nothing here says which version holds the kept model. No registered version (kept before
+    tracking was on, or its logging or registration failed): a promotion, which wrote that
+    pointer (`remove_unregistered`), removes the alias, as no version holds the kept model;
+    a reader leaves it and tells the disagreement. Never raises: a registry that fails is
+    told in the check's `error` and warned about.
     """
     check = ChampionCheck(name=name, pointer_version=None, was=None, now=None)
     try:
+        pointer = read_pointer()
+    except Exception as error:
+        pointer, check.unchecked = None, f"latest.json could not be read here ({type(error).__name__}: {error})"
+    if pointer is None:
+        check.unchecked = check.unchecked or "there is no latest.json here to check it against"
+        return _told(check)
+    try:
         with mlflow_session(tracking) as client:
-            pointer = read_pointer()
             check.was = check.now = _alias_version(client, name)
             for _ in range(MAX_ROUNDS):
+                if elsewhere := registered_elsewhere(pointer, tracking):
+                    check.unchecked = f"latest.json's version is registered on {elsewhere}, not {tracking.tracking_uri}"
+                    return _told(check)
                 check.pointer_version = registered_version(pointer, tracking, name)
+                if check.pointer_version is None and not remove_unregistered:
+                    check.error = "the kept model has no registered version"
+                    return _told(check)
                 if check.now != check.pointer_version:
                     _point_alias(client, name, check.pointer_version)
                     check.now = check.pointer_version
@@ -145,9 +167,15 @@ def registered_version(pointer: dict[str, Any] | None, tracking: Tracking, name:
     """The version of `name` on `tracking`'s server that the pointer names; None when it names
     none there (a pointer written with another server, or none, holds no version of this one)."""
     registered = (pointer or {}).get("registered") or {}
-    if registered.get("name") == name and registered.get("tracking_uri") == tracking.tracking_uri:
+    if registered.get("name") == name and same_server(registered.get("tracking_uri") or "", tracking.tracking_uri):
         return registered.get("version")
     return None
+
+
+def registered_elsewhere(pointer: dict[str, Any], tracking: Tracking) -> str | None:
+    """The other tracking server the pointer's version is registered on, if it is."""
+    uri = (pointer.get("registered") or {}).get("tracking_uri")
+    return uri if uri and not same_server(uri, tracking.tracking_uri) else None
 
 
 def _told(check: ChampionCheck) -> ChampionCheck:

@@ -168,9 +168,11 @@ class TrialsRun:
     trained: int = 0
     failed: dict[int, str] = field(default_factory=dict)  # trial number -> why it failed
 
-    def require_one_trained(self, name: str) -> None:
-        """Raise where trials ran and none of them trained, naming each one's error."""
-        if self.trained or not self.failed:
+    def require_one_trained(self, name: str, best: dict[str, Any] | None) -> None:
+        """Raise where trials ran, none of them trained and the study has no `best` trial from an
+        earlier run of it either (a sweep continued with more trials keeps its result), naming each
+        one's error."""
+        if self.trained or not self.failed or best is not None:
             return
         errors = "; ".join(f"trial {number}: {reason}" for number, reason in sorted(self.failed.items()))
         raise NoTrialTrained(
@@ -380,5 +382,5 @@ def sweep(
 
     trials = run_trials(study, space, settings, runner.client, train_trial)
     record = publish_sweep_report(study, settings, output)
-    trials.require_one_trained(settings.name)
+    trials.require_one_trained(settings.name, record["best"])
     return record

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -124,7 +124,10 @@ def download_to_cache(url: str, folder: Path, on_progress: Callable[[], None]) -
     if path.exists():
         return path
     folder.mkdir(parents=True, exist_ok=True)
-    handle, partial_name = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".partial")
+    # Created as torch.hub creates its downloads, with the umask's permissions (mkstemp's 0600
+    # would leave a cache shared between users holding files the others cannot read).
+    partial_name = str(folder / f".{path.name}.{uuid.uuid4().hex}.partial")
+    handle = os.open(partial_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(handle, "wb") as out, urllib.request.urlopen(url, timeout=DOWNLOAD_STALL_S) as response:
             sha256 = copy_reporting(response, out, on_progress)
