@@ -36,10 +36,11 @@ from prefect_ddp.tasks.data.validation import (
     DecodeResult,
     check_unreadable,
     decode_check,
+    validate_source,
 )
 from prefect_ddp.tasks.gang import free_port
 from tests.support.api_helpers import assert_no_task_run_left_running
-from tests.conftest import truncated_jpeg
+from tests.conftest import BUCKET, truncated_jpeg
 from tests.support.flow_runs import block_copy
 
 BLOCK = "bad-data"
@@ -203,6 +204,16 @@ def test_a_missing_bucket_fails_validate_source_at_once_naming_it(bad_folders, d
                                                  r"found at http://127.0.0.1:\d+", tmp_path)
     assert [r.run_count for r in validate_source_runs(runs)] == [1]
     assert time.monotonic() - started < 15
+
+
+def test_a_prefix_uploaded_after_this_process_listed_its_parent_is_found(image_location, s3_fs):
+    """fsspec reuses one s3fs per process, and s3fs answered from its cached listing of the parent:
+    a folder uploaded since was "empty or does not exist" to the next run in the same process."""
+    grown = image_location.with_url(f"s3://{BUCKET}/grows")
+    s3_fs.pipe({f"{BUCKET}/grows/monday/a/0.jpg": b"an image"})
+    validate_source.fn(grown.plain())  # lists grows/: only monday/
+    s3_fs.pipe({f"{BUCKET}/grows/tuesday/a/0.jpg": b"an image"})
+    validate_source.fn(grown.with_url(f"s3://{BUCKET}/grows/tuesday").plain())
 
 
 @pytest.fixture(scope="module")

@@ -61,6 +61,10 @@ def validate_source(location: Location) -> None:
     """
     try:
         fs, root = filesystem(location.url, location.storage_options())
+        # As it is now: fsspec reuses one s3fs per set of options in a process, and s3fs answers
+        # `exists` from a listing of a parent it made before (a prefix uploaded since then is
+        # "empty"; docs/architecture.md, "Facts: storage clients").
+        fs.invalidate_cache(root)
         if fs.exists(root) and fs.ls(root, detail=False):
             return
         empty = _empty_source_error(fs, location)
