@@ -151,7 +151,7 @@ def hyperparameter_sweep(
 
             trials = run_trials(study, space, settings, runner.client, train_trial)
         record = publish_sweep_report(study, settings, out)
-        trials.require_one_trained(settings.name)  # after the report, which shows each trial's error
+        trials.require_one_trained(settings.name, record["best"])  # after the report: it shows their errors
         promotion = promote_best(record["best"], out, kept, tracker, kept_name) if kept else None
         if parent:
             complete_run(parent, out.with_url(child_url(out.url, safe_segment(settings.name))),

@@ -30,6 +30,12 @@ import pytest
 from distributed import Client
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    DeploymentFilter,
+    DeploymentFilterName,
+)
 from prefect.deployments import run_deployment
 
 from prefect_ddp.blocks.cluster import DaskCluster
@@ -47,9 +53,11 @@ from prefect_ddp.flows.transfer_learning import transfer_learning
 from prefect_ddp.tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrackingConfig, TrainingConfig
 from prefect_ddp.tasks.gang import free_port
 from prefect_ddp.tasks.results.registry import ALIAS
+from prefect_ddp.tasks.results.run_folder import run_folder_name
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from tests.conftest import PER_CLASS
 from tests.support.api_helpers import all_logs
+from tests.support.deployed import check, prefect_cli
 from tests.support.external_dask import TRAINING_ENV, dask_processes, owner_environment
 from tests.support.flow_runs import TINY_TRAINING
 
@@ -231,24 +239,43 @@ def test_transfer_learning_python_local_tracking_off(kept_plain):
 
 
 @pytest.fixture(scope="module")
-def kept_tracked(blocks, deployments, tmp_path_factory) -> tuple[Path, str]:
-    """Cell transfer-learning-deployment-warm-tracking-on: on-demand, on the worker's warm cluster,
-    registered under `tracked` (and scored below from the registry)."""
+def kept_tracked(blocks, deployments, tmp_path_factory) -> tuple[Path, Any]:
+    """Cell transfer-learning-deployment-warm-tracking-on: `prefect deployment run
+    transfer-learning/on-demand` from the CLI, as the README walks it (nested parameters and a
+    shortcut), on the worker's warm cluster, kept and registered under the deployment's name
+    (and scored below from the registry)."""
     output = tmp_path_factory.mktemp("tracked")
-    run = deployment_run("transfer-learning/on-demand", {
-        "data": DATA, "model": MODEL, "training": TINY_TRAINING,
-        "cluster": {"n_workers": 2, "init_timeout_s": 60},
-        "output": {"url": str(output), "model_name": "tracked"},
-        "tracking": {"block": TRACKED, "experiment": EXPERIMENT}})
-    return output, str(run.id)
+    training = {key: value for key, value in TINY_TRAINING.items() if key != "epochs"}
+    result = check(prefect_cli(
+        deployments, "deployment", "run", "transfer-learning/on-demand",
+        "--param", f"data={json.dumps(DATA)}", "--param", f"model={json.dumps(MODEL)}",
+        "--param", "epochs=1", "--param", f"training={json.dumps(training)}",
+        "--param", 'cluster={"n_workers": 2, "init_timeout_s": 60}',
+        "--param", f"output={json.dumps({'url': str(output)})}",
+        "--param", f"tracking={json.dumps({'block': TRACKED, 'experiment': EXPERIMENT})}",
+        "--watch", timeout=TIMEOUT_S,
+    ))
+    assert "Flow run finished successfully in 'Completed'" in result.stdout
+    with get_client(sync_client=True) as api:
+        runs = api.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["on-demand"])))
+    (run,) = [r for r in runs if r.parameters.get("output", {}).get("url") == str(output)]
+    return output, run
 
 
 def test_transfer_learning_deployment_warm_tracking_on(kept_tracked, blocks):
-    output, flow_run_id = kept_tracked
-    assert_cluster(Cell("transfer-learning", "deployment", "warm", "on"), flow_run_id)
-    folder = run_folder_of(output, flow_run_id)
+    output, run = kept_tracked
+    assert_cluster(Cell("transfer-learning", "deployment", "warm", "on"), run.id)
+    # The shortcut set epochs; the nested object set the rest of training.
+    assert run.parameters["epochs"] == 1 and run.parameters["training"]["batch_size"] == 4
+    folder = output / run_folder_name(run.name, str(run.id))
     assert_trained_on_the_readable_class_images(folder)
-    assert_champion_is_kept(blocks, "tracked", assert_kept(output, "tracked", folder), flow_run_id)
+    # A run of the deployment keeps its model under the deployment's name; the registry agrees.
+    assert_champion_is_kept(blocks, "on-demand", assert_kept(output, "on-demand", folder), str(run.id))
+    with get_client(sync_client=True) as api:
+        artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+    assert {"image-index", "dataset-validation", "training-progress", "training-report"} <= {a.key for a in artifacts}
+    report = next(a for a in artifacts if a.key == "training-report").data
+    assert "![loss and accuracy per epoch](data:image/png;base64," in report and "**Promoted**: " in report
 
 
 @pytest.mark.parametrize("launcher", [Cell("transfer-learning", "python", "external", "down")], indirect=True,
@@ -340,10 +367,10 @@ def test_hyperparameter_sweep_deployment_external_tracking_off(blocks, deploymen
 @pytest.mark.parametrize("launcher", [Cell("batch-predict", "python", "external", "on")], indirect=True, ids=str)
 def test_batch_predict_python_external_tracking_on(launcher, kept_tracked, tmp_path):
     output, _ = kept_tracked
-    summary = batch_predict(model=f"models:/tracked@{ALIAS}", data_block="test-images", output_url=str(tmp_path),
+    summary = batch_predict(model=f"models:/on-demand@{ALIAS}", data_block="test-images", output_url=str(tmp_path),
                             cluster=ClusterConfig(**launcher()), tracking_block=TRACKED, chunk_size=8)
-    # The registry's champion and OUTPUT/tracked/latest name one model, and it is what scored.
-    assert_scored_with(summary, kept(output, "tracked")["version"])
+    # The registry's champion and OUTPUT/on-demand/latest name one model, and it is what scored.
+    assert_scored_with(summary, kept(output, "on-demand")["version"])
 
 
 @pytest.mark.parametrize("launcher", [Cell("batch-predict", "python", "warm", "off")], indirect=True, ids=str)

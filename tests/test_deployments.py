@@ -1,16 +1,14 @@
-"""prefect.yaml through the CLI, as the README walks it: pool, deploy, worker, deployment run."""
+"""prefect.yaml through the CLI, as the README walks it: pool, deploy, worker, deployment run (a run of
+`transfer-learning/on-demand` from the CLI is a cell of tests/test_crossings.py)."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
-    ArtifactFilter,
-    ArtifactFilterFlowRunId,
     DeploymentFilter,
     DeploymentFilterId,
     DeploymentFilterName,
@@ -19,48 +17,11 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 
-from prefect_ddp.tasks.results.run_folder import run_folder_name
-from tests.support.api_helpers import all_logs
-from tests.support.deployed import REPO, check, prefect_cli
-
-TINY_TRAINING = '{"batch_size": 4, "image_size": 32, "num_workers": 0}'
-
+from tests.support.deployed import REPO, prefect_cli
 
 def on_demand_runs() -> list:
     with get_client(sync_client=True) as api:
         return api.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["on-demand"])))
-
-
-@pytest.mark.slow
-def test_the_on_demand_deployment_runs_from_the_cli_with_nested_parameters(deployments, tmp_path):
-    result = check(prefect_cli(
-        deployments, "deployment", "run", "transfer-learning/on-demand",
-        # Listed afresh, so this run leaves its own image-index artifact.
-        "--param", 'data={"block": "test-images", "index_cache_minutes": 0}',
-        "--param", "epochs=1",
-        "--param", f"training={TINY_TRAINING}",
-        "--param", 'cluster={"n_workers": 2, "init_timeout_s": 60}',
-        "--param", f'output={{"url": "{tmp_path}"}}',
-        "--watch", timeout=400,
-    ))
-    assert "Flow run finished successfully in 'Completed'" in result.stdout
-    (run,) = [r for r in on_demand_runs() if r.parameters.get("output", {}).get("url") == str(tmp_path)]
-    # `prefect-ddp worker` kept a cluster warm, and this run, asking for the same 2 workers, used it.
-    with get_client(sync_client=True) as api:
-        logs = all_logs(api, run.id, "Using the warm Dask cluster")
-    assert any("Using the warm Dask cluster" in log.message for log in logs), [log.message for log in logs][:20]
-    # The shortcut set epochs; the nested object set the rest of training.
-    assert run.parameters["epochs"] == 1 and run.parameters["training"]["batch_size"] == 4
-    with get_client(sync_client=True) as api:
-        artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
-    assert {"image-index", "dataset-validation", "training-progress", "training-report"} <= {a.key for a in artifacts}
-    report = next(a for a in artifacts if a.key == "training-report").data
-    assert "![loss and accuracy per epoch](data:image/png;base64," in report
-    # A run of the deployment keeps its model under the deployment's name.
-    kept = json.loads((tmp_path / "on-demand" / "latest.json").read_text())
-    assert kept["run"]["name"] == run.name and "**Promoted**: " in report
-    assert kept["version"] == str(tmp_path / "on-demand" / "versions" / run_folder_name(run.name, str(run.id)))
-    assert (tmp_path / run_folder_name(run.name, str(run.id)) / "model.pt").exists()
 
 
 @pytest.mark.slow
