@@ -327,12 +327,17 @@ def promote_through(front_tracking: Tracking, logged, candidate_folder: Location
                       logged.model_copy(update={"tracking": front_tracking}), kept)
 
 
+def kept_and_front(guarded, front) -> tuple[Location, Tracking]:
+    """The tracked run's kept model, and the registry reached through the front as `trainer`."""
+    output, _, _ = guarded
+    return kept_location(Location(url=str(output)), NAME), Tracking(tracking_uri=front.uri, username="trainer",
+                                                                     password=SECRET)
+
+
 def test_an_alias_move_refused_after_registering_is_reported_then_repaired_by_the_next_promotion(
         guarded, candidate, front, tmp_path, mlflow_uri, caplog):
-    output, _, _ = guarded
     summary, folder, logged = candidate
-    kept = kept_location(Location(url=str(output)), NAME)
-    through = Tracking(tracking_uri=front.uri, username="trainer", password=SECRET)
+    kept, through = kept_and_front(guarded, front)
     client = MlflowClient(mlflow_uri)
     before = client.get_model_version_by_alias(NAME, ALIAS).version
     front.deny("POST", "/registered-models/alias")  # this user registers, but may not move aliases
@@ -354,10 +359,8 @@ def test_an_alias_move_refused_after_registering_is_reported_then_repaired_by_th
 
 def test_batch_predict_refuses_a_champion_it_cannot_move_to_the_kept_model_and_moves_it_when_it_can(
         guarded, candidate, front, tmp_path, mlflow_uri, dask_cluster):
-    output, _, _ = guarded
     summary, folder, logged = candidate
-    kept = kept_location(Location(url=str(output)), NAME)
-    through = Tracking(tracking_uri=front.uri, username="trainer", password=SECRET)
+    kept, through = kept_and_front(guarded, front)
     spec = f"models:/{NAME}@{ALIAS}"
     front.deny("POST", "/registered-models/alias")
     try:
