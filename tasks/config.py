@@ -209,7 +209,8 @@ class ClusterConfig(_Strict):
         None, ge=1, description="Ranks to run; empty uses every worker of the cluster."
     )
     init_timeout_s: int = Field(
-        300, ge=10, le=3600, description="Limit for all ranks to join the process group."
+        300, ge=10, le=3600, description="Limit for all ranks to join the process group, and for any one "
+        "collective to complete; raised to training.fetch_timeout_s / 0.8 where that is longer."
     )
     gang_timeout_s: int | None = Field(
         None, ge=60, description="Limit for the whole training; empty waits as long as it runs."
@@ -220,9 +221,10 @@ class ClusterConfig(_Strict):
     hang_timeout_s: int | None = Field(
         None, ge=5, le=86400, description="Stop and re-form the gang when no rank makes progress this "
         "long (a frozen worker is found this long after it froze); empty: the larger of 60 s and 5x the "
-        "longest of the last 20 gaps between steps, below 80% of init_timeout_s. Loading data, "
-        "validation batches and checkpoints get 5x longer (an empty limit still stays below 80% of "
-        "init_timeout_s); live workers get at least training.fetch_timeout_s.",
+        "longest of the last 20 gaps between steps, below 80% of the process group's timeout "
+        "(init_timeout_s, raised as it says). Loading data, validation batches and checkpoints get 5x "
+        "longer (an empty limit still stays below that 80%); live workers get at least "
+        "training.fetch_timeout_s.",
     )
     lease_timeout_s: int = Field(
         600, ge=0, le=86400,

@@ -45,9 +45,9 @@ AUTH_PROVIDER = "prefect-ddp-session"
 # cluster's fit check, blocks/warm_cluster.py, ignores them).
 TRACKING_VARIABLES = frozenset(REQUEST_SETTINGS) | {"MLFLOW_TRACKING_AUTH", "_MLFLOW_TELEMETRY_SESSION_ID"}
 _OPEN_SESSIONS: dict[str, Tracking] = {}  # tracking URI -> its settings, while a session is open
-# The auth provider the environment named before a session replaced it (a user's own plugin,
-# e.g. single sign-on): every request still goes through it first.
-_outer_provider: str | None = None
+# The auth the environment's provider gives, where it named one before a session replaced it (a
+# user's own plugin, e.g. single sign-on): every request still goes through it first.
+_outer_auth: Any = None
 
 
 class Tracking(BaseModel):
@@ -148,12 +148,12 @@ def mlflow_session(tracking: Tracking) -> Iterator[Any]:
     """An MlflowClient for `tracking`, whose requests carry its credentials meanwhile."""
     mlflow = import_mlflow()
     env = REQUEST_SETTINGS | {"MLFLOW_TRACKING_AUTH": AUTH_PROVIDER}
-    global _outer_provider
+    global _outer_auth
     with _SESSION:
         _register_auth_provider()
         saved = {name: os.environ.get(name) for name in env}
         previous_uri = mlflow.get_tracking_uri()
-        _outer_provider = saved["MLFLOW_TRACKING_AUTH"]
+        _outer_auth = outer_auth(saved["MLFLOW_TRACKING_AUTH"])
         os.environ.update(env)
         mlflow.set_tracking_uri(tracking.tracking_uri)
         _OPEN_SESSIONS[tracking.tracking_uri] = tracking
@@ -161,7 +161,7 @@ def mlflow_session(tracking: Tracking) -> Iterator[Any]:
             yield mlflow.MlflowClient(tracking.tracking_uri)
         finally:
             _OPEN_SESSIONS.pop(tracking.tracking_uri, None)
-            _outer_provider = None
+            _outer_auth = None
             mlflow.set_tracking_uri(previous_uri)
             for name, value in saved.items():
                 if value is None:
@@ -174,14 +174,27 @@ def sign(request: Any) -> Any:
     """Add the Authorization of the open session whose server `request` goes to (a requests
     auth hook: MLflow's http_request passes it the prepared request, in whatever thread sends it),
     after the auth provider the environment named before the session, if any, had its turn."""
-    if _outer_provider and _outer_provider != AUTH_PROVIDER:
-        from mlflow.tracking.request_auth.registry import fetch_auth
-
-        request = fetch_auth(_outer_provider)(request)
+    if _outer_auth is not None:
+        request = _outer_auth(request)
     for tracking in list(_OPEN_SESSIONS.values()):
         if tracking.serves(request.url) and (header := tracking.authorization()):
             request.headers["Authorization"] = header
     return request
+
+
+def outer_auth(provider: str | None) -> Any:
+    """The requests auth of the provider `provider` names, as MLflow would apply it; None where
+    it names none, ours, or one MLflow does not know (MLflow warns of that and sends the request
+    without it, as we then do)."""
+    if not provider or provider == AUTH_PROVIDER:
+        return None
+    import requests
+    from mlflow.tracking.request_auth.registry import fetch_auth
+
+    auth = fetch_auth(provider)
+    if isinstance(auth, tuple):  # requests takes (user, password) for basic auth
+        return requests.auth.HTTPBasicAuth(*auth)
+    return auth if callable(auth) else None
 
 
 def _register_auth_provider() -> None:

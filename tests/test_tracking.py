@@ -11,6 +11,7 @@ are cells of tests/test_crossings.py.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -43,7 +44,7 @@ from prefect_ddp.tasks.gang import free_port
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.results.promotion import Promotion, kept_location, promote, read_pointer
 from prefect_ddp.tasks.prediction.model_source import check_champion
-from prefect_ddp.tasks.results.registry import ALIAS, POINTER_TAG, Registration
+from prefect_ddp.tasks.results.registry import ALIAS, POINTER_TAG, ChampionCheck, Registration, why_unchecked
 from prefect_ddp.tasks.results.tracking_run import RUN_FILES, log_model, start_run
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from prefect_ddp.tasks.tracking import Tracking, epoch_metrics, mlflow_session, same_server, sign
@@ -411,7 +412,7 @@ def test_a_reader_that_spells_the_server_otherwise_or_cannot_read_the_pointer_ne
     finally:
         client.set_registered_model_tag(NAME, POINTER_TAG, pointer)
     assert not check["agrees"] and "no latest.json here" in check["unchecked"]
-    assert client.get_model_version_by_alias(NAME, ALIAS).version == champion
+    assert check["now"] == champion == client.get_model_version_by_alias(NAME, ALIAS).version  # read, and left
 
 
 @pytest.mark.unit
@@ -446,3 +447,37 @@ def test_a_users_own_mlflow_auth_provider_still_signs_every_request_inside_a_ses
     assert ours.headers["X-Sso"] == "signed" and ours.headers["Authorization"].startswith("Basic ")
     assert other.headers["X-Sso"] == "signed" and "Authorization" not in other.headers
     assert os.environ["MLFLOW_TRACKING_AUTH"] == "test-single-sign-on"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("provider", ["a-plugin-not-installed", "test-basic-pair"])
+def test_an_auth_provider_mlflow_cannot_call_is_left_out_as_mlflow_leaves_it_out(provider, monkeypatch):
+    """A leftover or mistyped MLFLOW_TRACKING_AUTH (MLflow warns and sends the request anyway), or a
+    provider whose auth is a (user, password) pair, failed every request of a session."""
+    from mlflow.tracking.request_auth.abstract_request_auth_provider import RequestAuthProvider
+    from mlflow.tracking.request_auth.registry import _request_auth_provider_registry as registry
+
+    class BasicPair(RequestAuthProvider):
+        def get_name(self) -> str:
+            return "test-basic-pair"
+
+        def get_auth(self):
+            return ("sso-user", "sso-pass")
+
+    registry.register(BasicPair)
+    monkeypatch.setenv("MLFLOW_TRACKING_AUTH", provider)
+    with mlflow_session(Tracking(tracking_uri="http://127.0.0.1:9")):
+        signed = sign(requests.Request("GET", "http://127.0.0.1:9/api/2.0/mlflow/experiments/search").prepare())
+    pair = "Basic " + base64.b64encode(b"sso-user:sso-pass").decode()
+    assert signed.headers.get("Authorization") == (pair if provider == "test-basic-pair" else None)
+
+
+@pytest.mark.unit
+def test_a_reader_told_the_kept_model_has_no_registered_version_is_not_told_to_run_again():
+    check = ChampionCheck(name="cats", pointer_version=None, was="3", now="3", kept_unregistered=True,
+                          error="the kept model has no registered version")
+    assert "latest.json's model has no registered version of 'cats', while the registry's alias 'champion' names " \
+           "version 3" in check.disagreement() and "batch-predict run" not in check.disagreement()
+    assert why_unchecked(None, Tracking(tracking_uri="http://m:5000")) == "there is no latest.json here to check it against"
+    elsewhere = {"registered": {"tracking_uri": "http://other:5000", "version": "2"}}
+    assert "registered on http://other:5000" in why_unchecked(elsewhere, Tracking(tracking_uri="http://m:5000"))

@@ -131,8 +131,13 @@ def run_gang(
     runner = task_runner or current_dask_runner()
     prepare_to_send(runner.client, train_fn, config)
     floor_s = hang_floor.total_seconds() if hang_floor is not None else 0.0
-    spec = GangSpec(train_fn, config, output_url, collective_timeout_s(init_timeout.total_seconds(), floor_s), trial,
-                    Deadline.after(timeout), needs_child_processes, shared_output,
+    group_timeout_s = collective_timeout_s(init_timeout.total_seconds(), floor_s)
+    if group_timeout_s > init_timeout.total_seconds():
+        run_logger().info("The process group's timeout is %.0f s, not init_timeout's %.0f s: a rank may wait %.0f s "
+                          "on its own (hang_floor), and its peers must outlast that", group_timeout_s,
+                          init_timeout.total_seconds(), floor_s)
+    spec = GangSpec(train_fn, config, output_url, group_timeout_s, trial, Deadline.after(timeout),
+                    needs_child_processes, shared_output,
                     hang_timeout_s=hang_timeout.total_seconds() if hang_timeout is not None else None,
                     hang_floor_s=floor_s)
     attempts: list[GangAttempt] = []

@@ -149,10 +149,11 @@ def check_champion(spec: str, store: Location, tracking: Tracking) -> dict[str, 
     # leaves it unchecked where the pointer is not readable here or names another server's version.
     check = align_champion(tracking, name, lambda: read_pointer(kept), remove_unregistered=False)
     if spec.startswith(REGISTRY_PREFIX) and check.error:
+        move = "" if check.kept_unregistered else (
+            f", or let this tracking block's user move aliases of {name!r} and run again")
         raise ValueError(
             f"model={spec!r}: {check.disagreement()}. Scoring with it would not score with the kept model. "
-            f"Give model={child_url(kept.url, POINTER_NAME)} (the kept model itself), or let this tracking "
-            f"block's user move aliases of {name!r} and run again."
+            f"Give model={child_url(kept.url, POINTER_NAME)} (the kept model itself){move}."
         )
     return check.model_dump() | {"agrees": check.agrees}
 

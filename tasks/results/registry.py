@@ -60,6 +60,7 @@ class ChampionCheck(BaseModel):
     now: str | None  # the version it names after the check (None: no alias)
     error: str | None = None  # why it could not be checked or moved
     unchecked: str | None = None  # why the alias was left as it was, unchecked (the pointer is not this server's)
+    kept_unregistered: bool = False  # latest.json's model has no registered version, and a reader left the alias
 
     @property
     def agrees(self) -> bool:
@@ -74,6 +75,10 @@ class ChampionCheck(BaseModel):
         if self.unchecked:
             return (f"the registry's alias {ALIAS!r} of {self.name!r} (on {_version(self.now)}) could not be "
                     f"checked against latest.json and was left as it was: {self.unchecked}")
+        if self.kept_unregistered:
+            return (f"latest.json's model has no registered version of {self.name!r}, while the registry's alias "
+                    f"{ALIAS!r} names {_version(self.now)}: models:/{self.name}@{ALIAS} is not the kept model until "
+                    f"the next promotion of {self.name!r} registers one (or removes the alias)")
         return (f"the registry's alias {ALIAS!r} of {self.name!r} names {_version(self.now)}, but latest.json "
                 f"names {_version(self.pointer_version)} ({self.error}): models:/{self.name}@{ALIAS} and the kept "
                 "model are different models until the next promotion, or a batch-predict run given this "
@@ -136,18 +141,16 @@ def align_champion(tracking: Tracking, name: str, read_pointer: Callable[[], dic
         pointer = read_pointer()
     except Exception as error:
         pointer, check.unchecked = None, f"latest.json could not be read here ({type(error).__name__}: {error})"
-    if pointer is None:
-        check.unchecked = check.unchecked or "there is no latest.json here to check it against"
-        return _told(check)
     try:
         with mlflow_session(tracking) as client:
             check.was = check.now = _alias_version(client, name)
             for _ in range(MAX_ROUNDS):
-                if elsewhere := registered_elsewhere(pointer, tracking):
-                    check.unchecked = f"latest.json's version is registered on {elsewhere}, not {tracking.tracking_uri}"
+                check.unchecked = check.unchecked or why_unchecked(pointer, tracking)
+                if check.unchecked:
                     return _told(check)
                 check.pointer_version = registered_version(pointer, tracking, name)
                 if check.pointer_version is None and not remove_unregistered:
+                    check.kept_unregistered = True
                     check.error = "the kept model has no registered version"
                     return _told(check)
                 if check.now != check.pointer_version:
@@ -172,10 +175,15 @@ def registered_version(pointer: dict[str, Any] | None, tracking: Tracking, name:
     return None
 
 
-def registered_elsewhere(pointer: dict[str, Any], tracking: Tracking) -> str | None:
-    """The other tracking server the pointer's version is registered on, if it is."""
+def why_unchecked(pointer: dict[str, Any] | None, tracking: Tracking) -> str | None:
+    """Why the pointer says nothing of this server's versions: there is none here (not readable
+    where this runs, or gone meanwhile), or its version is registered on another server."""
+    if pointer is None:
+        return "there is no latest.json here to check it against"
     uri = (pointer.get("registered") or {}).get("tracking_uri")
-    return uri if uri and not same_server(uri, tracking.tracking_uri) else None
+    if uri and not same_server(uri, tracking.tracking_uri):
+        return f"latest.json's version is registered on {uri}, not {tracking.tracking_uri}"
+    return None
 
 
 def _told(check: ChampionCheck) -> ChampionCheck:
