@@ -204,7 +204,7 @@ def assert_scored_with(summary: dict[str, Any], version: str) -> None:
 
 def deployment_run(name: str, parameters: dict[str, Any]) -> Any:
     """A run of `name` on the session's `prefect-ddp worker`, to its end."""
-    run = run_deployment(name, parameters=parameters, timeout=TIMEOUT_S)
+    run = run_deployment(name, parameters=parameters, timeout=TIMEOUT_S, poll_interval=1)
     assert run.state.is_completed(), f"{name}: {run.state.type.value}: {run.state.message}"
     return run
 

@@ -30,14 +30,14 @@ def output(prefect_api, tmp_path_factory) -> Iterator[Path]:
 
 
 def test_the_served_deployment_runs_on_the_demo_images(output):
-    run = run_deployment("transfer-learning/laptop", timeout=300, parameters={"training": TINY})
+    run = run_deployment("transfer-learning/laptop", timeout=300, poll_interval=1, parameters={"training": TINY})
     assert run.state.is_completed(), run.state.message
     assert run.parameters["data"]["block"] == "demo-images"
     assert (output / run_folder_name(run.name, str(run.id)) / "model.pt").exists()
 
 
 def test_the_served_sweep_trains_every_trial_on_the_warm_cluster(output):
-    run = run_deployment("hyperparameter-sweep/laptop-sweep", timeout=400, parameters={
+    run = run_deployment("hyperparameter-sweep/laptop-sweep", timeout=400, poll_interval=1, parameters={
         "space": {"training.lr": {"kind": "grid", "values": [0.01, 0.001]}},
         "settings": {"name": "laptop-sweep", "n_trials": 2, "concurrency": 2, "sampler": "grid"},
         "training": TINY})
