@@ -81,8 +81,9 @@ REPLACE_RETRY_S = 5.0
 # sys.path, is compared on its own), the inductor cache folder torch sets in a process
 # that imports parts of it (each worker computes the same one), what MLflow tracking sets
 # in the run's process (the import's telemetry id, an open session's settings: rank 0 sets
-# its own) and the ticket's own variable, which the holder sets after it wrote the ticket. This project's own settings
-# (PREFECT_DDP_*: the byte cache's folder, ...) are compared: the ranks read them.
+# its own) and the ticket's own variable, which the holder sets after it wrote the ticket.
+# This project's own settings (PREFECT_DDP_*: the byte cache's folder, ...) are compared:
+# the ranks read them.
 IGNORED_PREFIXES = ("PREFECT_", "DASK_")
 OWN_PREFIX = "PREFECT_DDP_"
 IGNORED_VARIABLES = frozenset({"PYTHONUNBUFFERED", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR", WARM_CLUSTER_ENV}
