@@ -11,9 +11,9 @@ Clusters this module creates are set up for training, which Dask's defaults are 
 - The worker's profiler is off: sampling every thread's stack every 10 ms cost a rank's
   loop 4 % here (the dashboard's profile page stays empty).
 - The cluster never gives up on a worker its nanny is restarting (`lost-worker-timeout`).
-- Workers import torch and torchvision as they start (`PRELOADED_MODULES`): started beside
-  the flow's listing (blocks/cluster_lifetime.py), that import no longer holds up the
-  first decode check.
+- Workers import torch, torchvision and the modules of the decode-check and the recipe as
+  they start (`PRELOADED_MODULES`): started beside the flow's listing
+  (blocks/cluster_lifetime.py), that import no longer holds up the first decode check.
 - Workers get the Prefect API URL this process uses, so rank task runs, logs and artifacts
   land in the flow's run. Without PREFECT_API_URL that is the temporary server Prefect
   started for this process: workers not told its URL would each start their own (three
@@ -84,9 +84,11 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
-# Modules every rank imports: a worker imports them as it starts, while the flow lists its
-# data (blocks/cluster_lifetime.py), instead of when its first task arrives.
-PRELOADED_MODULES = ["torch", "torchvision"]
+# Modules every run's tasks import on a worker: torch and torchvision (4-5 s here), then the
+# decode-check's and the recipe's own (Prefect's task engine, s3fs, PIL: 1.2 s more, paid by
+# the first decode-check on each fresh worker). A worker imports them as it starts, while
+# the flow lists its data (blocks/cluster_lifetime.py), instead of when its first task arrives.
+PRELOADED_MODULES = ["torch", "torchvision", "prefect_ddp.tasks.data.validation", "prefect_ddp.tasks.training.recipe"]
 
 
 # The dashboard shows the cluster's tasks and workers to whoever connects: this host's users

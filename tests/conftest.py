@@ -45,6 +45,10 @@ IMAGE_SIDE = 32
 # Dask cluster); a `unit` test may request none of them, directly or through another fixture.
 SERVICE_FIXTURES = frozenset({"prefect_api", "s3_endpoint", "s3_fs", "image_location", "dask_cluster",
                               "deployments", "front", "mlflow_uri"})
+# The work pool's worker (`prefect-ddp worker`) and `prefect-ddp serve` that tests start look
+# for scheduled runs every 10 s by default: each deployment run would wait 5 s on average
+# before it starts. Their children inherit these from the environment.
+QUICK_POLLING = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
 
 
 def truncated_jpeg() -> bytes:
@@ -68,15 +72,12 @@ def prefect_api(prefect_home: Path) -> Iterator[str]:
     # nightly schedule should not wait that long.
     fast_scheduler = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "3"}
     with prefect_server(prefect_home, database=prefect_home / "prefect.db", settings=fast_scheduler) as api_url:
-        previous = os.environ.get("PREFECT_API_URL")
-        os.environ["PREFECT_API_URL"] = api_url
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("PREFECT_API_URL", api_url)
+            for name, value in QUICK_POLLING.items():
+                patch.setenv(name, value)
             with temporary_settings({PREFECT_API_URL: api_url}):
                 yield api_url
-        finally:
-            os.environ.pop("PREFECT_API_URL")
-            if previous is not None:
-                os.environ["PREFECT_API_URL"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,10 @@
 """The supervisor: watch a gang's ranks, stop them all at the first sign of trouble.
 
 Facts it handles (docs/architecture.md, "Gang: supervision"): when a rank raises, its peers
-fail milliseconds later on the closed connection; when a worker dies, the nanny restarts it
-at a new address and its rank's task sits in `no-worker` forever; a rank blocked in a
-collective cannot be interrupted, only its worker restarted.
+fail once its connections close, which a rank that raised after a DDP step does only when its
+worker process ends; when a worker dies, the nanny restarts it at a new address and its
+rank's task sits in `no-worker` forever; a rank blocked in a collective cannot be
+interrupted, only its worker restarted.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ from prefect_ddp.tasks.reporting import run_logger
 # so of a step; give them this long to end on
 # their own before they are cancelled and their workers restarted.
 FAILURE_GRACE_S = 15.0
-# When one rank raises, its peers fail milliseconds later on the closed connection; wait
-# this long for them so the report names the rank that failed first-hand.
+# When one rank raises, its peers fail once its connections close; wait this long for them
+# so the report names the rank that failed first-hand.
 PEER_FAILURE_WINDOW_S = 5.0
+# How long the peers of a failed rank may take to fail on their own before its worker is
+# restarted to close its connections (`_let_peers_fail`).
+FAILED_PEER_WAIT_S = 2.0
 # Between two reads of the worker set that must both miss a rank's worker to call it gone.
 DEPARTURE_CONFIRM_S = 1.0
 # What a rank reports when a peer, not itself, went wrong (gloo and NCCL wordings).
@@ -91,11 +95,18 @@ def supervise(
     next_hang_check = time.monotonic() + HANG_POLL_S
     while pending:
         wait_for(client, list(pending), poll_s, return_when="FIRST_COMPLETED")
-        failures = _collect_failures(pending)
-        if failures:
-            wait_for(client, list(pending), PEER_FAILURE_WINDOW_S)
-            failures += _collect_failures(pending)
-        failures = _departures(client, pending) + failures
+        failed = _collect_failures(pending)
+        gone = _departed(client, pending)
+        if failed:
+            # Only peers on workers still there can fail: a rank whose worker left never
+            # finishes (its task waits in `no-worker`), and waiting for it only delays the
+            # next attempt.
+            _let_peers_fail(client, [f for f, c in pending.items() if c not in gone], failed)
+            failed |= _collect_failures(pending)
+        failures = [
+            f"Worker {c.worker_address} of rank {c.rank} left the cluster (killed, out of memory or lost) while training"
+            for c in gone
+        ] + list(failed.values())
         if failures:
             raise GangError(root_cause_first(failures))
         if pending and hang is not None and time.monotonic() >= next_hang_check:
@@ -109,8 +120,8 @@ def supervise(
             )
 
 
-def _departures(client: distributed.Client, pending: dict[distributed.Future, RankContext]) -> list[str]:
-    """Why each unfinished rank whose worker left the cluster will never finish.
+def _departed(client: distributed.Client, pending: dict[distributed.Future, RankContext]) -> list[RankContext]:
+    """The unfinished ranks whose worker left the cluster: they will never finish.
 
     A departure is confirmed by a second read of the worker set, a moment later: a worker
     that really left never comes back at its address (the nanny restarts it at a new one),
@@ -121,24 +132,42 @@ def _departures(client: distributed.Client, pending: dict[distributed.Future, Ra
         time.sleep(DEPARTURE_CONFIRM_S)
         alive = set(cluster_workers(client))
         gone = [c for c in gone if c.worker_address not in alive]
-    return [
-        f"Worker {c.worker_address} of rank {c.rank} left the cluster (killed, out of memory or lost) while training"
-        for c in gone
-    ]
+    return gone
 
 
-def _collect_failures(pending: dict[distributed.Future, RankContext]) -> list[str]:
+def _let_peers_fail(
+    client: distributed.Client, peers: list[distributed.Future], failed: dict[RankContext, str],
+) -> None:
+    """Give the peers of the failed ranks a moment to fail too, so that the report names the
+    rank that failed first-hand.
+
+    A rank that raised leaves its process group's connections open while its worker process
+    lives (docs/architecture.md, "Facts: torch and gloo"), so a peer blocked in a collective
+    with it would wait out the stop's grace and have its own worker restarted. Restarting
+    the failed ranks' workers instead closes those connections: the peers fail at once.
+    """
+    wait_for(client, peers, FAILED_PEER_WAIT_S)
+    if all(f.done() for f in peers):
+        return
+    present = set(cluster_workers(client))
+    if holding := [c.worker_address for c in failed if c.worker_address in present]:
+        with logged_failure(f"restarting workers {holding}"):
+            _restart(client, holding, "of the failed rank(s): their process group holds its peers in a collective")
+    wait_for(client, peers, PEER_FAILURE_WINDOW_S)
+
+
+def _collect_failures(pending: dict[distributed.Future, RankContext]) -> dict[RankContext, str]:
     """Take the finished ranks out of `pending`; returns why each one that did not complete failed."""
-    failures = []
+    failures = {}
     for dask_future in [f for f in pending if f.done()]:
         ctx = pending.pop(dask_future)
         where = f"Rank {ctx.rank} on {ctx.worker_address}"
         if dask_future.cancelled():  # by another client, the dashboard, or the scheduler
-            failures.append(f"{where} was cancelled in Dask before it finished")
+            failures[ctx] = f"{where} was cancelled in Dask before it finished"
         elif dask_future.status == "error":
-            failures.append(f"{where} failed in Dask: {dask_future.exception()!r}")
+            failures[ctx] = f"{where} failed in Dask: {dask_future.exception()!r}"
         elif not (state := dask_future.result()).is_completed():
-            failures.append(f"{where} ended {state.type.value}: {state.message}")
+            failures[ctx] = f"{where} ended {state.type.value}: {state.message}"
     return failures
 
 
@@ -173,7 +202,7 @@ def stop(
     crash_unfinished_task_runs(futures)
     if stuck:
         with logged_failure(f"restarting workers {stuck}"):
-            _restart(client, stuck)
+            _restart(client, stuck, "whose ranks did not stop")
 
 
 def _ask_to_stop(
@@ -185,9 +214,12 @@ def _ask_to_stop(
     dask_futures = [f.wrapped_future for f in futures]
     # Ranks of a gang whose last ranks were never submitted wait in the rendezvous, and
     # those of a hung gang wait on a frozen peer: no flag reaches them, and waiting for
-    # them would only delay their restart.
+    # them would only delay their restart. A rank whose worker left the cluster never
+    # finishes at all: the grace is for the ranks on workers still there.
     waiting = hung or len(futures) < len(contexts)
-    wait_for(client, dask_futures, 0 if waiting else FAILURE_GRACE_S)
+    present = set(cluster_workers(client))
+    stoppable = [f for f, c in zip(dask_futures, contexts) if c.worker_address in present]
+    wait_for(client, stoppable, 0 if waiting else FAILURE_GRACE_S)
     unfinished = {f: c for f, c in zip(dask_futures, contexts) if not f.done()}
     # Only those: a finished future keeps its status, by which the task run is left to
     # record its own final state (states.settled_task_runs).
@@ -195,13 +227,13 @@ def _ask_to_stop(
     return [c.worker_address for c in unfinished.values()]
 
 
-def _restart(client: distributed.Client, stuck: list[str]) -> None:
+def _restart(client: distributed.Client, stuck: list[str], why: str) -> None:
     # A rank thread blocked in a collective cannot be interrupted; restarting its worker
     # is the only way to free the process (and its process group) for the next gang.
     # Workers without a nanny cannot restart (logged); their ranks end at their own timeout.
     alive = [a for a in stuck if a in set(cluster_workers(client))]
     if alive:
-        run_logger().warning("Restarting workers %s whose ranks did not stop.", alive)
+        run_logger().warning("Restarting workers %s %s.", alive, why)
         try:
             client.restart_workers(alive)
         finally:
