@@ -48,7 +48,8 @@ from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.dataset import forked_workers, train_transform
 from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
 from prefect_ddp.tasks.training.model import build_model
-from prefect_ddp.tasks.training.recipe import autocast_dtype, build_optimizer
+from prefect_ddp.tasks.training.optimization import build_optimizer
+from prefect_ddp.tasks.training.recipe import autocast_dtype
 
 IMAGE_SIZE = 224
 CLASSES = 3

@@ -152,7 +152,7 @@ def hyperparameter_sweep(
             trials = run_trials(study, space, settings, runner.client, train_trial)
         record = publish_sweep_report(study, settings, out)
         trials.require_one_trained(settings.name, record["best"])  # after the report: it shows their errors
-        promotion = promote_best(record["best"], out, kept, tracker, kept_name) if kept else None
+        promotion = promote_best(record["best"], out, kept, tracker, kept_name, output.min_improvement) if kept else None
         if parent:
             complete_run(parent, out.with_url(child_url(out.url, safe_segment(settings.name))),
                          best_tags(record["best"]), SWEEP_FILES)
@@ -178,10 +178,11 @@ def promotion_name(settings: SweepSettings, output: OutputConfig) -> str:
 
 
 def promote_best(best: dict[str, Any] | None, out: DataLocation, kept: DataLocation, tracking: Tracking | None = None,
-                 name: str | None = None) -> Promotion:
+                 name: str | None = None, min_improvement: float | None = None) -> Promotion:
     """Promote the sweep's best trial once, as a deployment's run is promoted: only when it
-    is at least as good, by the val accuracy of the epoch its model holds, as the model kept;
-    with tracking, its logged model is registered under `name` and becomes the champion."""
+    beats the model kept on the same images (the trial scored both: it ran with the same
+    output.model_name); with tracking, its logged model is registered under `name` and becomes
+    the champion."""
     if best is None:
         pointer = read_pointer(kept)
         return Promotion(promoted=False, reason="no trial completed, so there was nothing to promote",
@@ -192,4 +193,4 @@ def promote_best(best: dict[str, Any] | None, out: DataLocation, kept: DataLocat
     logged = best.get("mlflow_model")
     model = LoggedModel(tracking=tracking, **logged) if tracking and logged else None
     registry = Registration(tracking=tracking, name=name, model=model) if tracking else None
-    return promote(summary, run_output, kept, run, registry)
+    return promote(summary, run_output, kept, run, registry, min_improvement)

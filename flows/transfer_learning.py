@@ -53,11 +53,13 @@ from prefect_ddp.tasks.data.splitting import split_dataset
 from prefect_ddp.tasks.data.validation import validate_dataset, validate_source
 from prefect_ddp.tasks.gang import cluster_workers, current_trial, run_gang
 from prefect_ddp.tasks.results.aggregation import aggregate
+from prefect_ddp.tasks.results.comparison import champion_to_beat
 from prefect_ddp.tasks.results.promotion import (
     Promotion,
     find_warm_start,
     kept_location,
     promote,
+    read_pointer,
     warm_start_from,
 )
 from prefect_ddp.tasks.results.registry import Registration
@@ -248,10 +250,11 @@ def transfer_learning(
         if training.images_per_shard:
             write_train_shards(manifest, split, source, base, training.images_per_shard,
                                training.fetches_in_flight(), training.fetch_timeout_s)
+        champion = champion_to_beat(kept, read_pointer(kept), manifest, split) if kept else None
         results = run_gang(
             train_classifier,
             training_job(source, out, manifest, split, model, training, warm, unreadable).model_copy(
-                update={"tracked": tracked}),
+                update={"tracked": tracked, "champion": champion}),
             task_runner=runner,
             world_size=cluster.world_size,
             output_url=out.url,
@@ -268,11 +271,13 @@ def transfer_learning(
             trial=current_trial(),
         )
         starting.close_in_background()  # the run's cluster closes while it reports
-        return finish_run(results, manifest, split, out, (kept_name, kept) if kept else None, run, warm, tracked)
+        return finish_run(results, manifest, split, out, (kept_name, kept) if kept else None, run, warm, tracked,
+                          output.min_improvement)
 
 
 def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, DataLocation] | None,
-               run: dict[str, Any], warm: WarmStart | None, tracked: TrackedRun | None) -> dict[str, Any] | State:
+               run: dict[str, Any], warm: WarmStart | None, tracked: TrackedRun | None,
+               min_improvement: float | None = None) -> dict[str, Any] | State:
     """Aggregate the ranks' results, promote the model where it is better, publish the report;
     with tracking, log the model before promotion (which registers it) and the files after the report."""
     summary = aggregate(results, manifest, split, out, [asdict(a) for a in results.attempts])
@@ -289,7 +294,7 @@ def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, Dat
     if kept and not in_sweep:
         name, folder = kept
         registry = Registration(tracking=tracked.tracking, name=name, model=logged) if tracked else None
-        promotion = promote(summary, out, folder, run, registry)
+        promotion = promote(summary, out, folder, run, registry, min_improvement)
     publish_report(summary, manifest, out, promotion, warm, in_sweep)
     if tracked:
         complete_run(tracked, out, promotion_tags(promotion))

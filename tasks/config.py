@@ -140,9 +140,19 @@ class TrainingConfig(_Strict):
     optimizer: Literal["sgd", "adamw"] = Field("sgd", description="sgd (with momentum) or adamw.")
     lr: float = Field(0.01, gt=0, le=10, description="Learning rate for one rank.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD only.")
-    weight_decay: float = Field(1e-4, ge=0, le=1, description="L2 penalty on the weights.")
-    scale_lr_by_world_size: bool = Field(
-        True, description="Multiply lr by the world size (the linear scaling rule)."
+    weight_decay: float = Field(1e-4, ge=0, le=1, description="L2 penalty on the weights (none on norm "
+                                "and bias parameters).")
+    scale_lr_by_world_size: bool | None = Field(
+        None, description="Multiply lr by the world size (the linear scaling rule). Empty: for sgd "
+        "only; adamw keeps the per-rank lr.",
+    )
+    warmup_epochs: int | None = Field(
+        None, ge=0, le=100, description="Raise lr linearly, step by step, over this many first epochs. "
+        "Empty: 1 when lr is scaled by a world size above 1, else 0.",
+    )
+    sync_batchnorm: bool = Field(
+        False, description="Pool BatchNorm's batch statistics over all ranks (SyncBatchNorm; CUDA "
+        "ranks only): for small per-rank batches. BatchNorm layers of a frozen backbone stay in eval mode.",
     )
     scheduler: Literal["cosine", "plateau", "none"] = Field(
         "cosine", description="cosine over the epochs, plateau on val loss, or none."
@@ -255,8 +265,15 @@ class OutputConfig(_Strict):
     model_name: str | None = Field(
         None,
         description="Keep the best model of the runs sharing this name under URL/NAME/ (NAME/latest.json "
-        "names the version kept): a run replaces it only when its model's val accuracy is at least as "
-        "good. Empty: the deployment's name; a run outside a deployment keeps none; sweep trials never promote.",
+        "names the version kept): a run replaces it only when its model beats the kept one on the run's "
+        "validation images neither trained on (min_improvement). Empty: the deployment's name; a run "
+        "outside a deployment keeps none; sweep trials never promote.",
+    )
+    min_improvement: float | None = Field(
+        None, ge=0, le=1,
+        description="How much more accurate than the kept model, on the same images, a run's model must be "
+        "to replace it. Empty: more than the noise of that comparison (one standard error of the paired "
+        "difference: sqrt(images only one gets right) / images). A tie always keeps the kept model.",
     )
     shared: bool = Field(
         False,

@@ -7,7 +7,8 @@ import torch
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.training.model import build_model
-from prefect_ddp.tasks.training.recipe import build_optimizer, evaluate, train_one_epoch
+from prefect_ddp.tasks.training.optimization import build_optimizer
+from prefect_ddp.tasks.training.recipe import evaluate, train_one_epoch
 from prefect_ddp.tasks.training.step_times import PARTS, StepClock
 
 

@@ -5,12 +5,17 @@ import stat
 import pytest
 import torch
 import torchvision
+from PIL import Image
+from torchvision.transforms import v2
 
 from prefect_ddp.tasks.config import BACKBONES, ModelConfig
+from prefect_ddp.tasks.data.dataset import eval_transform
 from prefect_ddp.tasks.data.storage import load_torch, save_torch
+from prefect_ddp.tasks.results.tracking_run import preprocessing
 from prefect_ddp.tasks.training.model import (
     DOWNLOAD_CHUNK_BYTES,
     build_model,
+    card_resize,
     classifier_path,
     download_to_cache,
     download_weights,
@@ -67,6 +72,25 @@ def test_saved_model_round_trips_through_its_card(tmp_path):
     x = torch.rand(1, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(loaded(x), model(x))
+
+
+@pytest.mark.parametrize("side", [224, 448, 1024])
+def test_validation_batch_predict_and_the_mlflow_model_resize_as_the_card_says(side):
+    """One constant (8/7, torchvision's 256 for 224) in the transform, the card, batch-predict and
+    the logged model's metadata."""
+    card = model_card(ModelConfig(backbone="mobilenet_v3_small"), ["a", "b"], side)
+    assert card["resize"] == {224: 256, 448: 512, 1024: 1170}[side]
+    resize, crop = [t for t in eval_transform(side).transforms if isinstance(t, (v2.Resize, v2.CenterCrop))]
+    assert resize.size == [card["resize"]] and crop.size == (side, side)
+    assert card_resize(card) == card["resize"]
+    metadata = preprocessing(card)
+    assert (metadata["resize"], metadata["image_size"]) == (card["resize"], side)
+    assert f"resized to {card['resize']} px, centre crop of {side} px" in metadata["steps"]
+    assert eval_transform(side)(Image.new("RGB", (side * 3 // 2, side * 9 // 8))).shape == (3, side, side)
+
+
+def test_a_card_from_before_resize_was_recorded_is_scored_as_it_was_validated():
+    assert card_resize({"image_size": 224}) == 255
 
 
 def test_loading_refuses_pickled_code(tmp_path):

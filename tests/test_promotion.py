@@ -19,8 +19,11 @@ from prefect_ddp.tasks.data.storage import (
     write_bytes,
     write_json,
 )
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.splitting import stratified_split
+from prefect_ddp.tasks.results.comparison import champion_to_beat, comparison_markdown
 from prefect_ddp.tasks.results.pointer import read_json_document
-from prefect_ddp.tasks.results.promotion import find_warm_start, kept_location, promote, read_pointer
+from prefect_ddp.tasks.results.promotion import decide, find_warm_start, kept_location, promote, read_pointer
 from prefect_ddp.tasks.training.model import build_model, load_warm_start, model_card
 
 CLASSES = ["circle", "square", "triangle"]
@@ -174,3 +177,80 @@ def test_no_warm_start_without_a_kept_model_of_that_backbone(tmp_path, backbone,
     if promoted:
         promote.fn(*finished_run(tmp_path, "kept", 0.9), kept, {"name": "kept", "flow_run_id": "1"})
     assert find_warm_start(kept, backbone, CLASSES) is None
+
+
+# -- champion against challenger on the same images (prefect_ddp.tasks.results.comparison) -------
+
+def compared(new: float, old: float, images: int, better: int, worse: int, version: str = "v1") -> dict:
+    return {"images": images, "challenger_acc": new, "champion_acc": old, "better": better, "worse": worse,
+            "challenger_epoch": 1, "champion_version": version, "champion_run": "night-1", "left_out": 0,
+            "split_known": True}
+
+
+KEPT = {"best_val_acc": 0.5, "version": "v1", "run": {"name": "night-1"}}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("comparison, min_improvement, promoted, says", [
+    # The same images, the same answers: a tie keeps the champion, whatever its own score said.
+    (compared(0.8, 0.8, 50, 0, 0), None, False, "+0.0000 is not more than the noise of the paired count, 0.0000"),
+    # 4 more right of 50 but 16 images differ: within one standard error (sqrt(16)/50 = 0.08).
+    (compared(0.88, 0.8, 50, 10, 6), None, False, "+0.0800 is not more than the noise of the paired count, 0.0800"),
+    (compared(0.9, 0.8, 50, 7, 2), None, True, "better by +0.1000, more than the noise of the paired count, 0.0600"),
+    (compared(0.9, 0.8, 50, 7, 2), 0.15, False, "is not more than output.min_improvement 0.1500"),
+    (compared(0.9, 0.8, 50, 7, 2, version="v0"), None, False, "the kept model changed while this run trained"),
+    (compared(0.0, 0.0, 0, 0, 0), None, False, "none of this run's validation images is one the kept model never"),
+])
+def test_promotion_compares_both_models_on_the_same_images(comparison, min_improvement, promoted, says):
+    # The challenger's own best_val_acc (1.0) would have promoted it under the old rule every time.
+    decision, reason = decide(1.0, KEPT, comparison, min_improvement)
+    assert decision is promoted and says in reason, reason
+
+
+def kept_model_of(tmp_path, classes=CLASSES, train_keys: list[str] | None = None, beside: bool = True) -> tuple:
+    """A kept model's pointer and folder, its split.json beside it or only in its run's folder."""
+    version, run_folder = tmp_path / "kept" / "versions" / "night-1", tmp_path / "night-1"
+    version.mkdir(parents=True)
+    run_folder.mkdir()
+    (version / "model.json").write_text(json.dumps(model_card(ModelConfig(backbone="mobilenet_v3_small"), classes, 32)))
+    if train_keys is not None:
+        (version if beside else run_folder).joinpath("split.json").write_text(json.dumps({"train_keys": train_keys}))
+    pointer = {"best_val_acc": 0.9, "version": str(version), "run": {"name": "night-1", "url": str(run_folder)}}
+    return pointer, DataLocation(url=str(tmp_path / "kept"))
+
+
+def manifest_and_split():
+    keys = [f"{cls}/{n}.jpg" for cls in CLASSES for n in range(20)]
+    manifest = Manifest(root="s3://b/p", paths=keys, labels=[CLASSES.index(k.split("/")[0]) for k in keys],
+                        sizes=[1] * len(keys), classes=CLASSES)
+    return manifest, stratified_split(manifest, 0.3, seed=1)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("beside", [True, False])
+def test_the_comparison_leaves_out_the_images_the_kept_model_trained_on(tmp_path, beside):
+    manifest, split = manifest_and_split()
+    other_seed = stratified_split(manifest, 0.3, seed=2)  # the champion's split: another seed
+    trained = [manifest.paths[i] for i in other_seed.train]
+    pointer, kept = kept_model_of(tmp_path, train_keys=trained, beside=beside)
+    champion = champion_to_beat(kept, pointer, manifest, split)
+    never_trained = [i for i in split.val if manifest.paths[i] not in set(trained)]
+    assert champion.positions == never_trained and champion.left_out == len(split.val) - len(never_trained) > 0
+    assert champion.split_known and champion.version == pointer["version"]
+
+
+@pytest.mark.unit
+def test_a_kept_model_without_its_split_is_compared_on_every_image_and_says_so(tmp_path):
+    manifest, split = manifest_and_split()
+    pointer, kept = kept_model_of(tmp_path)
+    champion = champion_to_beat(kept, pointer, manifest, split)
+    assert champion.positions == split.val and not champion.split_known
+    text = comparison_markdown(compared(0.9, 0.8, 18, 2, 0) | {"split_known": False})
+    assert "its score may include images it trained on" in text and "| 0.9000 |" in text and "| 0.8000 |" in text
+
+
+@pytest.mark.unit
+def test_a_kept_model_of_other_classes_is_not_scored(tmp_path):
+    manifest, split = manifest_and_split()
+    pointer, kept = kept_model_of(tmp_path, classes=["cat", "dog"], train_keys=[])
+    assert champion_to_beat(kept, pointer, manifest, split) is None

@@ -45,7 +45,7 @@ from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.results.promotion import Promotion, kept_location, promote, read_pointer
 from prefect_ddp.tasks.prediction.model_source import check_champion
 from prefect_ddp.tasks.results.registry import ALIAS, POINTER_TAG, ChampionCheck, Registration, why_unchecked
-from prefect_ddp.tasks.results.tracking_run import RUN_FILES, log_model, start_run
+from prefect_ddp.tasks.results.tracking_run import RUN_FILES, log_model, preprocessing, start_run
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from prefect_ddp.tasks.tracking import Tracking, epoch_metrics, mlflow_session, same_server, sign
 from tests.support.image_folders import local_image_folder
@@ -104,7 +104,7 @@ def run_of(client: MlflowClient, flow_run_id: str):
     return runs[0]
 
 
-def test_a_tracked_run_holds_its_params_epochs_files_and_model(tracked):
+def test_a_tracked_run_holds_its_params_epochs_files_and_model(tracked, mlflow_uri):
     client, _, (summary, flow_run_id) = tracked
     run = run_of(client, flow_run_id)
     assert run.info.status == "FINISHED"
@@ -121,6 +121,12 @@ def test_a_tracked_run_holds_its_params_epochs_files_and_model(tracked):
     champion = client.get_model_version_by_alias(NAME, ALIAS)
     assert champion.version == "1" and champion.run_id == run.info.run_id
     assert run.data.tags["promoted"] == "true" and run.data.tags["registered_version"] == "1"
+    # The logged model documents the preprocessing its card records, which validation used.
+    card = json.loads((Path(summary["files"]["model.pt"]).parent / "model.json").read_text())
+    with mlflow_session(Tracking(tracking_uri=mlflow_uri, experiment=EXPERIMENT)):
+        import mlflow
+
+        assert mlflow.models.get_model_info(f"models:/{NAME}/1").metadata["preprocessing"] == preprocessing(card)
 
 
 def test_a_worse_candidate_leaves_the_champion_where_it_was(tracked, candidate, tmp_path):

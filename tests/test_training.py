@@ -11,12 +11,16 @@ from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.training.checkpoints import CheckpointMismatch, TrainingState
-from prefect_ddp.tasks.training.model import load_model
+from prefect_ddp.tasks.training.model import build_model, load_model
+from prefect_ddp.tasks.training.optimization import (
+    Warmup,
+    build_optimizer,
+    build_scheduler,
+    warmup_epochs,
+)
 from prefect_ddp.tasks.training.recipe import (
     TrainJob,
     batch_inputs,
-    build_optimizer,
-    build_scheduler,
     evaluate,
     loader_workers,
     make_loaders,
@@ -110,10 +114,58 @@ def test_invalid_optimizer_and_scheduler_say_what_is_allowed():
 
 
 @pytest.mark.unit
-def test_learning_rate_scales_with_world_size_when_asked():
+def test_learning_rate_scales_with_world_size_for_sgd_and_when_asked_with_a_warmup():
     model = torch.nn.Linear(2, 2)
-    assert build_optimizer(model, TrainingConfig(lr=0.01), 4).param_groups[0]["lr"] == pytest.approx(0.04)
-    assert build_optimizer(model, TrainingConfig(lr=0.01, scale_lr_by_world_size=False), 4).param_groups[0]["lr"] == 0.01
+    lrs = {(optimizer, scale): build_optimizer(model, TrainingConfig(lr=0.01, optimizer=optimizer,
+                                                                   scale_lr_by_world_size=scale), 4).param_groups[0]["lr"]
+           for optimizer in ("sgd", "adamw") for scale in (None, True, False)}
+    assert lrs == pytest.approx({("sgd", None): 0.04, ("sgd", True): 0.04, ("sgd", False): 0.01,
+                                 ("adamw", None): 0.01, ("adamw", True): 0.04, ("adamw", False): 0.01})
+    # A scaled rate is warmed up (one epoch by default); one that is not scaled needs none.
+    assert warmup_epochs(TrainingConfig(), 4) == 1 and warmup_epochs(TrainingConfig(), 1) == 0
+    assert warmup_epochs(TrainingConfig(optimizer="adamw"), 4) == 0
+    assert warmup_epochs(TrainingConfig(warmup_epochs=0), 4) == 0 and warmup_epochs(TrainingConfig(warmup_epochs=3), 1) == 3
+
+
+@pytest.mark.unit
+def test_norm_and_bias_parameters_get_no_weight_decay():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+    model(torch.zeros(2, 3, 8, 8))
+    decayed, plain = build_optimizer(model, TrainingConfig(weight_decay=0.05), 1).param_groups
+    assert decayed["weight_decay"] == 0.05 and {p.ndim for p in decayed["params"]} == {2, 4}
+    assert plain["weight_decay"] == 0.0 and len(plain["params"]) == 4 and {p.ndim for p in plain["params"]} == {1}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_frozen_backbone_keeps_its_batchnorm_statistics(tmp_path, frozen):
+    job = local_job(tmp_path, epochs=1)
+    job = job.model_copy(update={"model": job.model.model_copy(update={"freeze_backbone": frozen})})
+    result = train_classifier(CTX, job)
+    trained = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    stats = {k: v for k, v in trained.items() if k.endswith(("running_mean", "running_var", "num_batches_tracked"))}
+    untouched = {k: v for k, v in build_model_state(job).items() if k in stats}
+    assert len(stats) > 10 and all(torch.equal(stats[k], untouched[k]) for k in stats) == frozen
+    # Every BatchNorm layer of mobilenet_v3_small is in the backbone.
+    assert result["recipe"]["frozen_batchnorm"] == (len(stats) // 3 if frozen else 0)
+
+
+def build_model_state(job: TrainJob) -> dict[str, torch.Tensor]:
+    return build_model(job.model, len(job.manifest.classes)).state_dict()
+
+
+@pytest.mark.unit
+def test_warmup_raises_the_rate_step_by_step_then_leaves_the_schedule_its_own():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.8)
+    warmup, seen = Warmup(steps=4), []
+    for _ in range(2):  # two epochs of two steps: the warmup spans both
+        for _ in range(2):
+            warmup.before_step(optimizer)
+            seen.append(optimizer.param_groups[0]["lr"])
+        warmup.end_epoch(optimizer)
+        assert optimizer.param_groups[0]["lr"] == 0.8  # what the schedule and checkpoints see
+    warmup.before_step(optimizer)
+    assert seen == pytest.approx([0.2, 0.4, 0.6, 0.8]) and optimizer.param_groups[0]["lr"] == 0.8
 
 
 @pytest.mark.unit

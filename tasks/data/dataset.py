@@ -166,10 +166,26 @@ def train_transform(image_size: int) -> Callable:
     ])
 
 
-def eval_transform(image_size: int) -> Callable:
+# Validation resizes the shorter side to 8/7 of the crop, then crops the centre: torchvision's
+# reference sizes (256 for a crop of 224). The model card records the size (`resize`), and
+# batch-predict and the logged MLflow model read it from there.
+RESIZE_PER_CROP = 8 / 7
+
+
+def resize_size(image_size: int) -> int:
+    """The shorter side validation resizes to before its centre crop of `image_size`.
+
+    >>> [resize_size(side) for side in (224, 448, 1024)]
+    [256, 512, 1170]
+    """
+    return round(image_size * RESIZE_PER_CROP)
+
+
+def eval_transform(image_size: int, resize: int | None = None) -> Callable:
+    """Resize the shorter side to `resize` (default `resize_size(image_size)`), crop the centre."""
     return v2.Compose([
         v2.PILToTensor(),
-        v2.Resize(int(image_size * 1.14), antialias=True),
+        v2.Resize(resize or resize_size(image_size), antialias=True),
         v2.CenterCrop(image_size),
         v2.ToDtype(torch.float32, scale=True),
         v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),

@@ -41,6 +41,11 @@ class Split(BaseModel):
         """Fingerprint of the split's keys, compared across ranks."""
         return digest([manifest.paths[i] for i in self.train] + ["--"] + [manifest.paths[i] for i in self.val])
 
+    def record(self, manifest: Manifest) -> dict[str, object]:
+        """What the model card says of the split its model was trained and selected on."""
+        return {"source": manifest.root, "seed": self.seed, "val_fraction": self.val_fraction,
+                "val_images": len(self.val), "val_digest": digest([manifest.paths[i] for i in self.val])}
+
 
 def draw(key: str, seed: int) -> float:
     """The image's number in [0, 1): it goes to validation when below val_fraction.

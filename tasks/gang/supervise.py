@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +25,7 @@ from prefect_ddp.tasks.gang.errors import GangError, GangHung, GangTimeout
 from prefect_ddp.tasks.gang.plan import cluster_workers
 from prefect_ddp.tasks.gang.progress import HangWatch, remove_unresponsive
 from prefect_ddp.tasks.gang.states import crash_unfinished_task_runs
-from prefect_ddp.tasks.gang.stopping import StopFlag
+from prefect_ddp.tasks.gang.stopping import READ_EVERY_S, StopFlag
 from prefect_ddp.tasks.reporting import run_logger
 
 # Surviving gloo ranks fail within ~5 s of a peer's death (docs/architecture.md,
@@ -36,9 +36,10 @@ FAILURE_GRACE_S = 15.0
 # When one rank raises, its peers fail once its connections close; wait this long for them
 # so the report names the rank that failed first-hand.
 PEER_FAILURE_WINDOW_S = 5.0
-# How long the peers of a failed rank may take to fail on their own before its worker is
-# restarted to close its connections (`_let_peers_fail`).
-FAILED_PEER_WAIT_S = 2.0
+# How long ranks between steps take to see the stop flag (they read it every READ_EVERY_S);
+# peers of a failed rank still running after that are held in a collective
+# (`_release_peers_of_failed`).
+FLAG_SEEN_S = READ_EVERY_S + 1.0
 # Between two reads of the worker set that must both miss a rank's worker to call it gone.
 DEPARTURE_CONFIRM_S = 1.0
 # What a rank reports when a peer, not itself, went wrong (gloo and NCCL wordings).
@@ -95,18 +96,18 @@ def supervise(
     next_hang_check = time.monotonic() + HANG_POLL_S
     while pending:
         wait_for(client, list(pending), poll_s, return_when="FIRST_COMPLETED")
-        failed = _collect_failures(pending)
+        failures = _collect_failures(pending)
         gone = _departed(client, pending)
-        if failed:
-            # Only peers on workers still there can fail: a rank whose worker left never
-            # finishes (its task waits in `no-worker`), and waiting for it only delays the
-            # next attempt.
-            _let_peers_fail(client, [f for f, c in pending.items() if c not in gone], failed)
-            failed |= _collect_failures(pending)
+        if failures:
+            # Only peers on workers still there can fail in the window: a rank whose worker
+            # left never finishes (its task waits in `no-worker`), and waiting for it only
+            # delays the next attempt.
+            wait_for(client, [f for f, c in pending.items() if c not in gone], PEER_FAILURE_WINDOW_S)
+            failures += _collect_failures(pending)
         failures = [
             f"Worker {c.worker_address} of rank {c.rank} left the cluster (killed, out of memory or lost) while training"
             for c in gone
-        ] + list(failed.values())
+        ] + failures
         if failures:
             raise GangError(root_cause_first(failures))
         if pending and hang is not None and time.monotonic() >= next_hang_check:
@@ -135,40 +136,24 @@ def _departed(client: distributed.Client, pending: dict[distributed.Future, Rank
     return gone
 
 
-def _let_peers_fail(
-    client: distributed.Client, peers: list[distributed.Future], failed: dict[RankContext, str],
-) -> None:
-    """Give the peers of the failed ranks a moment to fail too, so that the report names the
-    rank that failed first-hand.
-
-    A rank that raised leaves its process group's connections open while its worker process
-    lives (docs/architecture.md, "Facts: torch and gloo"), so a peer blocked in a collective
-    with it would wait out the stop's grace and have its own worker restarted. Restarting
-    the failed ranks' workers instead closes those connections: the peers fail at once.
-    """
-    wait_for(client, peers, FAILED_PEER_WAIT_S)
-    if all(f.done() for f in peers):
-        return
-    present = set(cluster_workers(client))
-    if holding := [c.worker_address for c in failed if c.worker_address in present]:
-        with logged_failure(f"restarting workers {holding}"):
-            _restart(client, holding, "of the failed rank(s): their process group holds its peers in a collective")
-    wait_for(client, peers, PEER_FAILURE_WINDOW_S)
-
-
-def _collect_failures(pending: dict[distributed.Future, RankContext]) -> dict[RankContext, str]:
+def _collect_failures(pending: dict[distributed.Future, RankContext]) -> list[str]:
     """Take the finished ranks out of `pending`; returns why each one that did not complete failed."""
-    failures = {}
+    failures = []
     for dask_future in [f for f in pending if f.done()]:
         ctx = pending.pop(dask_future)
         where = f"Rank {ctx.rank} on {ctx.worker_address}"
         if dask_future.cancelled():  # by another client, the dashboard, or the scheduler
-            failures[ctx] = f"{where} was cancelled in Dask before it finished"
+            failures.append(f"{where} was cancelled in Dask before it finished")
         elif dask_future.status == "error":
-            failures[ctx] = f"{where} failed in Dask: {dask_future.exception()!r}"
+            failures.append(f"{where} failed in Dask: {dask_future.exception()!r}")
         elif not (state := dask_future.result()).is_completed():
-            failures[ctx] = f"{where} ended {state.type.value}: {state.message}"
+            failures.append(f"{where} ended {state.type.value}: {state.message}")
     return failures
+
+
+def _raised(dask_future: distributed.Future) -> bool:
+    """Whether the rank ended by raising (not completed, not cancelled: a cancelled rank's thread may run on)."""
+    return dask_future.status == "error" or (dask_future.status == "finished" and dask_future.result().is_failed())
 
 
 def root_cause_first(failures: list[str]) -> str:
@@ -219,12 +204,33 @@ def _ask_to_stop(
     waiting = hung or len(futures) < len(contexts)
     present = set(cluster_workers(client))
     stoppable = [f for f, c in zip(dask_futures, contexts) if c.worker_address in present]
+    if not waiting:
+        _release_peers_of_failed(client, stoppable, zip(dask_futures, contexts), present)
     wait_for(client, stoppable, 0 if waiting else FAILURE_GRACE_S)
     unfinished = {f: c for f, c in zip(dask_futures, contexts) if not f.done()}
     # Only those: a finished future keeps its status, by which the task run is left to
     # record its own final state (states.settled_task_runs).
     client.cancel(list(unfinished), force=True)
     return [c.worker_address for c in unfinished.values()]
+
+
+def _release_peers_of_failed(client: distributed.Client, stoppable: list[distributed.Future],
+                             ranks: Iterable[tuple[distributed.Future, RankContext]], present: set[str]) -> None:
+    """Restart the workers of ranks that raised when their peers are still running once the
+    flag has had time to reach them: those peers wait in a collective with the failed rank.
+
+    A rank that raised after a DDP step keeps its process group's connections open while its
+    worker process lives (docs/architecture.md, "Facts: torch and gloo"): a peer blocked in
+    the next all-reduce would wait out the grace and have its own worker restarted. Ending
+    the failed rank's process closes them, and the peer fails at once.
+    """
+    failed = [c.worker_address for f, c in ranks if f.done() and _raised(f) and c.worker_address in present]
+    if not failed:
+        return
+    wait_for(client, stoppable, FLAG_SEEN_S)
+    if not all(f.done() for f in stoppable):
+        with logged_failure(f"restarting workers {failed}"):
+            _restart(client, failed, "of the failed rank(s): their process group holds their peers in a collective")
 
 
 def _restart(client: distributed.Client, stuck: list[str], why: str) -> None:

@@ -86,6 +86,8 @@ def summarize(results: list[dict[str, Any]], split: Split,
         "attempts": attempt_rows(gang_attempts or [], results[0].get("attempts", [])),
         # Left out as unreadable: by decode-check, and in training (the first keys; each epoch's record holds all).
         "unreadable": {k: v for k, v in results[0]["unreadable"].items() if k != "stopped"},
+        "recipe": results[0].get("recipe"),  # as it ran: the defaults that empty fields left (optimization.py)
+        "comparison": results[0].get("comparison"),  # with the kept model, on the same images (comparison.py)
     }
 
 

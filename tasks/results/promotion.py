@@ -2,15 +2,16 @@
 
 A scheduled deployment retrains every night on whatever is in the bucket; a bad night (a
 broken upload, an unlucky seed) must not replace a good model. Each run's model is
-compared, by the validation accuracy of the epoch it holds (`best_val_acc`), with the
-model kept under `<output>/<name>/`, and takes its place only when it is at least as good.
+compared with the model kept under `<output>/<name>/` on the same images, those of the run's
+validation set the kept model never trained on, and takes its place only when it is right
+more often by more than the noise of that comparison (prefect_ddp.tasks.results.comparison).
 `name` is the deployment's name, or `output.model_name`. Sweep trials never promote; a
 sweep may promote its best trial once, at its end (`SweepSettings.promote`).
 
 What is kept is versioned, so two runs promoting at once can neither both win nor leave a
 model beside another model's card:
 
-    <output>/<name>/versions/<run folder>/   model.pt, model.json, metrics.json: written
+    <output>/<name>/versions/<run folder>/   model.pt, model.json, split.json, metrics.json: written
                                              whole before anything points at them, then
                                              never changed
     <output>/<name>/latest.json              the pointer: which version is kept, its metric
@@ -30,6 +31,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from prefect_ddp.tasks.data.storage import (
+    exists,
     read_bytes,
     read_json,
     remove_tree,
@@ -38,6 +40,7 @@ from prefect_ddp.tasks.data.storage import (
 )
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import run_logger
+from prefect_ddp.tasks.results.comparison import SPLIT_FILE, decide_on_comparison
 from prefect_ddp.tasks.results.pointer import Document, read_json_document, update_json
 from prefect_ddp.tasks.results.registry import ALIAS, Registration, align_champion, drop_version, register_version
 from prefect_ddp.tasks.retries import retry_transient
@@ -58,6 +61,7 @@ class Promotion(BaseModel):
     kept_url: str | None  # the version folder kept now (this run's when promoted)
     previous_run: str | None = None
     previous_metric: float | None = None
+    comparison: dict[str, Any] | None = None  # both models' accuracy on the same images (comparison.py)
     registered: dict[str, str] | None = None  # the MLflow model version made for this run, when kept
     champion: str | None = None  # the version the registry's alias names after this promotion
     registry_disagrees: str | None = None  # how the alias and the pointer disagree, when they still do
@@ -68,15 +72,26 @@ def kept_location(output_base: Location, name: str) -> Location:
     return output_base.with_url(child_url(output_base.url, safe_segment(name)))
 
 
-def decide(new_metric: float, current: Document | None) -> tuple[bool, str]:
-    """The promotion rule: promote when there is no kept model or the new one is as good."""
+def decide(new_metric: float, current: Document | None, comparison: dict[str, Any] | None = None,
+           min_improvement: float | None = None) -> tuple[bool, str]:
+    """The promotion rule: promote when there is no kept model, or the new one beats it on the
+    same images (prefect_ddp.tasks.results.comparison); without such a comparison (the kept
+    model predicts other classes), when the new one's val accuracy is at least as good."""
     if current is None:
         return True, f"first model kept under this name, {METRIC} {new_metric:.4f}"
+    if comparison:
+        return decide_on_comparison(comparison, current, min_improvement)
     old = current[METRIC]
     run = current.get("run", {}).get("name", "an earlier run")
     if new_metric >= old:
         return True, f"{METRIC} {new_metric:.4f} is at least as good as {old:.4f} of {run}"
     return False, f"{METRIC} {new_metric:.4f} is worse than {old:.4f} of {run}, which stays"
+
+
+def pointer_fields(summary: dict[str, Any]) -> dict[str, Any]:
+    """What latest.json says of the kept model's scores besides its own val accuracy: the comparison
+    that promoted it, when there was one."""
+    return {"comparison": summary["comparison"]} if summary.get("comparison") else {}
 
 
 def read_pointer(kept: Location) -> Document | None:
@@ -91,13 +106,17 @@ def write_version(summary: dict[str, Any], run_output: Location, version: Locati
     for name in SAVED_MODEL_FILES:
         write_bytes(child_url(version.url, name), read_bytes(child_url(run_output.url, name), source), target)
     kept = {key: summary[key] for key in (METRIC, "best_epoch", "final_val_acc", "final_val_loss", "history")}
-    write_json(child_url(version.url, "metrics.json"), kept | {"run": record}, target)
+    # The split beside the model: a later run leaves its training images out of the comparison.
+    if exists(split := child_url(run_output.url, SPLIT_FILE), source):
+        write_bytes(child_url(version.url, SPLIT_FILE), read_bytes(split, source), target)
+    write_json(child_url(version.url, "metrics.json"), kept | pointer_fields(summary) | {"run": record}, target)
 
 
 @task(name="promote", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
 def promote(summary: dict[str, Any], run_output: Location, kept: Location,
-            run: dict[str, str], registry: Registration | None = None) -> Promotion:
-    """Keep this run's model under `kept` when it is at least as good as the one kept there.
+            run: dict[str, str], registry: Registration | None = None,
+            min_improvement: float | None = None) -> Promotion:
+    """Keep this run's model under `kept` when it beats the one kept there (`decide`).
 
     The decision is taken again inside the pointer's compare-and-swap, against the model
     kept at that moment: a better model promoted meanwhile by another run stays. With
@@ -108,19 +127,20 @@ def promote(summary: dict[str, Any], run_output: Location, kept: Location,
     version = version_location(kept, run_output)
     pointer_url = child_url(kept.url, POINTER)
     seen = read_pointer(kept)
-    promoted, reason = decide(metric, seen)
+    comparison = summary.get("comparison")
+    promoted, reason = decide(metric, seen, comparison, min_improvement)
     registered = None
     if promoted:  # write the candidate whole, then point at it if it still wins
         record = run | {"url": run_output.url, "promoted_at": datetime.now(timezone.utc).isoformat()}
         write_version(summary, run_output, version, record)
-        registered = (register_version(registry.model, registry.name, version.url, pointer_url)
+        registered = (register_version(registry.model, registry.name, version.url, pointer_url, comparison)
                       if registry and registry.model else None)
 
         def swap(current: Document | None) -> Document | None:
             nonlocal promoted, reason, seen
             seen = current
-            promoted, reason = decide(metric, current)
-            pointer = {METRIC: metric, "version": version.url, "run": record}
+            promoted, reason = decide(metric, current, comparison, min_improvement)
+            pointer = {METRIC: metric, "version": version.url, "run": record} | pointer_fields(summary)
             return (pointer | ({"registered": registered} if registered else {})) if promoted else None
 
         update_json(pointer_url, kept.storage_options(), swap)
@@ -141,7 +161,7 @@ def promote(summary: dict[str, Any], run_output: Location, kept: Location,
         kept_url=version.url if promoted else seen["version"],
         previous_run=seen["run"].get("name") if seen else None,
         previous_metric=seen[METRIC] if seen else None,
-        registered=registered, champion=check.now if check else None,
+        comparison=comparison, registered=registered, champion=check.now if check else None,
         registry_disagrees=check.disagreement() if check and not check.agrees else None,
     )
 

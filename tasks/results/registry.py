@@ -89,21 +89,36 @@ def _version(version: str | None) -> str:
     return f"version {version}" if version else "no registered version"
 
 
-def register_version(model: LoggedModel, name: str, kept_version: str, pointer_url: str) -> dict[str, Any] | None:
+def register_version(model: LoggedModel, name: str, kept_version: str, pointer_url: str,
+                     comparison: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The version of the registered model `name` holding `model` for the version folder
     `kept_version`, as the pointer records it: the one a failed attempt of this promotion
-    registered, else a new one."""
+    registered, else a new one, tagged with the comparison that promoted it."""
     try:
         with mlflow_session(model.tracking) as client:
             _create_registered_model(client, name, pointer_url)
             version = _registered_before(client, name, model.run_id, kept_version) or client.create_model_version(
                 name, source=model.model_uri, run_id=model.run_id, model_id=model.model_id,
-                tags={KEPT_VERSION_TAG: kept_version})
+                tags={KEPT_VERSION_TAG: kept_version} | comparison_tags(comparison))
     except Exception as error:
         warn(f"register the model as a version of {name!r}", error)
         return None
     run_logger().info("Registered model %r version %s (run %s).", name, version.version, model.run_id)
     return {"name": name, "version": str(version.version), "tracking_uri": model.tracking.tracking_uri}
+
+
+def comparison_tags(comparison: dict[str, Any] | None) -> dict[str, str]:
+    """Both models' scores on the same images, as tags of the registered version.
+
+    >>> comparison_tags({"challenger_acc": 0.9, "champion_acc": 0.8, "images": 50, "champion_run": "old"})
+    {'prefect_ddp.challenger_acc': '0.9', 'prefect_ddp.champion_acc': '0.8', 'prefect_ddp.compared_on': '50 validation images neither trained on; champion: old'}
+    """
+    if not comparison:
+        return {}
+    return {"prefect_ddp.challenger_acc": f"{comparison['challenger_acc']:.4g}",
+            "prefect_ddp.champion_acc": f"{comparison['champion_acc']:.4g}",
+            "prefect_ddp.compared_on": f"{comparison['images']} validation images neither trained on; "
+                                       f"champion: {comparison['champion_run']}"}
 
 
 def _registered_before(client: Any, name: str, run_id: str, kept_version: str) -> Any | None:

@@ -15,6 +15,7 @@ from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.storage import write_bytes
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, epoch_rows, markdown_table
+from prefect_ddp.tasks.results.comparison import comparison_markdown
 from prefect_ddp.tasks.results.plots import markdown_image, training_curves_png
 from prefect_ddp.tasks.results.promotion import Promotion
 from prefect_ddp.tasks.retries import retry_transient
@@ -37,11 +38,16 @@ def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None, prun
         return started + ("Not promoted: the run is outside a deployment and sets no "
                           "output.model_name, so no model is kept for it.\n")
     registry = f"\n**Registry disagrees**: {promotion.registry_disagrees}.\n" if promotion.registry_disagrees else ""
+    compared = comparison_markdown(promotion.comparison)
+    if warm and promotion.comparison and promotion.comparison["left_out"]:
+        started += (f"The kept model trained on {promotion.comparison['left_out']} of this run's validation images "
+                    "(its split differs), and this run started from it: the val accuracies above count those "
+                    "images, the comparison below does not.\n\n")
     if promotion.promoted:
-        return started + (f"**Promoted**: `{promotion.pointer_url}` now points to `{promotion.kept_url}`: "
-                          f"{promotion.reason}.\n") + registry
-    return started + (f"**Not promoted**: `{promotion.pointer_url}` still points to `{promotion.kept_url}`: "
-                      f"{promotion.reason}.\n") + registry
+        outcome = f"**Promoted**: `{promotion.pointer_url}` now points to `{promotion.kept_url}`"
+    else:
+        outcome = f"**Not promoted**: `{promotion.pointer_url}` still points to `{promotion.kept_url}`"
+    return started + f"{outcome}: {promotion.reason}.\n" + (f"\n{compared}" if compared else "") + registry
 
 
 def resumed_text(after_epoch: int | None) -> str:
@@ -112,6 +118,23 @@ def time_markdown(timing: dict[str, Any] | None, epoch: int) -> str:
     )
 
 
+def recipe_text(recipe: dict[str, Any] | None) -> str:
+    """The recipe as it ran, with what its empty fields were left to; empty for a run recorded before.
+
+    >>> recipe_text({"lr": 0.04, "lr_scaled_by": 4, "warmup_epochs": 1, "weight_decay": 0.0001,
+    ...              "frozen_batchnorm": 0, "sync_batchnorm": False})
+    'Recipe as run: lr 0.04 per step (4x the per-rank lr: the world size), warmed up over 1 epoch(s); weight decay 0.0001 on weights, none on norm and bias parameters; BatchNorm per rank.'
+    """
+    if not recipe:
+        return ""
+    scaled = f" ({recipe['lr_scaled_by']}x the per-rank lr: the world size)" if recipe["lr_scaled_by"] > 1 else ""
+    warmup = f", warmed up over {recipe['warmup_epochs']} epoch(s)" if recipe["warmup_epochs"] else ", no warmup"
+    norms = ("BatchNorm synchronised across ranks" if recipe["sync_batchnorm"] else "BatchNorm per rank") + (
+        f", {recipe['frozen_batchnorm']} frozen layer(s) in eval mode" if recipe["frozen_batchnorm"] else "")
+    return (f"Recipe as run: lr {recipe['lr']:g} per step{scaled}{warmup}; weight decay {recipe['weight_decay']:g} "
+            f"on weights, none on norm and bias parameters; {norms}.")
+
+
 def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, outcome: str) -> str:
     rows = epoch_rows(summary["history"])
     workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
@@ -125,6 +148,7 @@ def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, ou
         + f"\nData: `{manifest.root}`, {len(manifest.classes)} classes, {summary['train_size']} train / "
         f"{summary['val_size']} val images. World size {summary['world_size']} ({workers}).\n\n"
         + trained_images_text(summary["history"], summary["train_size"]) + "\n\n"
+        + (f"{recipe}\n\n" if (recipe := recipe_text(summary.get("recipe"))) else "")
         + (f"{unreadable}\n\n" if unreadable else "")
         + attempts_markdown(summary.get("attempts", []))
         + "## Curves\n\n" + curves + "\n\n"

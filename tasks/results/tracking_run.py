@@ -183,12 +183,17 @@ def _log_model(run: TrackedRun, out: Location, folder: str) -> LoggedModel:
         info = mlflow.pytorch.log_model(
             model, name=MODEL_ARTIFACT, input_example=example,
             extra_files=[os.path.join(folder, name) for name in SAVED_MODEL_FILES],
-            metadata={"classes": card["classes"], "preprocessing": {
-                "image_size": card["image_size"], "mean": card["mean"], "std": card["std"],
-                "resize": "shorter side to image_size * 8/7, then centre crop; RGB scaled to [0, 1], normalised"}},
+            metadata={"classes": card["classes"], "preprocessing": preprocessing(card)},
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
         )
     return LoggedModel(tracking=run.tracking, run_id=run.run_id, model_uri=info.model_uri, model_id=info.model_id)
+
+
+def preprocessing(card: dict[str, Any]) -> dict[str, Any]:
+    """How an image becomes the model's input, as its card records it: the MLflow model's metadata."""
+    return {"image_size": card["image_size"], "resize": card["resize"], "mean": card["mean"], "std": card["std"],
+            "steps": f"shorter side resized to {card['resize']} px, centre crop of {card['image_size']} px; "
+                     "RGB scaled to [0, 1], normalised by mean and std"}
 
 
 def fetch_registered_model(tracking: Tracking, uri: str, into: Location) -> Location:

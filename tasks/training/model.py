@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from prefect_ddp.tasks.config import BACKBONES, ModelConfig
-from prefect_ddp.tasks.data.dataset import IMAGENET_MEAN, IMAGENET_STD
+from prefect_ddp.tasks.data.dataset import IMAGENET_MEAN, IMAGENET_STD, resize_size
 from prefect_ddp.tasks.data.storage import exists, load_torch
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.retries import retry_transient
@@ -203,9 +203,15 @@ def model_card(config: ModelConfig, classes: list[str], image_size: int) -> dict
         "backbone": config.backbone,
         "classes": classes,
         "image_size": image_size,
+        "resize": resize_size(image_size),
         "mean": IMAGENET_MEAN,
         "std": IMAGENET_STD,
     }
+
+
+def card_resize(card: dict[str, Any]) -> int:
+    """The card's `resize`; a card written before it was recorded: the 1.14 those models were validated with."""
+    return card.get("resize") or int(card["image_size"] * 1.14)
 
 
 def load_model(card: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:

@@ -1,7 +1,8 @@
 """The transfer-learning recipe that runs on every rank of the gang.
 
 Read top to bottom like torchvision's reference `train.py`: `train_one_epoch`, `evaluate`,
-`make_loaders`, `build_optimizer`, `build_scheduler`, then `set_up_rank`, `run_epoch` and
+`make_loaders` (the optimiser, its schedule and the normalisation layers are
+prefect_ddp.tasks.training.optimization's), then `set_up_rank`, `run_epoch` and
 `train_classifier`, the per-rank entry point that `run_gang` calls. The loop does not care
 about world size: at world size 1 there is no process group and the wrappers do nothing.
 
@@ -53,6 +54,7 @@ from prefect_ddp.tasks.reporting import (
 )
 from prefect_ddp.tasks.selection import Selection, best_index, is_better
 from prefect_ddp.tasks.tracking import TrackedRun
+from prefect_ddp.tasks.training.champion import Champion, ScoredImages, score_against_champion
 from prefect_ddp.tasks.training.checkpoints import (
     TrainingState,
     job_fingerprint,
@@ -64,6 +66,18 @@ from prefect_ddp.tasks.training.model import (
     download_weights,
     load_warm_start,
     model_card,
+)
+from prefect_ddp.tasks.training.optimization import (
+    EffectiveRecipe,
+    Warmup,
+    build_optimizer,
+    build_scheduler,
+    frozen_batchnorm,
+    keep_frozen_in_eval,
+    scales_lr,
+    step_scheduler,
+    sync_batchnorm,
+    warmup_epochs,
 )
 from prefect_ddp.tasks.training.progress import ProgressReporter
 from prefect_ddp.tasks.training.step_times import (
@@ -94,6 +108,7 @@ class TrainJob(BaseModel):
     warm_start: WarmStart | None = None  # the deployment's kept model, resolved by the flow
     unreadable: UnreadableLimit = UnreadableLimit()  # decode-check's exclusions and data.max_unreadable_fraction
     tracked: TrackedRun | None = None  # the MLflow run rank 0 logs each epoch's metrics to
+    champion: Champion | None = None  # the kept model to score beside this run's at the end
 
     @field_validator("source", "output")
     @classmethod
@@ -145,6 +160,7 @@ def train_one_epoch(
     model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler, inputs: ToDevice, amp_dtype: torch.dtype | None,
     on_step: Callable[[int, int], None] | None = None, clock: StepClock | None = None,
+    warmup: Warmup | None = None, frozen: list[nn.Module] = (),
 ) -> PassSums:
     """One pass over this rank's shard; returns the rank's local sums.
 
@@ -153,11 +169,14 @@ def train_one_epoch(
     `on_step(done, total)` is called after every optimizer step, for progress reports.
     `clock` is cut at each part of the step (prefect_ddp.tasks.training.step_times); the
     final mark counts the wait that ends the pass, so its parts add up to the pass.
+    `warmup` scales each step's learning rate while it lasts; the BatchNorm layers in
+    `frozen` stay in eval mode (prefect_ddp.tasks.training.optimization).
     The loss is the mean over the batch's readable images; a batch with none still steps,
     with a zero loss: which batches hold readable images differs between ranks, and a rank
     that skipped its step would leave the others waiting in DDP's all-reduce.
     """
     model.train()
+    keep_frozen_in_eval(frozen)
     sums = PassSums()
     clock = clock or StepClock(inputs.device)
     clock.start()
@@ -171,6 +190,8 @@ def train_one_epoch(
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss_sum / readable.clamp(min=1)).backward()
         clock.after_backward()
+        if warmup:
+            warmup.before_step(optimizer)
         scaler.step(optimizer)
         scaler.update()
         clock.mark("optimizer")
@@ -179,6 +200,8 @@ def train_one_epoch(
             on_step(step, len(loader))
         clock.mark("other")
     clock.mark("data")  # the wait for the loader to say the pass is over
+    if warmup:
+        warmup.end_epoch(optimizer)
     return sums
 
 
@@ -306,26 +329,6 @@ def batch_inputs(cfg: TrainingConfig, device: torch.device) -> tuple[ToDevice, T
             ToDevice(device, channels_last, eval_transform(cfg.image_size) if on_device else None))
 
 
-def build_optimizer(model: nn.Module, cfg: TrainingConfig, world_size: int) -> torch.optim.Optimizer:
-    lr = cfg.lr * world_size if cfg.scale_lr_by_world_size else cfg.lr
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-    raise ValueError(f"Invalid optimizer {cfg.optimizer!r}. Only sgd and adamw are supported.")
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
-    if cfg.scheduler == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs)
-    if cfg.scheduler == "plateau":
-        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1, patience=2)
-    if cfg.scheduler == "none":
-        return None
-    raise ValueError(f"Invalid scheduler {cfg.scheduler!r}. Only cosine, plateau and none are supported.")
-
-
 class BestWeights:
     """Rank 0's `model.pt`: the weights of the best epoch so far (prefect_ddp.tasks.selection), with its card.
 
@@ -366,8 +369,9 @@ class BestWeights:
         job = self.job
         save_torch(child_url(job.output.url, "model.pt"), model.state_dict(), self.options)
         card = model_card(job.model, job.manifest.classes, job.training.image_size)
-        write_json(child_url(job.output.url, "model.json"),
-                   card | {"epoch": self.epoch, "selected_by": self.selection.describe()}, self.options)
+        write_json(child_url(job.output.url, "model.json"), card | {
+            "epoch": self.epoch, "selected_by": self.selection.describe(),
+            "split": job.split.record(job.manifest)}, self.options)
 
 
 def between_steps(ctx: RankContext, progress: ProgressReporter, clock: StepClock, batch_size: int, started: float,
@@ -392,6 +396,9 @@ class RankSetup:
     clock: StepClock
     input_advice: str  # what would feed this run's ranks faster, for an input-bound verdict
     batch_size: int
+    warmup: Warmup
+    frozen: list[nn.Module]  # BatchNorm layers kept in eval mode
+    recipe: EffectiveRecipe
 
     @property
     def device(self) -> torch.device:
@@ -410,13 +417,20 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     model = build_model(job.model, len(job.manifest.classes), job.source.storage_options())
     if job.warm_start:
         load_warm_start(model, job.warm_start)
+    synced = job.training.sync_batchnorm and sync_batchnorm(model, device, ctx.world_size, log)
     model = model.to(device, memory_format=train_inputs.memory_format)
     optimizer = build_optimizer(model, job.training, ctx.world_size)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler)
     advice = input_advice(job.training, from_object_store="://" in job.manifest.root)
+    warm_epochs = warmup_epochs(job.training, ctx.world_size)
+    frozen = frozen_batchnorm(model)
+    recipe = EffectiveRecipe(
+        lr=optimizer.param_groups[0]["lr"], lr_scaled_by=ctx.world_size if scales_lr(job.training) else 1,
+        warmup_epochs=warm_epochs, weight_decay=job.training.weight_decay, frozen_batchnorm=len(frozen),
+        sync_batchnorm=synced)
     return RankSetup(state, train_loader, val_loader, train_inputs, val_inputs, amp_dtype, StepClock(device), advice,
-                     job.training.batch_size)
+                     job.training.batch_size, Warmup(warm_epochs * len(train_loader)), frozen, recipe)
 
 
 def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress: ProgressReporter,
@@ -430,7 +444,8 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
     rank.train_loader.sampler.set_epoch(epoch)
     on_step = partial(between_steps, ctx, progress, rank.clock, rank.batch_size, started, epoch)
     train = train_one_epoch(ddp_model, rank.train_loader, rank.state.optimizer, rank.state.scaler,
-                            rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock)
+                            rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock,
+                            warmup=rank.warmup, frozen=rank.frozen)
     trained_at = time.monotonic()
     sync_buffers(rank.state.model)
     val = validate(ctx, rank.state.model, rank.val_loader, rank.val_inputs, epoch)
@@ -461,7 +476,8 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     checkpoint_url = child_url(job.output.url, "checkpoints", CHECKPOINT)
     fingerprint = job_fingerprint(job.manifest.classes, job.split.digest(job.manifest), job.model, job.training)
     start_epoch, history = state.resume(checkpoint_url, output, fingerprint, ctx.world_size,
-                                        job.training.scale_lr_by_world_size, rank.device)
+                                        scales_lr(job.training), rank.device)
+    rank.warmup.done = start_epoch * len(rank.train_loader)  # a resumed run's warmup is behind it
     ddp_model = wrap_ddp(model, rank.device)
     time_gradient_sync(ddp_model, rank.clock)
     kept = BestWeights(ctx, job, ctx.trial.selection if ctx.trial else Selection())
@@ -501,6 +517,10 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
                 break
     finally:
         progress.close()
+    # Every rank agrees on pruned_at and stopped: all score, or none does.
+    comparison = (score_against_champion(ctx, job.champion, job.output,
+                                         ScoredImages(job.source, job.manifest, job.training), rank.device, kept.epoch)
+                  if job.champion and kept.epoch and not (pruned_at or stopped) else None)
     return {
         "rank": ctx.rank,
         "worker_address": ctx.worker_address,
@@ -513,6 +533,8 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         "pruned_at": pruned_at,
         "attempts": attempts,
         "unreadable": unreadable.summary(stopped),
+        "recipe": rank.recipe.describe(),
+        "comparison": comparison,
     }
 
 
@@ -531,9 +553,3 @@ def epoch_record(epoch: int, totals: list[float], optimizer, seconds: float) -> 
         "seconds": round(seconds, 2),
     }
 
-
-def step_scheduler(scheduler, val_loss: float) -> None:
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        scheduler.step(val_loss)
-    elif scheduler is not None:
-        scheduler.step()

@@ -1,0 +1,142 @@
+"""The recipe's defaults against the old ones, on real images: scikit-learn's bundled digits.
+
+    .venv/bin/python -m bench.digits [--epochs 6] [--world-size 2] [--seeds 3]
+
+Writes the 1,797 8x8 digits as 32-px PNGs in class folders, then trains the project's own
+recipe (`train_classifier`) on real gloo ranks, the same epochs and seed per pair:
+
+- new: the defaults (SGD's lr scaled by the world size and warmed up over the first epoch;
+  no weight decay on norm and bias parameters; a frozen backbone's BatchNorm in eval mode);
+- old: what the recipe did before (lr scaled, no warmup, weight decay on every parameter,
+  BatchNorm statistics updated under a frozen backbone), by giving `parameter_groups` and
+  `frozen_batchnorm` their old behaviour inside each rank.
+
+Each for a fine-tuned (`freeze_backbone=false`) and a frozen-backbone resnet18 (random init:
+the machine has no internet for pretrained weights), printing the best val accuracy of each
+and whether the frozen backbone's BatchNorm statistics changed. Record results in
+bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from PIL import Image
+
+from prefect_ddp.blocks.data_location import DataLocation
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
+from prefect_ddp.tasks.data.indexing import build_manifest
+from prefect_ddp.tasks.data.splitting import stratified_split
+from prefect_ddp.tasks.gang import RankContext, free_port
+from prefect_ddp.tasks.gang.process_group import process_group
+from prefect_ddp.tasks.training import optimization
+from prefect_ddp.tasks.training.model import build_model
+from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
+
+SIDE = 32
+
+
+def write_digits(root: Path) -> None:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for n, (image, label) in enumerate(zip(digits.images, digits.target)):
+        pixels = (image * 255 / 16).astype("uint8")
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).convert("RGB").resize((SIDE, SIDE), Image.BILINEAR).save(buffer, format="PNG")
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+        (root / str(label) / f"{n:04d}.png").write_bytes(buffer.getvalue())
+
+
+def old_recipe() -> None:
+    """The recipe as it was: one parameter group, all decayed; no BatchNorm kept in eval mode."""
+    optimization.parameter_groups = lambda model, decay: [
+        {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": decay}]
+    optimization.frozen_batchnorm = lambda model: []
+
+
+def rank(rank_: int, world_size: int, port: int, job: dict, old: bool, results) -> None:
+    if old:
+        old_recipe()
+        import prefect_ddp.tasks.training.recipe as recipe
+        recipe.frozen_batchnorm = optimization.frozen_batchnorm
+    torch.set_num_threads(1)
+    torch.manual_seed(job["split"]["seed"])  # the same initial weights for the old and the new recipe
+    ctx = RankContext(rank=rank_, local_rank=rank_, world_size=world_size, local_world_size=world_size,
+                      backend="gloo", device="cpu", worker_address="local", master_addr="127.0.0.1",
+                      master_port=port)
+    with process_group(backend="gloo", rank=rank_, world_size=world_size, master_addr="127.0.0.1",
+                       master_port=port, timeout=timedelta(seconds=300)):
+        result = train_classifier(ctx, TrainJob.model_validate(job))
+    if rank_ == 0:
+        results.put(result)
+
+
+def train(job: TrainJob, world_size: int, old: bool) -> dict:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=rank, args=(r, world_size, port, job.model_dump(), old, results))
+                 for r in range(world_size)]
+    for process in processes:
+        process.start()
+    result = results.get(timeout=3600)
+    for process in processes:
+        process.join()
+    return result
+
+
+def batchnorm_changed(job: TrainJob) -> bool:
+    """Whether model.pt's BatchNorm statistics differ from those the run started with."""
+    trained = torch.load(Path(job.output.url) / "model.pt", weights_only=True)
+    start = build_model(job.model, len(job.manifest.classes)).state_dict()
+    keys = [k for k in trained if k.endswith(("running_mean", "running_var"))]
+    return any(not torch.equal(trained[k], start[k]) for k in keys)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=3)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="digits-"))
+    write_digits(work / "images")
+    listing = {p.relative_to(work / "images").as_posix(): p.stat().st_size for p in (work / "images").rglob("*.png")}
+    manifest = build_manifest(str(work / "images"), listing)
+    rows = []
+    for frozen in (False, True):
+        for seed in range(args.seeds):
+            for old in (True, False):
+                job = TrainJob(
+                    source=DataLocation(url=str(work / "images")),
+                    output=DataLocation(url=str(work / f"run-{frozen}-{seed}-{old}")),
+                    manifest=manifest, split=stratified_split(manifest, 0.2, seed),
+                    model=ModelConfig(backbone="resnet18", freeze_backbone=frozen),
+                    training=TrainingConfig(epochs=args.epochs, batch_size=32, image_size=SIDE, num_workers=0),
+                )
+                result = train(job, args.world_size, old)
+                best = max(h["val_acc"] for h in result["history"])
+                rows.append({"backbone": "frozen" if frozen else "fine-tuned", "seed": seed,
+                             "recipe": "old" if old else "new", "best_val_acc": round(best, 4),
+                             "batchnorm_changed": batchnorm_changed(job), "recipe_as_run": result["recipe"]})
+                print(json.dumps(rows[-1]), flush=True)
+    print("\n| backbone | seed | old best val acc | new best val acc | BatchNorm changed (old / new) |")
+    print("|---|---|---|---|---|")
+    for frozen in ("fine-tuned", "frozen"):
+        for seed in range(args.seeds):
+            old_row, new_row = ([r for r in rows if (r["backbone"], r["seed"], r["recipe"]) == (frozen, seed, which)][0]
+                                for which in ("old", "new"))
+            print(f"| {frozen} | {seed} | {old_row['best_val_acc']} | {new_row['best_val_acc']} | "
+                  f"{old_row['batchnorm_changed']} / {new_row['batchnorm_changed']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Score the kept model (the champion) and this run's best epoch on the same images, on every rank.
+
+What is compared and why is prefect_ddp.tasks.results.comparison's: the ranks already hold the
+validation images, so the two extra passes over those the champion never trained on are
+sharded and all-reduced as validation is. Image by image, so that promotion can weigh the
+images only one of the two gets right (`better`, `worse`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
+from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.storage import load_torch, read_json
+from prefect_ddp.tasks.gang import RankContext, all_reduce_sum
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.training.model import card_resize, load_model
+from prefect_ddp.tasks.urls import child_url
+
+
+class Champion(BaseModel):
+    """The kept model a run is compared with, and the run's validation images it never trained on."""
+
+    folder: Location  # the kept version folder (model.pt, model.json), with the output's credentials
+    version: str  # its URL, as latest.json names it: promotion compares only if the pointer still does
+    run: str  # the run that trained it, for the report
+    positions: list[int]  # into the run's manifest: validation images the champion never trained on
+    left_out: int  # the run's validation images the champion trained on (another seed or val_fraction)
+    split_known: bool  # False: its training keys were not found, so none could be left out
+
+
+@dataclass(frozen=True)
+class ScoredImages:
+    """The images both models are scored on: the run's source, manifest and loader settings."""
+
+    source: Location
+    manifest: Manifest
+    training: TrainingConfig
+
+    def dataset(self, positions: list[int], card: dict[str, Any]) -> S3ImageFolder:
+        """`positions` of the manifest, preprocessed as the model of `card` was validated."""
+        cfg, m = self.training, self.manifest
+        return S3ImageFolder(
+            m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions], self.source.storage_options(),
+            eval_transform(card["image_size"], card_resize(card)), fetch_threads=cfg.fetches_in_flight(),
+            fetch_timeout_s=cfg.fetch_timeout_s, sizes=[m.sizes[i] for i in positions])
+
+
+def score_against_champion(ctx: RankContext, champion: Champion, output: Location, images: ScoredImages,
+                           device: torch.device, best_epoch: int) -> dict[str, Any]:
+    """Both models' right answers on this rank's share of the champion's positions, summed over the
+    gang; this run's model is the best epoch's, in `output`."""
+    all_reduce_sum([0.0], device)  # rank 0 wrote the best epoch's model.pt before any rank reads it
+    shard = champion.positions[ctx.rank :: ctx.world_size]
+    ours = right_per_image(ctx, output, images, shard, device)
+    theirs = right_per_image(ctx, champion.folder, images, shard, device)
+    paired = [(a, b) for a, b in zip(ours, theirs) if a is not None and b is not None]
+    images, new, old, better, worse = all_reduce_sum([
+        len(paired), sum(a for a, _ in paired), sum(b for _, b in paired),
+        sum(a and not b for a, b in paired), sum(b and not a for a, b in paired)], device)
+    return {
+        "images": int(images), "challenger_acc": new / max(images, 1), "champion_acc": old / max(images, 1),
+        "better": int(better), "worse": int(worse), "challenger_epoch": best_epoch,
+        "champion_version": champion.version, "champion_run": champion.run,
+        "left_out": champion.left_out, "split_known": champion.split_known,
+    }
+
+
+@torch.inference_mode()
+def right_per_image(ctx: RankContext, folder: Location, images: ScoredImages, positions: list[int],
+                    device: torch.device) -> list[bool | None]:
+    """Whether the model in `folder` (model.pt, model.json) classifies each image right; None
+    for an image that could not be read. Preprocessed as its card says, so a champion of
+    another image size is scored as it was validated."""
+    options = folder.storage_options()
+    card = read_json(child_url(folder.url, "model.json"), options)
+    model = load_model(card, load_torch(child_url(folder.url, "model.pt"), options)).to(device)
+    dataset = images.dataset(positions, card)
+    right: list[bool | None] = []
+    for done, (batch, labels) in enumerate(FetchAheadLoader(dataset, list(range(len(dataset))),
+                                                            images.training.batch_size), 1):
+        hits = model(batch.to(device)).argmax(1).cpu() == labels
+        right += [bool(hit) if label >= 0 else None for hit, label in zip(hits.tolist(), labels.tolist())]
+        ctx.progress("validation", step=done)  # a long pass is not a hang (recipe.validate)
+        ctx.check_stop()
+    return right

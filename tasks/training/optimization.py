@@ -1,0 +1,143 @@
+"""The optimiser, its schedule and the normalisation layers: the recipe's defaults, decided in one place.
+
+The defaults follow what careful fine-tuning recipes do (torchvision's reference `train.py`
+offers each as an option): the learning rate is multiplied by the world size (the linear
+scaling rule) only for SGD, and then warmed up linearly over the first epoch, so that a
+pretrained backbone does not take steps of 8x its learning rate from step 0; adaptive
+optimizers (AdamW) keep the per-rank rate unless asked. Norm and bias parameters get no
+weight decay. BatchNorm layers whose parameters do not train (a frozen backbone) stay in
+eval mode, so their running statistics stay the pretrained ones. `sync_batchnorm` pools
+BatchNorm's batch statistics over the gang (CUDA ranks only: torch's SyncBatchNorm).
+`EffectiveRecipe` says what was decided, for the report.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from prefect_ddp.tasks.config import TrainingConfig
+
+
+@dataclass(frozen=True)
+class EffectiveRecipe:
+    """The recipe as it runs on this gang: the settings an empty field left to the defaults."""
+
+    lr: float  # per step, after scaling
+    lr_scaled_by: int  # the world size, or 1
+    warmup_epochs: int
+    weight_decay: float  # on weights of two or more dimensions; norm and bias parameters get none
+    frozen_batchnorm: int  # BatchNorm layers kept in eval mode (their parameters do not train)
+    sync_batchnorm: bool
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def scales_lr(cfg: TrainingConfig) -> bool:
+    """training.scale_lr_by_world_size, or empty: for SGD only (adaptive optimizers keep the per-rank rate)."""
+    return cfg.scale_lr_by_world_size if cfg.scale_lr_by_world_size is not None else cfg.optimizer == "sgd"
+
+
+def warmup_epochs(cfg: TrainingConfig, world_size: int) -> int:
+    """training.warmup_epochs, or empty: one epoch whenever the learning rate is scaled up."""
+    if cfg.warmup_epochs is not None:
+        return cfg.warmup_epochs
+    return 1 if scales_lr(cfg) and world_size > 1 else 0
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters: weights with `weight_decay`, norm and bias parameters (one
+    dimension or none) without: decaying a BatchNorm scale or a bias toward zero only fights the
+    normalisation."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if p.ndim > 1], "weight_decay": weight_decay},
+              {"params": [p for p in trainable if p.ndim <= 1], "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainingConfig, world_size: int) -> torch.optim.Optimizer:
+    lr = cfg.lr * world_size if scales_lr(cfg) else cfg.lr
+    groups = parameter_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr)
+    raise ValueError(f"Invalid optimizer {cfg.optimizer!r}. Only sgd and adamw are supported.")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig):
+    if cfg.scheduler == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs)
+    if cfg.scheduler == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1, patience=2)
+    if cfg.scheduler == "none":
+        return None
+    raise ValueError(f"Invalid scheduler {cfg.scheduler!r}. Only cosine, plateau and none are supported.")
+
+
+def step_scheduler(scheduler, val_loss: float) -> None:
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(val_loss)
+    elif scheduler is not None:
+        scheduler.step()
+
+
+class Warmup:
+    """Linear warmup over the first `steps` optimizer steps of the run: the rate rises from
+    1/steps of the epoch's rate to all of it.
+
+    The epoch-level schedule sets each epoch's rate; warmup scales it step by step and puts
+    it back at the epoch's end (`end_epoch`, before the schedule steps), so the schedule and
+    the checkpoints only ever see the epoch's own rate. `done`: the steps a resumed run
+    already took.
+    """
+
+    def __init__(self, steps: int, done: int = 0) -> None:
+        self.steps = steps
+        self.done = done
+        self._epoch_lrs: list[float] | None = None
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.done < self.steps:
+            if self._epoch_lrs is None:
+                self._epoch_lrs = [group["lr"] for group in optimizer.param_groups]
+            for group, lr in zip(optimizer.param_groups, self._epoch_lrs):
+                group["lr"] = lr * (self.done + 1) / self.steps
+        self.done += 1
+
+    def end_epoch(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._epoch_lrs is not None:
+            for group, lr in zip(optimizer.param_groups, self._epoch_lrs):
+                group["lr"] = lr
+            self._epoch_lrs = None
+
+
+def frozen_batchnorm(model: nn.Module) -> list[nn.Module]:
+    """The BatchNorm layers none of whose parameters train (a frozen backbone's)."""
+    return [module for module in model.modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm)
+            and not any(p.requires_grad for p in module.parameters())]
+
+
+def keep_frozen_in_eval(layers: list[nn.Module]) -> None:
+    """After `model.train()`: frozen BatchNorm layers normalise with their pretrained running
+    statistics and leave them unchanged, as the frozen weights expect."""
+    for layer in layers:
+        layer.eval()
+
+
+def sync_batchnorm(model: nn.Module, device: torch.device, world_size: int, log: logging.Logger | Any) -> bool:
+    """Convert the model's BatchNorm layers to SyncBatchNorm where it can work; whether it did."""
+    if world_size == 1:
+        return False
+    if device.type != "cuda":
+        log.warning("training.sync_batchnorm applies on CUDA ranks only (torch's SyncBatchNorm); these ranks "
+                    "run on %s, so each rank's BatchNorm keeps its own batch statistics.", device.type)
+        return False
+    nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return True

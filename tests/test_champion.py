@@ -1,0 +1,84 @@
+"""Champion against challenger on the same images, through real flow runs on the session's cluster.
+
+Three nights under one model name: a champion that barely trained; a better model on the same
+split, promoted; then a run with another seed that warm-starts from that champion and learns
+nothing new (its weights are the champion's): its own validation set holds the champion's
+training images, and the comparison, on the images neither trained on, keeps the champion.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prefect_ddp.flows.transfer_learning import transfer_learning
+from prefect_ddp.tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
+from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.results.promotion import kept_location, read_pointer
+from tests.support.image_folders import local_image_folder
+
+NAME = "honest"
+
+
+@pytest.fixture(scope="module")
+def nights(dask_cluster, tmp_path_factory) -> tuple[Path, list[dict]]:
+    images = tmp_path_factory.mktemp("champion-images")
+    local_image_folder(images, per_class=20)
+    output = tmp_path_factory.mktemp("champion-output")
+
+    def night(seed: int, lr: float, epochs: int, **model) -> dict:
+        state = transfer_learning(
+            data=DataConfig(url=str(images), val_fraction=0.3, seed=seed, index_cache_minutes=0),
+            model=ModelConfig(backbone="resnet18", **model),  # learns the shapes from scratch in two epochs
+            training=TrainingConfig(epochs=epochs, batch_size=8, image_size=32, num_workers=0, optimizer="adamw",
+                                    lr=lr),
+            cluster=ClusterConfig(address=dask_cluster.scheduler_address, init_timeout_s=60),
+            output=OutputConfig(url=str(output), model_name=NAME), return_state=True)
+        return state.result()
+
+    return output, [
+        night(seed=1, lr=1e-7, epochs=1),  # barely trained: about chance
+        night(seed=1, lr=1e-3, epochs=3),  # the same split, trained
+        night(seed=2, lr=1e-9, epochs=1, warm_start=True, freeze_backbone=True),  # the champion's weights again
+    ]
+
+
+def report_of(summary: dict) -> str:
+    return Path(summary["files"]["report.md"]).read_text()
+
+
+def test_a_better_model_on_the_same_images_is_promoted_with_both_scores_in_its_report(nights):
+    _, (first, better, _) = nights
+    assert first["promotion"]["promoted"] and first["promotion"]["comparison"] is None  # nothing to beat
+    comparison = better["comparison"]
+    assert comparison["left_out"] == 0 and comparison["images"] == better["val_size"]  # the same split
+    assert better["promotion"]["promoted"], better["promotion"]["reason"]
+    assert comparison["challenger_acc"] > comparison["champion_acc"]
+    assert "better by" in better["promotion"]["reason"]
+    report = report_of(better)
+    assert f"Champion against challenger on the same {comparison['images']} validation images:" in report
+    assert f"| {comparison['challenger_acc']:.4f} |" in report and f"| {comparison['champion_acc']:.4f} |" in report
+
+
+def test_a_warm_start_across_another_seed_is_compared_without_the_champions_training_images(nights):
+    output, (_, better, inflated) = nights
+    comparison = inflated["comparison"]
+    # Another seed: some of this run's validation images trained the champion, so they are left out.
+    champion_trained = set(json.loads((Path(better["files"]["split.json"])).read_text())["train_keys"])
+    own_val = json.loads(Path(inflated["files"]["split.json"]).read_text())["val_keys"]
+    assert comparison["left_out"] == len([k for k in own_val if k in champion_trained]) > 0
+    assert comparison["images"] == len(own_val) - comparison["left_out"]
+    # The same weights on the same images: a tie, whatever its own (inflated) val accuracy says.
+    assert comparison["challenger_acc"] == comparison["champion_acc"]
+    assert not inflated["promotion"]["promoted"], inflated["promotion"]["reason"]
+    assert "is not more than the noise of the paired count" in inflated["promotion"]["reason"]
+    pointer = read_pointer(kept_location(Location(url=str(output)), NAME))
+    assert pointer["version"].endswith(Path(better["files"]["model.pt"]).parent.name)
+    report = report_of(inflated)
+    assert f"The kept model trained on {comparison['left_out']} of this run's validation images" in report
+    assert f"leaving out {comparison['left_out']} the kept model trained on" in report
+    # Its card records the split it was selected on.
+    card = json.loads(Path(inflated["files"]["model.json"]).read_text())
+    assert (card["split"]["seed"], card["split"]["val_fraction"], card["split"]["val_images"]) == (2, 0.3, len(own_val))
