@@ -230,12 +230,13 @@ def test_no_readable_image_fails_whatever_the_allowed_share():
 
 def test_a_folder_of_nothing_readable_fails_and_keeps_its_chunks(kept_model, image_location, s3_fs, dask_cluster,
                                                                 tmp_path):
-    s3_fs.pipe({f"{BUCKET}/unreadable/a/{n}.jpg": b"no image" for n in range(3)})
+    # A prefix of its own: tests/test_unreadable.py writes below test-images/unreadable.
+    s3_fs.pipe({f"{BUCKET}/nothing-readable/a/{n}.jpg": b"no image" for n in range(3)})
     state = batch_predict(
-        model=kept_model, data_url=f"s3://{BUCKET}/unreadable", data_block="test-images", output_url=str(tmp_path),
+        model=kept_model, data_url=f"s3://{BUCKET}/nothing-readable", data_block="test-images", output_url=str(tmp_path),
         cluster=ClusterConfig(address=dask_cluster.scheduler_address), chunk_size=2, return_state=True,
     )
-    assert_failed_cleanly(state, ValueError, r"None of the 3 images checked under .*unreadable' could be read: all 3 "
+    assert_failed_cleanly(state, ValueError, r"None of the 3 images checked under .*nothing-readable' could be read: all 3 "
                                              r"failed to decode or are missing, e.g. a/0.jpg, a/1.jpg, a/2.jpg")
     (run_dir,) = tmp_path.iterdir()
     assert sorted(p.name for p in (run_dir / "predictions").iterdir()) == ["chunk-000000.parquet",
