@@ -120,7 +120,9 @@ def main() -> None:
                     output=DataLocation(url=str(work / f"run-{frozen}-{seed}-{old}")),
                     manifest=manifest, split=stratified_split(manifest, 0.2, seed),
                     model=ModelConfig(backbone="resnet18", freeze_backbone=frozen),
-                    training=TrainingConfig(epochs=args.epochs, batch_size=32, image_size=SIDE, num_workers=0),
+                    # The old recipe scaled every optimizer's lr and warmed up never.
+                    training=TrainingConfig(epochs=args.epochs, batch_size=32, image_size=SIDE, num_workers=0,
+                                            **({"scale_lr_by_world_size": True, "warmup_epochs": 0} if old else {})),
                 )
                 result = train(job, args.world_size, old)
                 best = max(h["val_acc"] for h in result["history"])

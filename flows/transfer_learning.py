@@ -250,7 +250,8 @@ def transfer_learning(
         if training.images_per_shard:
             write_train_shards(manifest, split, source, base, training.images_per_shard,
                                training.fetches_in_flight(), training.fetch_timeout_s)
-        champion = champion_to_beat(kept, read_pointer(kept), manifest, split) if kept else None
+        kept_at_start = read_pointer(kept) if kept else None
+        champion = champion_to_beat(kept, kept_at_start, manifest, split) if kept else None
         results = run_gang(
             train_classifier,
             training_job(source, out, manifest, split, model, training, warm, unreadable).model_copy(
@@ -272,12 +273,12 @@ def transfer_learning(
         )
         starting.close_in_background()  # the run's cluster closes while it reports
         return finish_run(results, manifest, split, out, (kept_name, kept) if kept else None, run, warm, tracked,
-                          output.min_improvement)
+                          output.min_improvement, kept_at_start["version"] if kept_at_start else None)
 
 
 def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, DataLocation] | None,
                run: dict[str, Any], warm: WarmStart | None, tracked: TrackedRun | None,
-               min_improvement: float | None = None) -> dict[str, Any] | State:
+               min_improvement: float | None = None, kept_at_start: str | None = None) -> dict[str, Any] | State:
     """Aggregate the ranks' results, promote the model where it is better, publish the report;
     with tracking, log the model before promotion (which registers it) and the files after the report."""
     summary = aggregate(results, manifest, split, out, [asdict(a) for a in results.attempts])
@@ -294,7 +295,7 @@ def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, Dat
     if kept and not in_sweep:
         name, folder = kept
         registry = Registration(tracking=tracked.tracking, name=name, model=logged) if tracked else None
-        promotion = promote(summary, out, folder, run, registry, min_improvement)
+        promotion = promote(summary, out, folder, run, registry, min_improvement, kept_at_start)
     publish_report(summary, manifest, out, promotion, warm, in_sweep)
     if tracked:
         complete_run(tracked, out, promotion_tags(promotion))

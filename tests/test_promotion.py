@@ -213,6 +213,7 @@ def kept_model_of(tmp_path, classes=CLASSES, train_keys: list[str] | None = None
     version.mkdir(parents=True)
     run_folder.mkdir()
     (version / "model.json").write_text(json.dumps(model_card(ModelConfig(backbone="mobilenet_v3_small"), classes, 32)))
+    (version / "model.pt").write_bytes(b"weights (only their presence counts here)")
     if train_keys is not None:
         (version if beside else run_folder).joinpath("split.json").write_text(json.dumps({"train_keys": train_keys}))
     pointer = {"best_val_acc": 0.9, "version": str(version), "run": {"name": "night-1", "url": str(run_folder)}}
@@ -247,6 +248,32 @@ def test_a_kept_model_without_its_split_is_compared_on_every_image_and_says_so(t
     assert champion.positions == split.val and not champion.split_known
     text = comparison_markdown(compared(0.9, 0.8, 18, 2, 0) | {"split_known": False})
     assert "its score may include images it trained on" in text and "| 0.9000 |" in text and "| 0.8000 |" in text
+
+
+@pytest.mark.unit
+def test_a_kept_model_whose_files_are_gone_is_not_scored_and_the_run_goes_on(tmp_path):
+    manifest, split = manifest_and_split()
+    pointer, kept = kept_model_of(tmp_path, train_keys=[])
+    Path(pointer["version"], "model.pt").unlink()
+    assert champion_to_beat(kept, pointer, manifest, split) is None
+
+
+@pytest.mark.unit
+def test_a_model_kept_while_the_run_trained_is_not_replaced_on_the_runs_own_score():
+    # No model was kept when the run began (None), so it was compared with nothing.
+    decision, reason = decide(1.0, KEPT, None, kept_at_start=None)
+    assert not decision and "changed while this run trained" in reason
+    assert decide(1.0, KEPT, None, kept_at_start="v1")[0]  # the same model kept, of other classes: own scores
+
+
+@pytest.mark.unit
+def test_a_gain_of_exactly_the_margin_keeps_the_champion():
+    # 58 against 57 right of 100 is +0.01; 0.58 - 0.57 is 0.010000000000000009 in floating point.
+    decision, reason = decide(1.0, KEPT, compared(0.58, 0.57, 100, 1, 0), min_improvement=0.01)
+    assert not decision, reason
+    decision, _ = decide(1.0, KEPT, compared(0.59, 0.57, 100, 2, 0), min_improvement=0.01)
+    assert decision
+    assert "were not compared" in comparison_markdown(compared(0.0, 0.0, 0, 0, 0) | {"left_out": 18})
 
 
 @pytest.mark.unit

@@ -1,17 +1,17 @@
 """The supervisor: watch a gang's ranks, stop them all at the first sign of trouble.
 
 Facts it handles (docs/architecture.md, "Gang: supervision"): when a rank raises, its peers
-fail once its connections close, which a rank that raised after a DDP step does only when its
-worker process ends; when a worker dies, the nanny restarts it at a new address and its
-rank's task sits in `no-worker` forever; a rank blocked in a collective cannot be
-interrupted, only its worker restarted.
+fail once its connections close (a rank that raised after a DDP step closes them only when
+its worker process ends, so its peers wait out the grace); when a worker dies, the nanny
+restarts it at a new address and its rank's task sits in `no-worker` forever; a rank blocked
+in a collective cannot be interrupted, only its worker restarted.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,7 +25,7 @@ from prefect_ddp.tasks.gang.errors import GangError, GangHung, GangTimeout
 from prefect_ddp.tasks.gang.plan import cluster_workers
 from prefect_ddp.tasks.gang.progress import HangWatch, remove_unresponsive
 from prefect_ddp.tasks.gang.states import crash_unfinished_task_runs
-from prefect_ddp.tasks.gang.stopping import READ_EVERY_S, StopFlag
+from prefect_ddp.tasks.gang.stopping import StopFlag
 from prefect_ddp.tasks.reporting import run_logger
 
 # Surviving gloo ranks fail within ~5 s of a peer's death (docs/architecture.md,
@@ -36,10 +36,6 @@ FAILURE_GRACE_S = 15.0
 # When one rank raises, its peers fail once its connections close; wait this long for them
 # so the report names the rank that failed first-hand.
 PEER_FAILURE_WINDOW_S = 5.0
-# How long ranks between steps take to see the stop flag (they read it every READ_EVERY_S);
-# peers of a failed rank still running after that are held in a collective
-# (`_release_peers_of_failed`).
-FLAG_SEEN_S = READ_EVERY_S + 1.0
 # Between two reads of the worker set that must both miss a rank's worker to call it gone.
 DEPARTURE_CONFIRM_S = 1.0
 # What a rank reports when a peer, not itself, went wrong (gloo and NCCL wordings).
@@ -104,6 +100,7 @@ def supervise(
             # delays the next attempt.
             wait_for(client, [f for f, c in pending.items() if c not in gone], PEER_FAILURE_WINDOW_S)
             failures += _collect_failures(pending)
+            gone += [c for c in _departed(client, pending) if c not in gone]  # left during the window
         failures = [
             f"Worker {c.worker_address} of rank {c.rank} left the cluster (killed, out of memory or lost) while training"
             for c in gone
@@ -151,11 +148,6 @@ def _collect_failures(pending: dict[distributed.Future, RankContext]) -> list[st
     return failures
 
 
-def _raised(dask_future: distributed.Future) -> bool:
-    """Whether the rank ended by raising (not completed, not cancelled: a cancelled rank's thread may run on)."""
-    return dask_future.status == "error" or (dask_future.status == "finished" and dask_future.result().is_failed())
-
-
 def root_cause_first(failures: list[str]) -> str:
     """One message, the ranks that failed first-hand before those that only lost a peer."""
     ordered = sorted(failures, key=lambda message: bool(PEER_LOSS.search(message)))
@@ -187,7 +179,7 @@ def stop(
     crash_unfinished_task_runs(futures)
     if stuck:
         with logged_failure(f"restarting workers {stuck}"):
-            _restart(client, stuck, "whose ranks did not stop")
+            _restart(client, stuck)
 
 
 def _ask_to_stop(
@@ -204,8 +196,6 @@ def _ask_to_stop(
     waiting = hung or len(futures) < len(contexts)
     present = set(cluster_workers(client))
     stoppable = [f for f, c in zip(dask_futures, contexts) if c.worker_address in present]
-    if not waiting:
-        _release_peers_of_failed(client, stoppable, zip(dask_futures, contexts), present)
     wait_for(client, stoppable, 0 if waiting else FAILURE_GRACE_S)
     unfinished = {f: c for f, c in zip(dask_futures, contexts) if not f.done()}
     # Only those: a finished future keeps its status, by which the task run is left to
@@ -214,32 +204,13 @@ def _ask_to_stop(
     return [c.worker_address for c in unfinished.values()]
 
 
-def _release_peers_of_failed(client: distributed.Client, stoppable: list[distributed.Future],
-                             ranks: Iterable[tuple[distributed.Future, RankContext]], present: set[str]) -> None:
-    """Restart the workers of ranks that raised when their peers are still running once the
-    flag has had time to reach them: those peers wait in a collective with the failed rank.
-
-    A rank that raised after a DDP step keeps its process group's connections open while its
-    worker process lives (docs/architecture.md, "Facts: torch and gloo"): a peer blocked in
-    the next all-reduce would wait out the grace and have its own worker restarted. Ending
-    the failed rank's process closes them, and the peer fails at once.
-    """
-    failed = [c.worker_address for f, c in ranks if f.done() and _raised(f) and c.worker_address in present]
-    if not failed:
-        return
-    wait_for(client, stoppable, FLAG_SEEN_S)
-    if not all(f.done() for f in stoppable):
-        with logged_failure(f"restarting workers {failed}"):
-            _restart(client, failed, "of the failed rank(s): their process group holds their peers in a collective")
-
-
-def _restart(client: distributed.Client, stuck: list[str], why: str) -> None:
+def _restart(client: distributed.Client, stuck: list[str]) -> None:
     # A rank thread blocked in a collective cannot be interrupted; restarting its worker
     # is the only way to free the process (and its process group) for the next gang.
     # Workers without a nanny cannot restart (logged); their ranks end at their own timeout.
     alive = [a for a in stuck if a in set(cluster_workers(client))]
     if alive:
-        run_logger().warning("Restarting workers %s %s.", alive, why)
+        run_logger().warning("Restarting workers %s whose ranks did not stop.", alive)
         try:
             client.restart_workers(alive)
         finally:

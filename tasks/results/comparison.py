@@ -35,8 +35,13 @@ def champion_to_beat(kept: Location, pointer: dict[str, Any] | None, manifest: M
     if pointer is None:
         return None
     folder = kept.with_url(pointer["version"])
-    card = read_json(child_url(folder.url, "model.json"), folder.storage_options())
     run = pointer.get("run", {}).get("name", "an earlier run")
+    if missing := [name for name in ("model.json", "model.pt")
+                   if not exists(child_url(folder.url, name), folder.storage_options())]:
+        run_logger().warning("The kept model (of %s) has no %s in %s: it cannot be scored, and promotion compares "
+                             "val accuracies on each run's own images.", run, " or ".join(missing), folder.url)
+        return None
+    card = read_json(child_url(folder.url, "model.json"), folder.storage_options())
     if card["classes"] != manifest.classes:
         run_logger().warning(
             "The kept model (of %s) predicts other classes (%s) than this run's (%s): it cannot be scored on "
@@ -75,7 +80,8 @@ def decide_on_comparison(comparison: dict[str, Any], current: dict[str, Any],
     rule = (f"output.min_improvement {margin:.4f}" if min_improvement is not None
             else f"the noise of the paired count, {margin:.4f}")
     on = f"on the {images} validation images neither trained on, accuracy {new:.4f} against {old:.4f} of {run}"
-    if new - old > margin:
+    # In images, not quotients: a gain of exactly the margin is not more than it.
+    if comparison["better"] - comparison["worse"] > margin * images + 1e-9:
         return True, f"{on}: better by {new - old:+.4f}, more than {rule}"
     return False, f"{on}: {new - old:+.4f} is not more than {rule}, so {run}'s model stays"
 
@@ -94,6 +100,9 @@ def comparison_markdown(comparison: dict[str, Any] | None) -> str:
     if not comparison:
         return ""
     left_out = comparison["left_out"]
+    if not comparison["images"]:
+        return (f"Champion against challenger: none of this run's validation images is one the kept model never "
+                f"trained on ({left_out} left out), so the two were not compared.\n")
     why = (f", leaving out {left_out} the kept model trained on (its split differs: another seed, val_fraction "
            "or source)" if left_out else "")
     unknown = ("" if comparison["split_known"] else " The kept model's training images are not recorded beside "

@@ -72,17 +72,26 @@ def kept_location(output_base: Location, name: str) -> Location:
     return output_base.with_url(child_url(output_base.url, safe_segment(name)))
 
 
+# `kept_at_start` of a promotion that does not know which model was kept when its run began.
+NOT_RECORDED = "not recorded"
+
+
 def decide(new_metric: float, current: Document | None, comparison: dict[str, Any] | None = None,
-           min_improvement: float | None = None) -> tuple[bool, str]:
+           min_improvement: float | None = None, kept_at_start: str | None = NOT_RECORDED) -> tuple[bool, str]:
     """The promotion rule: promote when there is no kept model, or the new one beats it on the
     same images (prefect_ddp.tasks.results.comparison); without such a comparison (the kept
-    model predicts other classes), when the new one's val accuracy is at least as good."""
+    model predicts other classes, or its files are gone), when the new one's val accuracy is at
+    least as good. A model kept while the run trained (`kept_at_start`: the version kept when
+    it began) was compared with nothing: it stays."""
     if current is None:
         return True, f"first model kept under this name, {METRIC} {new_metric:.4f}"
     if comparison:
         return decide_on_comparison(comparison, current, min_improvement)
-    old = current[METRIC]
     run = current.get("run", {}).get("name", "an earlier run")
+    if kept_at_start != NOT_RECORDED and kept_at_start != current["version"]:
+        return False, (f"the kept model changed while this run trained (now {run}'s), so this run was not compared "
+                       "with it; run again to compare")
+    old = current[METRIC]
     if new_metric >= old:
         return True, f"{METRIC} {new_metric:.4f} is at least as good as {old:.4f} of {run}"
     return False, f"{METRIC} {new_metric:.4f} is worse than {old:.4f} of {run}, which stays"
@@ -115,7 +124,7 @@ def write_version(summary: dict[str, Any], run_output: Location, version: Locati
 @task(name="promote", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
 def promote(summary: dict[str, Any], run_output: Location, kept: Location,
             run: dict[str, str], registry: Registration | None = None,
-            min_improvement: float | None = None) -> Promotion:
+            min_improvement: float | None = None, kept_at_start: str | None = NOT_RECORDED) -> Promotion:
     """Keep this run's model under `kept` when it beats the one kept there (`decide`).
 
     The decision is taken again inside the pointer's compare-and-swap, against the model
@@ -128,7 +137,7 @@ def promote(summary: dict[str, Any], run_output: Location, kept: Location,
     pointer_url = child_url(kept.url, POINTER)
     seen = read_pointer(kept)
     comparison = summary.get("comparison")
-    promoted, reason = decide(metric, seen, comparison, min_improvement)
+    promoted, reason = decide(metric, seen, comparison, min_improvement, kept_at_start)
     registered = None
     if promoted:  # write the candidate whole, then point at it if it still wins
         record = run | {"url": run_output.url, "promoted_at": datetime.now(timezone.utc).isoformat()}
@@ -139,7 +148,7 @@ def promote(summary: dict[str, Any], run_output: Location, kept: Location,
         def swap(current: Document | None) -> Document | None:
             nonlocal promoted, reason, seen
             seen = current
-            promoted, reason = decide(metric, current, comparison, min_improvement)
+            promoted, reason = decide(metric, current, comparison, min_improvement, kept_at_start)
             pointer = {METRIC: metric, "version": version.url, "run": record} | pointer_fields(summary)
             return (pointer | ({"registered": registered} if registered else {})) if promoted else None
 

@@ -41,19 +41,6 @@ def fail_on_rank_1(ctx: RankContext, config: dict) -> dict:
     return report_rank(ctx, config)
 
 
-def fail_on_rank_1_after_a_ddp_step(ctx: RankContext, config: dict) -> dict:
-    """DDP steps on every rank; in the first attempt rank 1 raises after its first step, its
-    model still referenced by the traceback, while rank 0 goes on into the next step's all-reduce."""
-    import torch
-
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
-    for step in range(3):
-        model(torch.randn(3, 4)).sum().backward()
-        if ctx.rank == 1 and ctx.attempt == 0:
-            raise RuntimeError(f"boom on rank 1 after DDP step {step}")
-    return report_rank(ctx, config)
-
-
 def kill_worker_on_rank_1(ctx: RankContext, config: dict) -> dict:
     """The first attempt loses rank 1's whole worker process, as an OOM kill would."""
     if ctx.rank == 1 and ctx.attempt == 0:
@@ -171,7 +158,7 @@ def train_job(ctx: RankContext, config: dict) -> dict:
 
 
 RANK_FUNCTIONS = {"report": report_rank, "train": train_job, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
-                  "fail-after-step": fail_on_rank_1_after_a_ddp_step, "sleep": sleep_past_the_deadline, "hold": hold_worker, "loop": loop_until_stopped}
+                  "sleep": sleep_past_the_deadline, "hold": hold_worker, "loop": loop_until_stopped}
 
 
 @flow(name="gang-test")
