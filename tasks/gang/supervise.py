@@ -100,7 +100,7 @@ def supervise(
             # delays the next attempt.
             wait_for(client, [f for f, c in pending.items() if c not in gone], PEER_FAILURE_WINDOW_S)
             failures += _collect_failures(pending)
-            gone += [c for c in _departed(client, pending) if c not in gone]  # left during the window
+            gone += _departed(client, {f: c for f, c in pending.items() if c not in gone})  # left during the window
         failures = [
             f"Worker {c.worker_address} of rank {c.rank} left the cluster (killed, out of memory or lost) while training"
             for c in gone

@@ -66,11 +66,9 @@ def training_keys(folder: Location, pointer: dict[str, Any]) -> set[str] | None:
 
 def decide_on_comparison(comparison: dict[str, Any], current: dict[str, Any],
                          min_improvement: float | None) -> tuple[bool, str]:
-    """Promote when the challenger beats the champion on the same images by more than the margin."""
+    """Promote when the challenger beats the champion on the same images by more than the margin
+    (`current` is the champion it was compared with: promotion.decide checks)."""
     run = current.get("run", {}).get("name", "an earlier run")
-    if comparison["champion_version"] != current["version"]:
-        return False, (f"the kept model changed while this run trained (now {run}'s), so this run was not compared "
-                       "with it; run again to compare")
     images = comparison["images"]
     if not images:
         return False, ("none of this run's validation images is one the kept model never trained on, so the two "

@@ -85,12 +85,14 @@ def decide(new_metric: float, current: Document | None, comparison: dict[str, An
     it began) was compared with nothing: it stays."""
     if current is None:
         return True, f"first model kept under this name, {METRIC} {new_metric:.4f}"
-    if comparison:
-        return decide_on_comparison(comparison, current, min_improvement)
     run = current.get("run", {}).get("name", "an earlier run")
+    if comparison:  # the champion it was scored against was the one kept when the run began
+        kept_at_start = comparison["champion_version"]
     if kept_at_start != NOT_RECORDED and kept_at_start != current["version"]:
         return False, (f"the kept model changed while this run trained (now {run}'s), so this run was not compared "
                        "with it; run again to compare")
+    if comparison:
+        return decide_on_comparison(comparison, current, min_improvement)
     old = current[METRIC]
     if new_metric >= old:
         return True, f"{METRIC} {new_metric:.4f} is at least as good as {old:.4f} of {run}"

@@ -9,12 +9,14 @@ images only one of the two gets right (`better`, `worse`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from pydantic import BaseModel
 
 from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.byte_cache import ByteCache
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.manifest import Manifest
@@ -37,23 +39,23 @@ class Champion(BaseModel):
 
 
 @dataclass(frozen=True)
-class ScoredImages:
-    """The images both models are scored on: the run's source, manifest and loader settings."""
+class ManifestImages:
+    """Datasets of a run's manifest with its recipe's fetch settings: the loaders' and the comparison's."""
 
     source: Location
     manifest: Manifest
     training: TrainingConfig
 
-    def dataset(self, positions: list[int], card: dict[str, Any]) -> S3ImageFolder:
-        """`positions` of the manifest, preprocessed as the model of `card` was validated."""
+    def dataset(self, positions: list[int], transform: Callable | None, cache: ByteCache | None = None) -> S3ImageFolder:
+        """The images at `positions` of the manifest."""
         cfg, m = self.training, self.manifest
         return S3ImageFolder(
             m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions], self.source.storage_options(),
-            eval_transform(card["image_size"], card_resize(card)), fetch_threads=cfg.fetches_in_flight(),
-            fetch_timeout_s=cfg.fetch_timeout_s, sizes=[m.sizes[i] for i in positions])
+            transform, fetch_threads=cfg.fetches_in_flight(), fetch_timeout_s=cfg.fetch_timeout_s,
+            sizes=[m.sizes[i] for i in positions], cache=cache)
 
 
-def score_against_champion(ctx: RankContext, champion: Champion, output: Location, images: ScoredImages,
+def score_against_champion(ctx: RankContext, champion: Champion, output: Location, images: ManifestImages,
                            device: torch.device, best_epoch: int) -> dict[str, Any]:
     """Both models' right answers on this rank's share of the champion's positions, summed over the
     gang; this run's model is the best epoch's, in `output`."""
@@ -74,15 +76,15 @@ def score_against_champion(ctx: RankContext, champion: Champion, output: Locatio
 
 
 @torch.inference_mode()
-def right_per_image(ctx: RankContext, folder: Location, images: ScoredImages, positions: list[int],
+def right_per_image(ctx: RankContext, folder: Location, images: ManifestImages, positions: list[int],
                     device: torch.device) -> list[bool | None]:
     """Whether the model in `folder` (model.pt, model.json) classifies each image right; None
-    for an image that could not be read. Preprocessed as its card says, so a champion of
-    another image size is scored as it was validated."""
+    for an image that could not be read."""
     options = folder.storage_options()
     card = read_json(child_url(folder.url, "model.json"), options)
     model = load_model(card, load_torch(child_url(folder.url, "model.pt"), options)).to(device)
-    dataset = images.dataset(positions, card)
+    # Preprocessed as its card says: a champion of another image size is scored as it was validated.
+    dataset = images.dataset(positions, eval_transform(card["image_size"], card_resize(card)))
     right: list[bool | None] = []
     for done, (batch, labels) in enumerate(FetchAheadLoader(dataset, list(range(len(dataset))),
                                                             images.training.batch_size), 1):

@@ -35,7 +35,6 @@ from torch.utils.data import DataLoader, DistributedSampler
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
 from prefect_ddp.tasks.data.dataset import (
-    S3ImageFolder,
     eval_transform,
     forked_workers,
     train_transform,
@@ -54,7 +53,7 @@ from prefect_ddp.tasks.reporting import (
 )
 from prefect_ddp.tasks.selection import Selection, best_index, is_better
 from prefect_ddp.tasks.tracking import TrackedRun
-from prefect_ddp.tasks.training.champion import Champion, ScoredImages, score_against_champion
+from prefect_ddp.tasks.training.champion import Champion, ManifestImages, score_against_champion
 from prefect_ddp.tasks.training.checkpoints import (
     TrainingState,
     job_fingerprint,
@@ -250,15 +249,8 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     number of steps (prefect_ddp.tasks.data.shard_reader).
     """
     cfg, m = job.training, job.manifest
-    options = job.source.storage_options()
     cache = ByteCache(int(cfg.cache_gb * 1e9)) if cfg.cache_gb else None
-
-    def dataset(positions: list[int], transform) -> S3ImageFolder:
-        return S3ImageFolder(
-            m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions],
-            options, transform, fetch_threads=cfg.fetches_in_flight(), fetch_timeout_s=cfg.fetch_timeout_s,
-            sizes=[m.sizes[i] for i in positions], cache=cache,
-        )
+    dataset = partial(ManifestImages(job.source, m, cfg).dataset, cache=cache)
 
     # decode_on="device": the loaders hand over encoded images (no transform); the rank
     # decodes and transforms them (batch_inputs).
@@ -519,7 +511,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
         progress.close()
     # Every rank agrees on pruned_at and stopped: all score, or none does.
     comparison = (score_against_champion(ctx, job.champion, job.output,
-                                         ScoredImages(job.source, job.manifest, job.training), rank.device, kept.epoch)
+                                         ManifestImages(job.source, job.manifest, job.training), rank.device, kept.epoch)
                   if job.champion and kept.epoch and not (pruned_at or stopped) else None)
     return {
         "rank": ctx.rank,
