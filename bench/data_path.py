@@ -35,7 +35,6 @@ import io
 import os
 import platform
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,6 +56,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision.datasets import ImageFolder
 
+from bench.outside import install_beside
 from bench.s3_endpoints import S3Endpoint, latency_endpoint, moto_endpoint
 from prefect_ddp.deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
 from prefect_ddp.deployments.sample_data import CLASSES, draw_shape, shapes_dataset
@@ -66,16 +66,14 @@ from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader
-from prefect_ddp.tasks.data.shard_writer import ShardIndex, write_shards
+from prefect_ddp.tasks.data.shard_writer import ShardFormat, ShardIndex, write_shards
 
 BUCKET = "bench"
 BATCH_SIZE = 32
 DPD_REQUIREMENT = "dask-pytorch-ddp==0.2.2"
-CACHE = Path(__file__).resolve().parent / ".cache"
 PHOTO_SIZE = (500, 375)
 # Grain on the flat shapes, so a 500x375 JPEG weighs what a photo does (about 90 KB), not 8 KB.
 PHOTO_GRAIN = 18.0
-PIP_TIMEOUT_S = 180
 # Other processes using more than this many cores during an epoch mark its row as disturbed.
 NOISE_CORES = 0.1
 LOCAL, OURS, DPD = "ImageFolder (local disk)", "S3ImageFolder (ours)", "dask-pytorch-ddp 0.2.2"
@@ -173,7 +171,7 @@ def write_set_shards(folder: Path, image_set: str, served: Path, images_per_shar
     """Shards of every image of `folder`, written below `served`; their prefix there, and their index."""
     manifest = listing_manifest(folder, str(folder))
     index, _ = write_shards(manifest, range(len(manifest)), {}, str(served / f"{image_set}-shards"), {},
-                            images_per_shard, "bench")
+                            ShardFormat(images_per_shard=images_per_shard), "bench")
     written = next((served / f"{image_set}-shards").rglob("index.json")).parent
     return written.relative_to(served).as_posix(), index
 
@@ -189,24 +187,14 @@ def read_dpd(module: ModuleType, source: Source) -> Dataset:
     return module.S3ImageFolder(BUCKET, f"{source.prefix}/", transform=source.transform)
 
 
-def load_dask_pytorch_ddp(cache: Path) -> ModuleType | str:
-    """dask_pytorch_ddp.data, installed under `cache` on first use; or why it cannot be had.
+def load_dask_pytorch_ddp() -> ModuleType | str:
+    """dask_pytorch_ddp.data, installed under bench/.cache on first use; or why it cannot be had.
 
-    --no-deps: its dependencies (boto3, torch, dask) are already here, and its pins must not
-    move the project's. --target keeps it out of the project's environment.
+    Its dependencies (boto3, torch, dask) are already here (bench.outside).
     """
-    target = cache / "dask-pytorch-ddp"
-    if not (target / "dask_pytorch_ddp").is_dir():
-        command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                   "--target", str(target), DPD_REQUIREMENT]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return (f"`pip install {DPD_REQUIREMENT}` did not finish within {PIP_TIMEOUT_S} s "
-                    "(is the package index reachable?)")
-        if done.returncode:
-            return f"`pip install {DPD_REQUIREMENT}` failed: {(done.stderr or done.stdout).strip()[-300:]}"
-    sys.path.insert(0, str(target))
+    missing = install_beside("dask-pytorch-ddp", [DPD_REQUIREMENT], "dask_pytorch_ddp")
+    if missing:
+        return missing
     from dask_pytorch_ddp import data  # noqa: PLC0415 - importable only once installed
 
     return data
@@ -479,7 +467,7 @@ def readers(args: argparse.Namespace, work: Path, shards: dict[str, tuple[str, S
     }
     if args.skip_dpd:
         return chosen, "left out (--skip-dpd)"
-    module = load_dask_pytorch_ddp(CACHE)
+    module = load_dask_pytorch_ddp()
     if isinstance(module, str):
         return chosen, module
     return chosen | {DPD: partial(read_dpd, module)}, None

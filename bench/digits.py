@@ -1,9 +1,14 @@
 """The recipe's defaults against the old ones, on real images: scikit-learn's bundled digits.
 
-    .venv/bin/python -m bench.digits [--epochs 6] [--world-size 2] [--seeds 3]
+    .venv/bin/python -m bench.digits [--epochs 6] [--world-size 2] [--seeds 3] [--random-init]
 
-Writes the 1,797 8x8 digits as 32-px PNGs in class folders, then trains the project's own
-recipe (`train_classifier`) on real gloo ranks, the same epochs and seed per pair:
+Writes the 1,797 8x8 digits as 32-px PNGs in class folders. Transfer learning needs a
+pretrained backbone, and this machine cannot download torchvision's: so resnet18 is first
+trained (the new recipe, `--pretrain-epochs`) on the digits 0-4, and its state_dict is the
+starting weights (`model.weights`, a local .pt) of the runs compared, which learn the digits
+5-9, none of whose images the backbone saw. `--random-init` compares from random weights on
+all ten digits instead. Each run is the project's own recipe (`train_classifier`) on real
+gloo ranks, the same epochs, seed and starting weights per pair:
 
 - new: the defaults (SGD's lr scaled by the world size and warmed up over the first epoch;
   no weight decay on norm and bias parameters; a frozen backbone's BatchNorm in eval mode);
@@ -11,10 +16,9 @@ recipe (`train_classifier`) on real gloo ranks, the same epochs and seed per pai
   BatchNorm statistics updated under a frozen backbone), by giving `parameter_groups` and
   `frozen_batchnorm` their old behaviour inside each rank.
 
-Each for a fine-tuned (`freeze_backbone=false`) and a frozen-backbone resnet18 (random init:
-the machine has no internet for pretrained weights), printing the best val accuracy of each
-and whether the frozen backbone's BatchNorm statistics changed. Record results in
-bench/RESULTS.md.
+Each for a fine-tuned (`freeze_backbone=false`) and a frozen-backbone resnet18, printing the
+best val accuracy of each and whether the frozen backbone's BatchNorm statistics changed.
+Record results in bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import io
 import json
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,11 +48,13 @@ from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
 SIDE = 32
 
 
-def write_digits(root: Path) -> None:
+def write_digits(root: Path, labels: range) -> None:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     for n, (image, label) in enumerate(zip(digits.images, digits.target)):
+        if label not in labels:
+            continue
         pixels = (image * 255 / 16).astype("uint8")
         buffer = io.BytesIO()
         Image.fromarray(pixels).convert("RGB").resize((SIDE, SIDE), Image.BILINEAR).save(buffer, format="PNG")
@@ -57,16 +64,16 @@ def write_digits(root: Path) -> None:
 
 def old_recipe() -> None:
     """The recipe as it was: one parameter group, all decayed; no BatchNorm kept in eval mode."""
+    import prefect_ddp.tasks.training.recipe as recipe
+
     optimization.parameter_groups = lambda model, decay: [
         {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": decay}]
-    optimization.frozen_batchnorm = lambda model: []
+    recipe.frozen_batchnorm = optimization.frozen_batchnorm = lambda model: []
 
 
-def rank(rank_: int, world_size: int, port: int, job: dict, old: bool, results) -> None:
-    if old:
-        old_recipe()
-        import prefect_ddp.tasks.training.recipe as recipe
-        recipe.frozen_batchnorm = optimization.frozen_batchnorm
+def rank(rank_: int, world_size: int, port: int, job: dict, setup: Callable[[], None] | None, results) -> None:
+    if setup:
+        setup()  # in the rank's own process: a spawned rank imports the project afresh
     torch.set_num_threads(1)
     torch.manual_seed(job["split"]["seed"])  # the same initial weights for the old and the new recipe
     ctx = RankContext(rank=rank_, local_rank=rank_, world_size=world_size, local_world_size=world_size,
@@ -79,11 +86,12 @@ def rank(rank_: int, world_size: int, port: int, job: dict, old: bool, results) 
         results.put(result)
 
 
-def train(job: TrainJob, world_size: int, old: bool) -> dict:
+def train(job: TrainJob, world_size: int, setup: Callable[[], None] | None = None) -> dict:
+    """Rank 0's result of `train_classifier` on `world_size` spawned gloo ranks, each calling `setup` first."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=rank, args=(r, world_size, port, job.model_dump(), old, results))
+    processes = [context.Process(target=rank, args=(r, world_size, port, job.model_dump(), setup, results))
                  for r in range(world_size)]
     for process in processes:
         process.start()
@@ -91,6 +99,32 @@ def train(job: TrainJob, world_size: int, old: bool) -> dict:
     for process in processes:
         process.join()
     return result
+
+
+def manifest_of(root: Path):
+    listing = {p.relative_to(root).as_posix(): p.stat().st_size for p in root.rglob("*.png")}
+    return build_manifest(str(root), listing)
+
+
+def job_for(images: Path, output: Path, seed: int, model: ModelConfig, epochs: int, old: bool) -> TrainJob:
+    manifest = manifest_of(images)
+    return TrainJob(
+        source=DataLocation(url=str(images)), output=DataLocation(url=str(output)),
+        manifest=manifest, split=stratified_split(manifest, 0.2, seed), model=model,
+        # The old recipe scaled every optimizer's lr and warmed up never.
+        training=TrainingConfig(epochs=epochs, batch_size=32, image_size=SIDE, num_workers=0,
+                                **({"scale_lr_by_world_size": True, "warmup_epochs": 0} if old else {})),
+    )
+
+
+def pretrained_backbone(work: Path, epochs: int, world_size: int) -> str:
+    """A resnet18 trained on the digits 0-4 by the new recipe: the starting weights' path."""
+    write_digits(work / "pretrain", range(5))
+    job = job_for(work / "pretrain", work / "pretrain-run", 0, ModelConfig(backbone="resnet18"), epochs, old=False)
+    result = train(job, world_size)
+    print(json.dumps({"pretrained_on": "digits 0-4", "best_val_acc": max(h["val_acc"] for h in result["history"])}),
+          flush=True)
+    return str(work / "pretrain-run" / "model.pt")
 
 
 def batchnorm_changed(job: TrainJob) -> bool:
@@ -106,25 +140,20 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--pretrain-epochs", type=int, default=6)
+    parser.add_argument("--random-init", action="store_true", help="from random weights, on all ten digits")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="digits-"))
-    write_digits(work / "images")
-    listing = {p.relative_to(work / "images").as_posix(): p.stat().st_size for p in (work / "images").rglob("*.png")}
-    manifest = build_manifest(str(work / "images"), listing)
+    weights = None if args.random_init else pretrained_backbone(work, args.pretrain_epochs, args.world_size)
+    write_digits(work / "images", range(10) if args.random_init else range(5, 10))
     rows = []
     for frozen in (False, True):
         for seed in range(args.seeds):
             for old in (True, False):
-                job = TrainJob(
-                    source=DataLocation(url=str(work / "images")),
-                    output=DataLocation(url=str(work / f"run-{frozen}-{seed}-{old}")),
-                    manifest=manifest, split=stratified_split(manifest, 0.2, seed),
-                    model=ModelConfig(backbone="resnet18", freeze_backbone=frozen),
-                    # The old recipe scaled every optimizer's lr and warmed up never.
-                    training=TrainingConfig(epochs=args.epochs, batch_size=32, image_size=SIDE, num_workers=0,
-                                            **({"scale_lr_by_world_size": True, "warmup_epochs": 0} if old else {})),
-                )
-                result = train(job, args.world_size, old)
+                job = job_for(work / "images", work / f"run-{frozen}-{seed}-{old}", seed,
+                              ModelConfig(backbone="resnet18", weights=weights, freeze_backbone=frozen),
+                              args.epochs, old)
+                result = train(job, args.world_size, old_recipe if old else None)
                 best = max(h["val_acc"] for h in result["history"])
                 rows.append({"backbone": "frozen" if frozen else "fine-tuned", "seed": seed,
                              "recipe": "old" if old else "new", "best_val_acc": round(best, 4),

@@ -5,7 +5,7 @@ import torch and Prefect) and 1-2.5 s to close (each worker process tears down i
 interpreter). A flow needs it only from the decode check to the end of training, so
 `ClusterLifetime` starts it in a thread while the flow validates, lists and splits, and
 closes it in a thread while the flow aggregates, promotes and reports
-(docs/architecture.md, "Life of a run"; bench/RESULTS.md, "Launch tax").
+(docs/architecture.md, "The life of a run"; bench/RESULTS.md, "Launch tax").
 
     with ClusterLifetime(spec.task_runner) as cluster:     # starting from here
         manifest = index_images(...)                         # ... while this lists

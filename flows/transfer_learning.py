@@ -248,8 +248,7 @@ def transfer_learning(
         split = split_dataset(manifest, data.val_fraction, data.seed)
         require_a_batch_per_rank(split, world_size)
         if training.images_per_shard:
-            write_train_shards(manifest, split, source, base, training.images_per_shard,
-                               training.fetches_in_flight(), training.fetch_timeout_s)
+            write_train_shards(runner, manifest, split, source, base, training)
         kept_at_start = read_pointer(kept) if kept else None
         champion = champion_to_beat(kept, kept_at_start, manifest, split) if kept else None
         results = run_gang(

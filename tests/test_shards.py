@@ -22,6 +22,8 @@ import torch.multiprocessing as mp
 from PIL import Image
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
     ArtifactFilter,
     ArtifactFilterFlowRunId,
     ArtifactFilterKey,
@@ -35,7 +37,7 @@ from prefect_ddp.tasks.data.dataset import (
 )
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards, read_samples
-from prefect_ddp.tasks.data.shard_writer import INDEX, ShardIndex, shard_folder, write_shards
+from prefect_ddp.tasks.data.shard_writer import INDEX, ShardFormat, ShardIndex, shard_folder, write_shards
 from prefect_ddp.tasks.data.storage import read_json
 from prefect_ddp.tasks.gang import free_port, process_group
 from prefect_ddp.tasks.urls import child_url
@@ -71,7 +73,8 @@ def numbered(image_location: DataLocation, s3_fs) -> tuple[DataLocation, Manifes
 def write(location: DataLocation, manifest: Manifest, output: str, per_shard: int, positions=None):
     positions = list(range(len(manifest))) if positions is None else positions
     options = location.storage_options()
-    return write_shards(manifest, positions, options, output, options, per_shard, "split-digest", fetch_threads=8)
+    return write_shards(manifest, positions, options, output, options, ShardFormat(images_per_shard=per_shard),
+                        "split-digest", fetch_threads=8)
 
 
 def output_url(request) -> str:
@@ -98,7 +101,7 @@ def read_epoch(dataset: ShardDataset, epoch: int, num_workers: int) -> tuple[lis
 
 def dataset(location: DataLocation, output: str, manifest: Manifest, index, rank: int, world: int,
             workers: int, batch: int = 3) -> ShardDataset:
-    folder = shard_folder(output, manifest, range(len(manifest)), index.images_per_shard)
+    folder = shard_folder(output, manifest, range(len(manifest)), ShardFormat(images_per_shard=index.images_per_shard), 0)
     return ShardDataset(folder, index, location.storage_options(), image_number, batch, rank, world, workers)
 
 
@@ -213,7 +216,7 @@ def test_uneven_shards_train_every_image_but_fewer_than_world_times_batch_each_e
     train = list(range(23))  # shards of 9, 9 and 5 images: no split of whole shards evens out 2 ranks
     index, _ = write(location, manifest, output, per_shard=9, positions=train)
     assert index.images == [9, 9, 5]
-    folder = shard_folder(output, manifest, train, 9)
+    folder = shard_folder(output, manifest, train, ShardFormat(images_per_shard=9), 0)
     # fork, not spawn: a spawned child imports torch and this module again (50 s here, 4 s forked).
     mp.start_processes(rank_of_two, args=(free_port(), folder, index.model_dump(), location.storage_options(), tmp_path),
                        nprocs=2, start_method="fork")
@@ -227,7 +230,8 @@ def test_uneven_shards_train_every_image_but_fewer_than_world_times_batch_each_e
     assert len({tuple(sorted(epoch["numbers"])) for epoch in rank0}) > 1  # a different part each epoch
 
 
-def test_a_complete_set_is_reused_and_a_half_written_one_rewritten(numbered, request, s3_fs, front):
+def test_a_complete_set_is_reused_and_a_half_written_one_finished_from_its_first_missing_shard(
+        numbered, request, s3_fs, front):
     location, manifest = numbered
     through_front = block_copy(location, endpoint_url=front.endpoint)
     output = output_url(request)
@@ -236,11 +240,16 @@ def test_a_complete_set_is_reused_and_a_half_written_one_rewritten(numbered, req
     before = source_gets(front)
     again, reused = write(through_front, manifest, output, per_shard=8)
     assert reused and again == index and source_gets(front) == before
-    folder = shard_folder(output, manifest, range(24), 8)
+    folder = shard_folder(output, manifest, range(24), ShardFormat(images_per_shard=8), 0)
     s3_fs.rm(f"{folder[5:]}/{INDEX}")  # as if the writer had died before its last step
-    _, reused = write(through_front, manifest, output, per_shard=8)
-    assert not reused and source_gets(front) >= before + 24
-    assert read_json(child_url(folder, INDEX), location.storage_options())["images"] == [8, 8, 8]
+    finished, reused = write(through_front, manifest, output, per_shard=8)
+    assert not reused and source_gets(front) == before  # every shard was there: no image read again
+    assert finished.shards == index.shards and finished.bytes == index.bytes and finished.paths == index.paths
+    s3_fs.rm(f"{folder[5:]}/{INDEX}")
+    s3_fs.rm(f"{folder[5:]}/{index.shards[1]}")  # died after the first shard
+    finished, reused = write(through_front, manifest, output, per_shard=8)
+    assert not reused and before + 8 <= source_gets(front) < before + 16  # the missing shard's 8 images only
+    assert finished.bytes == index.bytes and finished.paths == index.paths  # the same shard, byte for byte
     s3_fs.rm(f"{folder[5:]}/{index.shards[1]}")  # an index whose shard is gone is not trusted either
     assert not write(through_front, manifest, output, per_shard=8)[1]
 
@@ -250,9 +259,10 @@ def test_reading_a_set_that_was_never_written_names_the_folder_and_the_fix(numbe
     from prefect_ddp.tasks.data.splitting import stratified_split
 
     split = stratified_split(manifest, 0.25, 0)
-    with pytest.raises(FileNotFoundError, match=r"No complete shard set for this split at s3://.*/shards/\w+ "
-                                                r"\(training.images_per_shard=6\).*write-shards"):
-        open_shards(f"s3://{BUCKET}/never-written/run-1", location.storage_options(), manifest, split, 6)
+    with pytest.raises(FileNotFoundError, match=r"No complete shard set for this split and format at s3://.*/shards/"
+                                                r"\w+ \(training.images_per_shard=6, shard_side=None\).*write-shards"):
+        open_shards(f"s3://{BUCKET}/never-written/run-1", location.storage_options(), manifest, split,
+                    ShardFormat(images_per_shard=6))
 
 
 @pytest.mark.unit
@@ -267,7 +277,7 @@ def test_a_stalled_shard_fetch_fails_with_fetch_timeout(numbered, request, front
     location, manifest = numbered
     output = output_url(request)
     index, _ = write(location, manifest, output, per_shard=12)
-    folder = shard_folder(output, manifest, range(24), 12)
+    folder = shard_folder(output, manifest, range(24), ShardFormat(images_per_shard=12), 0)
     through_front = block_copy(location, endpoint_url=front.endpoint)
     shards = ShardDataset(folder, index, through_front.storage_options(), image_number, 3, 0, 1, 0,
                           fetch_timeout_s=1)
@@ -283,7 +293,7 @@ def test_shards_are_fetched_ahead_several_at_once(numbered, request, front, read
     location, manifest = numbered
     output = output_url(request)
     index, _ = write(location, manifest, output, per_shard=4)
-    folder = shard_folder(output, manifest, range(24), 4)
+    folder = shard_folder(output, manifest, range(24), ShardFormat(images_per_shard=4), 0)
     through_front = block_copy(location, endpoint_url=front.endpoint)
     shards = ShardDataset(folder, index, through_front.storage_options() | S3_READERS[reader], image_number, 3,
                           0, 1, 0)
@@ -307,7 +317,9 @@ def test_the_flow_trains_from_the_shards_it_wrote(image_location, dask_cluster, 
     with get_client(sync_client=True) as api:
         artifacts = api.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]), key=ArtifactFilterKey(any_=["train-shards"])))
+        task_runs = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
     assert "Wrote 6 shards" in artifacts[0].data
+    assert len([t for t in task_runs if t.name.startswith("write-shard-")]) == 6  # one task per shard, on the cluster
 
 
 @pytest.mark.unit

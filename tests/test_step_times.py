@@ -22,6 +22,8 @@ from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.indexing import build_manifest
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.gang import RankContext, free_port, process_group
+from prefect_ddp.tasks.data.dataset import train_transform
+from prefect_ddp.tasks.training.decode_cost import probe_decode
 from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
 from prefect_ddp.tasks.training.step_times import PARTS, StepClock, epoch_timing, input_advice
 from tests.support.faulty_s3 import FaultyS3
@@ -133,3 +135,24 @@ def test_the_parts_add_up_to_the_training_pass_and_slow_reads_make_it_input_boun
     assert slow["time"]["shares"]["data"] > 2 * local_data, (slow["time"]["shares"], local_data)
     assert slow["data_wait_pct"] == round(100 * slow["time"]["shares"]["data"], 1)
     assert histories[1]["local"][-1]["time"]["per_rank"] == histories[0]["local"][-1]["time"]["per_rank"]
+
+
+@pytest.mark.unit
+def test_camera_originals_make_the_verdict_decode_bound_with_the_cores_each_way():
+    from tests.test_photos import photo_jpeg
+
+    transform = train_transform(64)
+    originals = probe_decode([photo_jpeg(2400, 1800)] * 2, 64, transform)
+    assert originals.megapixels == pytest.approx(4.32) and originals.side == 96
+    assert originals.resized_s * 3 < originals.original_s
+    fast_model = originals.original_s / 2 * 100  # seconds of compute per 100 images: half the decode's
+    starved = [row(data=8.0, forward=fast_model, backward=0.0, optimizer=0.0, images=100.0)] * 2
+    text = epoch_timing(starved, "more loader workers", originals)["verdict"]
+    assert text.startswith("decode-bound: ") and "the originals average 4.3 MP" in text
+    assert "a rank needs about 2 cores decoding originals, 1 core reading" in text
+    assert "training.images_per_shard" in text
+    slow_model = [row(data=8.0, forward=originals.original_s * 200, images=100.0)] * 2
+    assert epoch_timing(slow_model, "more loader workers", originals)["verdict"].startswith("input-bound")  # a core keeps up
+    small = probe_decode([photo_jpeg(120, 90)] * 2, 64, transform)  # nothing to gain from storing them resized
+    assert epoch_timing(starved, "more loader workers", small)["verdict"].startswith("input-bound")
+    assert probe_decode([b"not an image"], 64, transform) is None

@@ -169,6 +169,16 @@ def test_warmup_raises_the_rate_step_by_step_then_leaves_the_schedule_its_own():
 
 
 @pytest.mark.unit
+def test_a_scaled_rate_warms_up_from_the_unscaled_one():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.8)  # 0.2 per rank, scaled by 4 ranks
+    warmup, seen = Warmup(steps=4, start=1 / 4), []
+    for _ in range(4):
+        warmup.before_step(optimizer)
+        seen.append(optimizer.param_groups[0]["lr"])
+    assert seen == pytest.approx([0.35, 0.5, 0.65, 0.8])  # never below the per-rank rate of 0.2
+
+
+@pytest.mark.unit
 def test_daemonic_workers_get_the_fix_not_a_multiprocessing_error():
     import multiprocessing
 
@@ -259,3 +269,13 @@ def test_a_job_carries_plain_settings_to_the_ranks_never_the_block(tmp_path):
         assert type(settings) is Location
         assert settings.storage_options()["secret"] == "hidden" and "hidden" not in repr(settings)
         assert settings.endpoint_url == "http://127.0.0.1:9"
+
+
+@pytest.mark.unit
+def test_a_frozen_backbone_without_starting_weights_is_warned_about():
+    from prefect_ddp.tasks.training.optimization import frozen_random_backbone
+
+    assert "model.weights" in frozen_random_backbone(ModelConfig(freeze_backbone=True), warm_started=False)
+    assert frozen_random_backbone(ModelConfig(freeze_backbone=True, weights="DEFAULT"), warm_started=False) is None
+    assert frozen_random_backbone(ModelConfig(freeze_backbone=True), warm_started=True) is None
+    assert frozen_random_backbone(ModelConfig(), warm_started=False) is None

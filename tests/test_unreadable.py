@@ -27,7 +27,7 @@ from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
 from prefect_ddp.tasks.data.indexing import index_images
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader
-from prefect_ddp.tasks.data.shard_writer import write_shards
+from prefect_ddp.tasks.data.shard_writer import ShardFormat, write_shards
 from prefect_ddp.tasks.results.aggregation import check_stopped
 from prefect_ddp.tasks.results.report import unreadable_text
 from prefect_ddp.tasks.training.recipe import (
@@ -99,7 +99,8 @@ def test_decoding_on_the_device_leaves_them_out_there(spoilt):
 
 def shard_dataset(output: Path, manifest: Manifest, batch: int) -> ShardDataset:
     """Every image of `manifest` packed 4 to a shard below `output`, read by one rank without loader workers."""
-    index, _ = write_shards(manifest, range(len(manifest)), {}, str(output), {}, 4, "split-digest")
+    index, _ = write_shards(manifest, range(len(manifest)), {}, str(output), {}, ShardFormat(images_per_shard=4),
+                            "split-digest")
     folder = next(output.rglob("index.json")).parent
     return ShardDataset(str(folder), index, {}, eval_transform(32), batch, 0, 1, 0)
 

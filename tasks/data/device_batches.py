@@ -8,6 +8,8 @@ loader hands over each image's encoded bytes and the rank decodes the batch's JP
 call to torchvision's nvjpeg decoder (`torchvision.io.decode_jpeg(..., device="cuda")`),
 then augments on the GPU with the same torchvision transforms. Images that are not JPEGs
 (PNG, 16-bit, CMYK) are still decoded on the CPU by `prefect_ddp.tasks.data.dataset.open_rgb`.
+nvjpeg ignores EXIF orientation, so each JPEG's tag is read on the CPU (from its header) and
+applied to the decoded tensor (`upright`), as `open_rgb` applies it on the CPU path.
 
 An image whose decode fails there (or that is gone: its bytes arrive empty) is left out as
 the loader leaves out those it decodes itself (prefect_ddp.tasks.data.dataset): a stand-in takes its place,
@@ -20,10 +22,12 @@ tests here exercise it; it only pays off on a GPU.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
+from PIL import Image
 from torch.utils.data import default_collate
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
@@ -33,6 +37,7 @@ from prefect_ddp.tasks.data.dataset import (
     Sample,
     blank_image,
     decoded,
+    orientation,
     unreadable_label,
     with_stand_ins,
 )
@@ -66,16 +71,41 @@ def decode_jpegs(device: torch.device, jpegs: list[torch.Tensor]) -> list[torch.
 
 
 def decode_on(device: torch.device, images: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """uint8 CHW RGB tensors on `device`: JPEGs in one batched decode there, the rest on the CPU;
-    None for an image that does not decode."""
+    """Upright uint8 CHW RGB tensors on `device`: JPEGs in one batched decode there, the rest on
+    the CPU; None for an image that does not decode."""
     is_jpeg = [bytes(data[:3].tolist()) == JPEG_MAGIC for data in images]
     jpegs = iter(decode_jpegs(device, [data for data, jpeg in zip(images, is_jpeg) if jpeg]))
-    return [next(jpegs) if jpeg else decode_other(device, data) for data, jpeg in zip(images, is_jpeg)]
+    return [upright(next(jpegs), jpeg_orientation(data)) if jpeg else decode_other(device, data)
+            for data, jpeg in zip(images, is_jpeg)]
+
+
+def jpeg_orientation(data: torch.Tensor) -> int:
+    """The EXIF orientation tag of an encoded JPEG (1 when it has none or its header does not parse)."""
+    try:
+        with Image.open(io.BytesIO(data.numpy())) as image:
+            return orientation(image)
+    except Exception:  # a header the decoder did not mind but PIL cannot read: leave the image as decoded
+        return 1
+
+
+# EXIF orientation -> the turns that make the stored image upright, as PIL's exif_transpose
+# does: (quarter turns counter-clockwise, then mirror left-right).
+UPRIGHT_TURNS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
+                 5: (3, True), 6: (3, False), 7: (1, True), 8: (1, False)}
+
+
+def upright(image: torch.Tensor | None, tag: int) -> torch.Tensor | None:
+    """A decoded CHW image turned as its EXIF orientation `tag` says (`open_rgb` does the same on the CPU)."""
+    if image is None:
+        return None
+    turns, mirror = UPRIGHT_TURNS.get(tag, (0, False))
+    image = torch.rot90(image, turns, dims=(-2, -1)) if turns else image
+    return image.flip(-1) if mirror else image
 
 
 def decode_other(device: torch.device, data: torch.Tensor) -> torch.Tensor | None:
     """An image that is not a JPEG, decoded on the CPU (`prefect_ddp.tasks.data.dataset.decoded`) and moved to `device`."""
-    image = decoded(data.numpy().tobytes())
+    image = decoded(data.numpy().tobytes(), None)
     return None if image is None else v2.functional.pil_to_tensor(image).to(device)
 
 

@@ -48,7 +48,13 @@ from prefect_ddp.tasks.data.dataset import (
 from prefect_ddp.tasks.data.device_batches import EncodedBatch, encoded_collate
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
-from prefect_ddp.tasks.data.shard_writer import LABEL_SUFFIX, ShardIndex, complete_index, shard_folder
+from prefect_ddp.tasks.data.shard_writer import (
+    LABEL_SUFFIX,
+    ShardFormat,
+    ShardIndex,
+    complete_index,
+    shard_folder,
+)
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.data.storage import (
     ProcessFilesystem,
@@ -308,19 +314,19 @@ class ShardLoader(DataLoader):
 
 
 def open_shards(
-    output_url: str, storage_options: dict[str, Any], manifest: Manifest, split: Split, images_per_shard: int,
+    output_url: str, storage_options: dict[str, Any], manifest: Manifest, split: Split, fmt: ShardFormat,
 ) -> tuple[str, ShardIndex]:
     """(folder, index) of the training set's shards for the run folder `output_url`.
 
     The flow's write-shards step wrote them below the run folder's parent (the output
     prefix); a set missing or not matching this split fails here, naming the folder.
     """
-    folder = shard_folder(output_url.rstrip("/").rsplit("/", 1)[0], manifest, split.train, images_per_shard)
+    folder = shard_folder(output_url.rstrip("/").rsplit("/", 1)[0], manifest, split.train, fmt, split.seed)
     index = complete_index(folder, storage_options, folder.rsplit("/", 1)[-1])
     if index is None:
         raise FileNotFoundError(
-            f"No complete shard set for this split at {folder} (training.images_per_shard="
-            f"{images_per_shard}). The flow's write-shards step writes it before training; run the "
+            f"No complete shard set for this split and format at {folder} (training.images_per_shard="
+            f"{fmt.images_per_shard}, shard_side={fmt.side}). The flow's write-shards step writes it before training; run the "
             "flow, or set training.images_per_shard to empty for per-image reading."
         )
     return folder, index

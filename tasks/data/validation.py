@@ -24,7 +24,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from pydantic import BaseModel
 
 from prefect_ddp.tasks.config import DataConfig
-from prefect_ddp.tasks.data.dataset import SHOWN_KEYS, FetchTimeout, open_rgb
+from prefect_ddp.tasks.data.dataset import SHOWN_KEYS, FetchTimeout, decode_upright
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import filesystem
@@ -107,9 +107,15 @@ def _block_name(location: Location) -> str:
     return which + key
 
 
+# decode-check asks `open_rgb` for the smallest decode: a JPEG at 1/8 of its sides, for which
+# libjpeg still reads and entropy-decodes every byte, so a truncated or corrupt file fails as
+# it would at any size training decodes it.
+CHECK_SIDE = 1
+
+
 def decode_check(data: bytes) -> tuple[int, int]:
-    """Decode an image as training will (`open_rgb`: fully, to 8-bit RGB); return (w, h)."""
-    return open_rgb(data).size
+    """Decode an image as training will (`open_rgb`, to 8-bit RGB); return its stored (w, h), upright."""
+    return decode_upright(data, CHECK_SIDE)[1]
 
 
 def decode_result(position: int, data: bytes | FileNotFoundError) -> DecodeResult:

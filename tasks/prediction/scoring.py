@@ -38,6 +38,7 @@ from prefect_ddp.tasks.data.dataset import (
     DEFAULT_FETCH_TIMEOUT_S,
     FETCH_ATTEMPTS,
     eval_transform,
+    needed_side,
     open_rgb,
 )
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
@@ -190,7 +191,7 @@ def fetch_images(source: Location, keys: Sequence[str], transform: Callable,
             unreadable[key] = f"FileNotFoundError: {data}"
             continue
         try:
-            image = open_rgb(data)
+            image = open_rgb(data, needed_side(transform))
         except Exception as exc:  # any decoder error means unreadable, as decode-check takes it
             unreadable[key] = f"{type(exc).__name__}: {exc}"
             continue

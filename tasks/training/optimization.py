@@ -2,8 +2,10 @@
 
 The defaults follow what careful fine-tuning recipes do (torchvision's reference `train.py`
 offers each as an option): the learning rate is multiplied by the world size (the linear
-scaling rule) only for SGD, and then warmed up linearly over the first epoch, so that a
-pretrained backbone does not take steps of 8x its learning rate from step 0; adaptive
+scaling rule) only for SGD, and then warmed up linearly over the first epoch from the
+unscaled rate to the scaled one (the gradual warmup of Goyal et al., which the linear
+scaling rule comes with), so that a pretrained backbone does not take steps of 8x its
+learning rate from step 0, and a short fine-tune does not spend its first epoch near 0; adaptive
 optimizers (AdamW) keep the per-rank rate unless asked. Norm and bias parameters get no
 weight decay. BatchNorm layers whose parameters do not train (a frozen backbone) stay in
 eval mode, so their running statistics stay the pretrained ones. `sync_batchnorm` pools
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,10 @@ def step_scheduler(scheduler, val_loss: float) -> None:
 
 
 class Warmup:
-    """Linear warmup over the first `steps` optimizer steps of the run: the rate rises from
-    1/steps of the epoch's rate to all of it.
+    """Linear warmup over the first `steps` optimizer steps of the run: the rate rises in equal
+    steps from `start` of the epoch's rate (1/world size when the rate was scaled up by it: the
+    unscaled rate) to all of it at the last warmup step; step n (from 0) takes
+    start + (1 - start) * (n + 1) / steps of it.
 
     The epoch-level schedule sets each epoch's rate; warmup scales it step by step and puts
     it back at the epoch's end (`end_epoch`, before the schedule steps), so the schedule and
@@ -97,8 +101,9 @@ class Warmup:
     already took.
     """
 
-    def __init__(self, steps: int, done: int = 0) -> None:
+    def __init__(self, steps: int, start: float = 0.0, done: int = 0) -> None:
         self.steps = steps
+        self.start = start
         self.done = done
         self._epoch_lrs: list[float] | None = None
 
@@ -107,7 +112,7 @@ class Warmup:
             if self._epoch_lrs is None:
                 self._epoch_lrs = [group["lr"] for group in optimizer.param_groups]
             for group, lr in zip(optimizer.param_groups, self._epoch_lrs):
-                group["lr"] = lr * (self.done + 1) / self.steps
+                group["lr"] = lr * (self.start + (1 - self.start) * (self.done + 1) / self.steps)
         self.done += 1
 
     def end_epoch(self, optimizer: torch.optim.Optimizer) -> None:
@@ -129,6 +134,17 @@ def keep_frozen_in_eval(layers: list[nn.Module]) -> None:
     statistics and leave them unchanged, as the frozen weights expect."""
     for layer in layers:
         layer.eval()
+
+
+def frozen_random_backbone(model: ModelConfig, warm_started: bool) -> str | None:
+    """Why a frozen backbone with no starting weights trains poorly, or None: its BatchNorm layers,
+    kept in eval mode, normalise with the initial statistics (mean 0, variance 1), which fit no
+    random network's activations (bench/RESULTS.md, "Recipe defaults on real digits")."""
+    if not model.freeze_backbone or model.weights or warm_started:
+        return None
+    return ("model.freeze_backbone=true with no model.weights (and no warm start) trains a head over a random "
+            "backbone, whose BatchNorm layers stay in eval mode with their initial statistics. Set model.weights "
+            "(DEFAULT, or a state_dict URI) or model.warm_start, or train the backbone too.")
 
 
 def sync_batchnorm(model: nn.Module, device: torch.device, world_size: int, log: logging.Logger | Any) -> bool:

@@ -44,6 +44,8 @@ from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
+from prefect_ddp.tasks.data.shard_writer import shard_format
+from prefect_ddp.tasks.training.decode_cost import PROBE_IMAGES, DecodeCost, probe_decode
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.data.storage import save_torch, write_json
 from prefect_ddp.tasks.gang import RankContext, all_reduce_sum, sync_buffers, wrap_ddp
@@ -72,6 +74,7 @@ from prefect_ddp.tasks.training.optimization import (
     build_optimizer,
     build_scheduler,
     frozen_batchnorm,
+    frozen_random_backbone,
     keep_frozen_in_eval,
     scales_lr,
     step_scheduler,
@@ -268,7 +271,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     val_loader = FetchAheadLoader(val_set, val_shard, cfg.batch_size, **collate, **loader_options)
     if cfg.images_per_shard:
         output = job.output.storage_options()
-        folder, index = open_shards(job.output.url, output, m, job.split, cfg.images_per_shard)
+        folder, index = open_shards(job.output.url, output, m, job.split, shard_format(cfg))
         shards = ShardDataset(folder, index, output, train_tf, cfg.batch_size, ctx.rank,
                               ctx.world_size, workers, job.split.seed, cfg.fetch_timeout_s)
         return ShardLoader(shards, **loader_options), val_loader
@@ -387,6 +390,7 @@ class RankSetup:
     amp_dtype: torch.dtype | None
     clock: StepClock
     input_advice: str  # what would feed this run's ranks faster, for an input-bound verdict
+    decode_cost: DecodeCost | None  # rank 0's: what decoding the run's images costs, for the verdict
     batch_size: int
     warmup: Warmup
     frozen: list[nn.Module]  # BatchNorm layers kept in eval mode
@@ -409,6 +413,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     model = build_model(job.model, len(job.manifest.classes), job.source.storage_options())
     if job.warm_start:
         load_warm_start(model, job.warm_start)
+    if (reason := frozen_random_backbone(job.model, job.warm_start is not None)) and ctx.is_main:
+        log.warning(reason)
     synced = job.training.sync_batchnorm and sync_batchnorm(model, device, ctx.world_size, log)
     model = model.to(device, memory_format=train_inputs.memory_format)
     optimizer = build_optimizer(model, job.training, ctx.world_size)
@@ -416,13 +422,32 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler)
     advice = input_advice(job.training, from_object_store="://" in job.manifest.root)
     warm_epochs = warmup_epochs(job.training, ctx.world_size)
+    scaled_by = ctx.world_size if scales_lr(job.training) else 1
+    warmup = Warmup(warm_epochs * len(train_loader), start=1 / scaled_by if scaled_by > 1 else 0.0)
     frozen = frozen_batchnorm(model)
     recipe = EffectiveRecipe(
-        lr=optimizer.param_groups[0]["lr"], lr_scaled_by=ctx.world_size if scales_lr(job.training) else 1,
+        lr=optimizer.param_groups[0]["lr"], lr_scaled_by=scaled_by,
         warmup_epochs=warm_epochs, weight_decay=job.training.weight_decay, frozen_batchnorm=len(frozen),
         sync_batchnorm=synced)
     return RankSetup(state, train_loader, val_loader, train_inputs, val_inputs, amp_dtype, StepClock(device), advice,
-                     job.training.batch_size, Warmup(warm_epochs * len(train_loader)), frozen, recipe)
+                     decode_probe(ctx, job, log),
+                     job.training.batch_size, warmup, frozen, recipe)
+
+
+def decode_probe(ctx: RankContext, job: TrainJob, log: Any) -> DecodeCost | None:
+    """Rank 0's measure of what decoding this run's training images costs (prefect_ddp.tasks.training.decode_cost);
+    None on other ranks and where the run does not decode originals on its CPUs (shards stored
+    resized, or decoding on the device)."""
+    cfg = job.training
+    if not ctx.is_main or cfg.decode_on == "device" or (cfg.images_per_shard and shard_format(cfg).side):
+        return None
+    positions = job.split.train[:PROBE_IMAGES]
+    try:
+        images = ManifestImages(job.source, job.manifest, cfg).dataset(positions, None).fetch(range(len(positions)))
+    except OSError as exc:  # the loaders meet the storage's trouble and say so; the verdict goes without
+        log.debug("Could not fetch images to time their decoding: %s", exc)
+        return None
+    return probe_decode([data for data in images if data], cfg.image_size, train_transform(cfg.image_size))
 
 
 def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress: ProgressReporter,
@@ -446,7 +471,7 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
                      ctx.rank, ctx.world_size)
     totals = all_reduce_sum([*sums, *rows], rank.device)
     record = epoch_record(epoch, totals[:len(sums)], rank.state.optimizer, time.monotonic() - started)
-    record["time"] = epoch_timing(split_rows(totals[len(sums):]), rank.input_advice)
+    record["time"] = epoch_timing(split_rows(totals[len(sums):]), rank.input_advice, rank.decode_cost)
     record["images_per_s"] = record["time"]["images_per_s"]
     record["data_wait_pct"] = round(100 * record["time"]["shares"]["data"], 1)
     record["unreadable"] = unreadable.pool(train.unreadable | val.unreadable, record["epoch"])  # first met this epoch

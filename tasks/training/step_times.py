@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.training.decode_cost import DecodeCost, decode_verdict
 
 PARTS = ("data", "forward", "backward", "sync", "optimizer", "other")
 COMPUTE = ("forward", "backward", "optimizer")  # the parts the rank's own device works in
@@ -164,11 +165,12 @@ def input_advice(cfg: TrainingConfig, from_object_store: bool) -> str:
     return "; ".join(advice)
 
 
-def epoch_timing(rows: list[list[float]], advice: str) -> dict[str, Any]:
+def epoch_timing(rows: list[list[float]], advice: str, decode: DecodeCost | None = None) -> dict[str, Any]:
     """The gang's time for one epoch from every rank's row: shares, rate, slowest rank, verdict.
 
     Shares are of the ranks' summed step time; images per second is the gang's images over
-    its slowest rank's training pass (the others wait for it at every step).
+    its slowest rank's training pass (the others wait for it at every step). `decode`: what
+    decoding this run's images costs (rank 0's probe), for an input-bound verdict to say so.
 
     >>> fast = [1.0, 2.0, 4.0, 0.5, 0.4, 0.1, 1.0, 8.0, 100.0]
     >>> epoch_timing([fast, fast], "shards")["verdict"]
@@ -194,12 +196,13 @@ def epoch_timing(rows: list[list[float]], advice: str) -> dict[str, Any]:
                      for i, (s, r) in enumerate(zip(step_s, ranks))],
         "slowest_rank": slowest,
         "slower_by": round(slower_by, 2),
-        "verdict": verdict(shares, slowest, slower_by if straggles else None, ranks[slowest], advice),
+        "verdict": verdict(shares, slowest, slower_by if straggles else None, ranks[slowest], advice, decode,
+                           sum(r[p] for r in ranks for p in COMPUTE) / max(sum(r["images"] for r in ranks), 1)),
     }
 
 
 def verdict(shares: dict[str, float], slowest: int, slower_by: float | None, slowest_parts: dict[str, float],
-            advice: str) -> str:
+            advice: str, decode: DecodeCost | None = None, compute_s_per_image: float = 0.0) -> str:
     """One line: what bounds the steps, and what would help; `slower_by` None when no rank straggles."""
     if slower_by is not None:
         cause = "waiting for its data" if slowest_parts["data"] >= max(
@@ -207,6 +210,8 @@ def verdict(shares: dict[str, float], slowest: int, slower_by: float | None, slo
         return (f"rank {slowest} is {slower_by:.1f}x slower than the median of the others (most of it "
                 f"{cause}); the others wait for it in every gradient sync. Look at its host: load, "
                 "a slower CPU or GPU, its network to the images.")
+    if shares["data"] >= INPUT_BOUND and decode is not None and decode.bounds(compute_s_per_image):
+        return decode_verdict(decode, shares["data"], compute_s_per_image)
     if shares["data"] >= INPUT_BOUND:
         return f"input-bound: {shares['data']:.0%} of each step waits for data; {advice}."
     if shares["sync"] >= SYNC_BOUND:

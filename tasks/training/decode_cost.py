@@ -1,0 +1,93 @@
+"""What decoding costs this run, per image and per core: for a verdict that can say "decode-bound".
+
+An input-bound verdict's usual advice (more loader workers, shards, the byte cache) cannot
+close the gap that decoding camera originals opens: a 12-MP JPEG takes ~60-200 ms of a core
+to decode and augment even at reduced size, a copy stored at 1.5x the crop ~2 ms
+(docs/architecture.md, "Data: pre-resized shards"). So rank 0 times, once at its start, the
+training transform on a few of its own images as the run reads them, and on the same images
+as pre-resized shards would store them (`prefect_ddp.tasks.data.shard_writer.stored_resized`).
+With the step times' compute per image, that says how many cores a rank needs to keep its
+device busy either way (`decode_verdict`).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from prefect_ddp.tasks.data.dataset import decode_side, prepare
+from prefect_ddp.tasks.data.shard_writer import ShardFormat, stored_resized
+
+PROBE_IMAGES = 3
+# Decoding originals counts as what bounds the input when it costs this many times a pre-resized copy
+# (and more than the model's compute per image: `DecodeCost.bounds`).
+DECODE_BOUND = 3.0
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """Decode + augment seconds per image on one core, for the originals and for copies stored at `side`."""
+
+    megapixels: float  # the probed originals' mean
+    original_s: float
+    resized_s: float
+    side: int
+
+    def bounds(self, compute_s_per_image: float) -> bool:
+        """Whether decoding is what starves the model: one core of it cannot keep up with the model's
+        compute per image, and pre-resized copies would cost a third of it or less."""
+        return (compute_s_per_image > 0 and self.original_s >= compute_s_per_image
+                and self.original_s >= DECODE_BOUND * max(self.resized_s, 1e-6))
+
+
+def probe_decode(images: list[bytes], image_size: int, transform: Callable) -> DecodeCost | None:
+    """The cost of `transform` on `images` (bytes as the run reads them) and on pre-resized copies; None
+    when none of them decodes. One thread: a loader worker decodes on one core."""
+    side = decode_side(image_size)
+    readable = [data for data in images if prepare(data, 0, 0, transform)[0] is not None]
+    if not readable:
+        return None
+    resized = [stored_resized(data, ShardFormat(images_per_shard=1, side=side)).data or data for data in readable]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        original_s, resized_s = (seconds_per_image(batch, transform) for batch in (readable, resized))
+    finally:
+        torch.set_num_threads(threads)
+    return DecodeCost(megapixels=sum(megapixels(data) for data in readable) / len(readable),
+                      original_s=original_s, resized_s=resized_s, side=side)
+
+
+def seconds_per_image(images: list[bytes], transform: Callable) -> float:
+    """CPU seconds of this thread per image for decoding and transforming `images`."""
+    started = time.thread_time()
+    for data in images:
+        prepare(data, 0, 0, transform)
+    return (time.thread_time() - started) / len(images)
+
+
+def megapixels(data: bytes) -> float:
+    with Image.open(io.BytesIO(data)) as image:
+        return image.width * image.height / 1e6
+
+
+def decode_verdict(cost: DecodeCost, data_share: float, compute_s_per_image: float) -> str:
+    """The input-bound verdict when decoding originals dominates: what it costs, what pre-resized shards
+    would, and the cores a rank needs for this model either way."""
+    def cores(seconds: float) -> str:
+        count = max(1, round(seconds / max(compute_s_per_image, 1e-6)))
+        return f"{count} core{'s' if count > 1 else ''}"
+
+    return (
+        f"decode-bound: {data_share:.0%} of each step waits for data; the originals average "
+        f"{cost.megapixels:.1f} MP and cost {cost.original_s * 1e3:.0f} ms per image per core to decode and "
+        f"augment, copies stored at {cost.side} px about {cost.resized_s * 1e3:.0f} ms. At this model's "
+        f"{compute_s_per_image * 1e3:.0f} ms of compute per image, a rank needs about {cores(cost.original_s)} "
+        f"decoding originals, {cores(cost.resized_s)} reading pre-resized shards "
+        "(training.images_per_shard; training.shard_side sets their size)."
+    )
