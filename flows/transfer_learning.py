@@ -47,6 +47,7 @@ from prefect_ddp.tasks.config import (
     TrainingConfig,
     with_overrides,
 )
+from prefect_ddp.tasks.data.check_memory import CheckMemory
 from prefect_ddp.tasks.data.indexing import index_images
 from prefect_ddp.tasks.data.shard_writer import write_train_shards
 from prefect_ddp.tasks.data.splitting import split_dataset
@@ -243,7 +244,8 @@ def transfer_learning(
         runner = starting.ready()
         world_size = gang_size(runner, cluster.world_size)
         listed = len(manifest)
-        manifest = validate_dataset(runner, source, manifest, data.validate_sample, data.max_unreadable_fraction)
+        manifest = validate_dataset(runner, source, manifest, data.validate_sample, data.max_unreadable_fraction,
+                                    CheckMemory(base, source))
         unreadable = UnreadableLimit(excluded=listed - len(manifest), limit=data.max_unreadable_fraction)
         split = split_dataset(manifest, data.val_fraction, data.seed)
         require_a_batch_per_rank(split, world_size)

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+
 from prefect_ddp.flows.transfer_learning import transfer_learning
 from prefect_ddp.tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
 from prefect_ddp.tasks.location import Location
@@ -36,7 +39,7 @@ def nights(dask_cluster, tmp_path_factory) -> tuple[Path, list[dict]]:
                                     lr=lr),
             cluster=ClusterConfig(address=dask_cluster.scheduler_address, init_timeout_s=60),
             output=OutputConfig(url=str(output), model_name=NAME), return_state=True)
-        return state.result()
+        return state.result() | {"flow_run_id": state.state_details.flow_run_id}
 
     return output, [
         night(seed=1, lr=1e-7, epochs=1),  # barely trained: about chance
@@ -82,3 +85,19 @@ def test_a_warm_start_across_another_seed_is_compared_without_the_champions_trai
     # Its card records the split it was selected on.
     card = json.loads(Path(inflated["files"]["model.json"]).read_text())
     assert (card["split"]["seed"], card["split"]["val_fraction"], card["split"]["val_images"]) == (2, 0.3, len(own_val))
+
+
+def test_later_nights_decode_check_no_image_again(nights):
+    """decode-check's memory (tasks/data/check_memory.py): the images have not changed since the first night."""
+    _, summaries = nights
+    with get_client(sync_client=True) as api:
+        checks = [[run for run in api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
+            any_=[summary["flow_run_id"]]))) if run.name.startswith("decode-check")] for summary in summaries]
+        reports = [next(a.data for a in api.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[summary["flow_run_id"]]))) if a.key == "dataset-validation")
+            for summary in summaries]
+    assert len(checks[0]) > 0 and checks[1] == checks[2] == []
+    images = summaries[0]["train_size"] + summaries[0]["val_size"]
+    assert "0 of them unchanged since a run before" in reports[0]
+    assert all(f"Checked {images} of {images} images" in report for report in reports)
+    assert all(f"{images} of them unchanged since a run before" in report for report in reports[1:])

@@ -112,7 +112,9 @@ def test_listing_through_obstore_gives_exactly_what_s3fs_finds(image_location, s
     s3_fs.pipe(keys)
     fs, _ = filesystem(f"s3://{root}", image_location.storage_options())
 
-    listed = list_with_obstore(fs, root, concurrency=2)
+    versions, s3fs_versions = {}, {}
+    listed = list_with_obstore(fs, root, concurrency=2, versions=versions)
     assert listed is not None  # obstore served this store
-    assert listed == relative_sizes(root, s3_fs.find(root, detail=True))
+    assert listed == relative_sizes(root, s3_fs.find(root, detail=True), s3fs_versions)
+    assert versions == s3fs_versions and all(versions.values())  # ETags, the same whichever client listed
     assert listed.keys() == {key.removeprefix(root + "/") if key != f"{root}/" else "" for key in keys}

@@ -31,8 +31,9 @@ MIN_CLASSES = 2
 LISTING_CONCURRENCY = 10
 
 
-def build_manifest(root: str, listing: dict[str, int]) -> Manifest:
-    """Turn `{path relative to root: size}` into a manifest; raise when nothing is usable."""
+def build_manifest(root: str, listing: dict[str, int], versions: dict[str, str] | None = None) -> Manifest:
+    """Turn `{path relative to root: size}` (and each path's version, where known) into a
+    manifest; raise when nothing is usable."""
     entries: list[tuple[str, str, int]] = []
     non_image = outside = 0
     for key, size in sorted(listing.items()):
@@ -62,13 +63,15 @@ def build_manifest(root: str, listing: dict[str, int]) -> Manifest:
         paths=[key for _, key, _ in entries],
         sizes=[size for _, _, size in entries],
         labels=[class_to_idx[cls] for cls, _, _ in entries],
+        versions=[versions.get(key, "") for _, key, _ in entries] if versions else [],
         skipped_non_image=non_image,
         skipped_outside_class=outside,
     )
 
 
-def list_folder(location: Location) -> dict[str, int]:
-    """`{path relative to root: size in bytes}` for every object below the location.
+def list_folder(location: Location, versions: dict[str, str] | None = None) -> dict[str, int]:
+    """`{path relative to root: size in bytes}` for every object below the location; each one's
+    version (ETag, else modification time) into `versions` when given.
 
     On S3 each class folder is listed concurrently: one recursive listing is a chain of
     1,000-key pages, each waiting for the one before, so 100k images are 100 round trips
@@ -79,11 +82,11 @@ def list_folder(location: Location) -> dict[str, int]:
     """
     fs, root = filesystem(location.url, location.storage_options())
     if not is_s3(location.url):
-        return relative_sizes(root, fs.find(root, detail=True))
-    listed = list_with_obstore(fs, root, LISTING_CONCURRENCY)
+        return relative_sizes(root, fs.find(root, detail=True), versions)
+    listed = list_with_obstore(fs, root, LISTING_CONCURRENCY, versions)
     if listed is not None:
         return listed
-    return relative_sizes(root, sync(fs.loop, find_per_folder, fs, root))
+    return relative_sizes(root, sync(fs.loop, find_per_folder, fs, root), versions)
 
 
 async def find_per_folder(
@@ -129,7 +132,8 @@ def _listing_cache_key(context: TaskRunContext, parameters: dict) -> str:
 )
 def index_images(location: Location) -> Manifest:
     """List the image folder once and leave an index summary artifact."""
-    manifest = build_manifest(location.url, list_folder(location))
+    versions: dict[str, str] = {}
+    manifest = build_manifest(location.url, list_folder(location, versions), versions)
     counts = manifest.class_counts()
     create_markdown_artifact(
         key="image-index",

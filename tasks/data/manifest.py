@@ -25,6 +25,10 @@ class Manifest(BaseModel):
     paths: list[str] = Field(default_factory=list)
     sizes: list[int] = Field(default_factory=list)
     labels: list[int] = Field(default_factory=list)
+    # Each image's ETag (or modification time) from the listing, "" where unknown; empty when the
+    # listing gave none. The flow's decode-check remembers verdicts by it (`versionless` before
+    # the manifest travels to the ranks, which need none of it).
+    versions: list[str] = Field(default_factory=list)
     skipped_non_image: int = 0
     skipped_outside_class: int = 0
 
@@ -49,8 +53,13 @@ class Manifest(BaseModel):
                 "paths": [self.paths[i] for i in keep],
                 "sizes": [self.sizes[i] for i in keep],
                 "labels": [self.labels[i] for i in keep],
+                "versions": [self.versions[i] for i in keep] if self.versions else [],
             }
         )
+
+    def versionless(self) -> Manifest:
+        """The manifest without its versions: what the ranks, shards and splits need, smaller to ship."""
+        return self.model_copy(update={"versions": []})
 
 
 def digest(keys: list[str]) -> str:

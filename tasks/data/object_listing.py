@@ -35,47 +35,61 @@ class AskS3fs(Exception):
     """This listing (or folder) is one obstore cannot give exactly as s3fs does."""
 
 
-def list_with_obstore(fs: AbstractFileSystem, root: str, concurrency: int) -> dict[str, int] | None:
+def list_with_obstore(fs: AbstractFileSystem, root: str, concurrency: int,
+                      versions: dict[str, str] | None = None) -> dict[str, int] | None:
     """`{path relative to root: size}` for every object below `root` (bucket/prefix, as s3fs
     names it), each first-level folder listed in its own thread; None where obstore cannot
-    serve `fs` at all. Folders obstore cannot list exactly are listed by s3fs."""
+    serve `fs` at all. Folders obstore cannot list exactly are listed by s3fs. `versions`, when
+    given, receives each object's version (`object_version`) under the same path."""
     bucket, _, prefix = root.partition("/")
     store = obstore_store(fs, bucket)
     if store is None:
         return None
     try:
         top = obstore.list_with_delimiter(store, prefix or None)
-        sizes = exact_sizes(prefix, top["objects"])
+        sizes = exact_sizes(prefix, top["objects"], versions=versions)
     except (AskS3fs, ObstoreError) as exc:
         logger.info("Listing s3://%s with s3fs: %s", root, exc)
         return None
     folders = [folder for folder in top["common_prefixes"] if folder != prefix]
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="listing") as threads:
-        for listed in threads.map(lambda folder: folder_sizes(fs, store, bucket, prefix, folder), folders):
+        for listed in threads.map(lambda folder: folder_sizes(fs, store, bucket, prefix, folder, versions), folders):
             sizes.update(listed)
     return sizes
 
 
-def folder_sizes(fs: AbstractFileSystem, store: Any, bucket: str, root_prefix: str, folder: str) -> dict[str, int]:
+def folder_sizes(fs: AbstractFileSystem, store: Any, bucket: str, root_prefix: str, folder: str,
+                 versions: dict[str, str] | None = None) -> dict[str, int]:
     """One first-level folder's objects, relative to the root; by s3fs where obstore cannot."""
     try:
-        return exact_sizes(root_prefix, obstore.list(store, folder).collect(), folder)
+        return exact_sizes(root_prefix, obstore.list(store, folder).collect(), folder, versions)
     except (AskS3fs, ObstoreError) as exc:
         logger.info("Listing s3://%s/%s with s3fs: %s", bucket, folder, exc)
-        return relative_sizes(f"{bucket}/{root_prefix}".rstrip("/"), fs.find(f"{bucket}/{folder}", detail=True))
+        return relative_sizes(f"{bucket}/{root_prefix}".rstrip("/"), fs.find(f"{bucket}/{folder}", detail=True),
+                              versions)
 
 
-def relative_sizes(root: str, found: dict[str, dict[str, Any]]) -> dict[str, int]:
-    """Files of a `find(root, detail=True)` answer as `{path relative to root: size}`."""
+def object_version(info: dict[str, Any]) -> str:
+    """What changes when an object is rewritten: its ETag on S3 (s3fs's `ETag`, obstore's `e_tag`),
+    else its modification time (a local file's `mtime`, obstore's `last_modified`); "" unknown."""
+    version = info.get("ETag") or info.get("e_tag") or info.get("mtime") or info.get("last_modified")
+    return str(version) if version else ""
+
+
+def relative_sizes(root: str, found: dict[str, dict[str, Any]],
+                   versions: dict[str, str] | None = None) -> dict[str, int]:
+    """Files of a `find(root, detail=True)` answer as `{path relative to root: size}`; their versions
+    (`object_version`) into `versions` when given."""
     prefix = root + "/"
-    return {
-        path[len(prefix):]: int(info.get("size") or 0)
-        for path, info in found.items()
-        if path.startswith(prefix) and info.get("type") != "directory"
-    }
+    files = {path[len(prefix):]: info for path, info in found.items()
+             if path.startswith(prefix) and info.get("type") != "directory"}
+    if versions is not None:
+        versions.update({path: object_version(info) for path, info in files.items()})
+    return {path: int(info.get("size") or 0) for path, info in files.items()}
 
 
-def exact_sizes(root_prefix: str, objects: list[dict[str, Any]], folder: str | None = None) -> dict[str, int]:
+def exact_sizes(root_prefix: str, objects: list[dict[str, Any]], folder: str | None = None,
+                versions: dict[str, str] | None = None) -> dict[str, int]:
     """Objects of the root's first level (`folder` None) or of one folder, as
     `{path relative to root: size}`, markers named as s3fs names them; AskS3fs where a
     zero-byte key inside a folder could be a file or another folder's marker."""
@@ -84,11 +98,14 @@ def exact_sizes(root_prefix: str, objects: list[dict[str, Any]], folder: str | N
     for meta in objects:
         path, size = meta["path"], int(meta["size"])
         if folder is None and root_prefix and path == root_prefix:
-            sizes[""] = size  # the root's own marker (`root/`): s3fs lists it, relative to itself
+            key = ""  # the root's own marker (`root/`): s3fs lists it, relative to itself
         elif path == folder:
-            sizes[path[start:] + "/"] = size  # the folder's own marker, its slash put back
+            key = path[start:] + "/"  # the folder's own marker, its slash put back
         elif folder is not None and size == 0:
             raise AskS3fs(f"{path!r} is empty: a file, or a folder marker obstore shows without its slash")
         else:
-            sizes[path[start:]] = size
+            key = path[start:]
+        sizes[key] = size
+        if versions is not None:
+            versions[key] = object_version(meta)
     return sizes

@@ -21,9 +21,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.futures import wait
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
-from pydantic import BaseModel
 
 from prefect_ddp.tasks.config import DataConfig
+from prefect_ddp.tasks.data.check_memory import CheckMemory, DecodeResult
 from prefect_ddp.tasks.data.dataset import SHOWN_KEYS, FetchTimeout, decode_upright
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
@@ -39,15 +39,6 @@ FETCH_CONCURRENCY = 32
 FETCH_ATTEMPTS = 4
 DEFAULT_MAX_UNREADABLE = DataConfig.model_fields["max_unreadable_fraction"].default
 LOST_CHUNK = "Its Dask workers died while running it and Dask stopped rerunning it (KilledWorker)."
-
-
-class DecodeResult(BaseModel):
-    """What one image decoded to: its size, or why it could not be read."""
-
-    position: int
-    width: int = 0
-    height: int = 0
-    error: str | None = None
 
 
 @task(name="validate-source", retries=1, retry_delay_seconds=[5], retry_condition_fn=retry_transient)
@@ -200,13 +191,18 @@ def validate_dataset(
     manifest: Manifest,
     per_class: int | None = None,
     max_unreadable_fraction: float = DEFAULT_MAX_UNREADABLE,
+    memory: CheckMemory | None = None,
 ) -> Manifest:
-    """Decode-check images across the cluster; return the manifest without the bad ones.
+    """Decode-check images across the cluster; return the manifest without the bad ones (and without
+    the listing's versions, which only this check uses).
 
-    Raises ValueError, before any rank starts, when no image can be read or more than
-    `max_unreadable_fraction` of those checked cannot.
+    Images whose verdicts `memory` keeps (same key, size and version) are not checked again
+    (prefect_ddp.tasks.data.check_memory). Raises ValueError, before any rank starts, when no
+    image can be read or more than `max_unreadable_fraction` of those checked cannot.
     """
-    chunks = chunked(sample_positions(manifest, per_class), CHUNK_SIZE)
+    remembered, unknown = memory.recall(manifest, sample_positions(manifest, per_class)) if memory else (
+        [], sample_positions(manifest, per_class))
+    chunks = chunked(unknown, CHUNK_SIZE)
     futures = [
         runner.submit(
             decode_chunk,
@@ -218,11 +214,14 @@ def validate_dataset(
         )
         for chunk in chunks
     ]
-    results = gather_chunks(futures, chunks, manifest)
+    checked = gather_chunks(futures, chunks, manifest)
+    if memory:
+        memory.remember(manifest, checked)
+    results = remembered + checked
     bad = [r for r in results if r.error]
     good = [r for r in results if not r.error]
-    clean = manifest.without({r.position for r in bad})
-    _report(manifest, clean, good, bad)
+    clean = manifest.without({r.position for r in bad}).versionless()
+    _report(manifest, clean, good, bad, len(remembered))
     check_unreadable(manifest, len(results), bad, max_unreadable_fraction)
     if bad:
         get_run_logger().warning(
@@ -316,7 +315,8 @@ def unreadable_verdict(root: str, checked: int, bad: dict[str, str], limit: floa
     )
 
 
-def _report(manifest: Manifest, clean: Manifest, good: list[DecodeResult], bad: list[DecodeResult]) -> None:
+def _report(manifest: Manifest, clean: Manifest, good: list[DecodeResult], bad: list[DecodeResult],
+            remembered: int) -> None:
     widths = [r.width for r in good] or [0]
     heights = [r.height for r in good] or [0]
     counts = clean.class_counts()
@@ -327,7 +327,8 @@ def _report(manifest: Manifest, clean: Manifest, good: list[DecodeResult], bad: 
         markdown=(
             f"# Dataset validation: `{manifest.root}`\n\n"
             f"Checked {len(good) + len(bad)} of {len(manifest)} images: {len(good)} decoded, "
-            f"**{len(bad)} excluded**.\n\n"
+            f"**{len(bad)} excluded**. {remembered} of them unchanged since a run before, whose verdicts "
+            "were kept (decode-checks/ below the output).\n\n"
             f"Image sizes (w x h): min {min(widths)} x {min(heights)}, median "
             f"{statistics.median(widths):.0f} x {statistics.median(heights):.0f}, "
             f"max {max(widths)} x {max(heights)}.\n\n"
