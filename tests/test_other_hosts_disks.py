@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from prefect_ddp.tasks.data.check_memory import CHECKS_FOLDER
 from prefect_ddp.flows.batch_predict import batch_predict
 from prefect_ddp.flows.sweep import hyperparameter_sweep
 from prefect_ddp.tasks.config import (
@@ -65,7 +66,8 @@ def test_a_local_output_the_workers_cannot_see_is_refused_before_training(remote
     assert_failed_cleanly(state, GangRefused, rf"output {output}.*does not see the flow's files there.*"
                           r"Fix: give an s3:// output .*output.shared=true")
     assert rank_task_runs(state.state_details.flow_run_id, expected=0) == []  # no rank trained
-    (run_folder,) = output.iterdir()
+    # Beside the run folder, only the flow's own decode-check memory (tasks/data/check_memory.py).
+    (run_folder,) = (entry for entry in output.iterdir() if entry.name != CHECKS_FOLDER)
     assert sorted(p.name for p in run_folder.iterdir()) == ["run.json"]  # nothing but the claim
 
 

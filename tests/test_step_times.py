@@ -23,7 +23,7 @@ from prefect_ddp.tasks.data.indexing import build_manifest
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.gang import RankContext, free_port, process_group
 from prefect_ddp.tasks.data.dataset import train_transform
-from prefect_ddp.tasks.training.decode_cost import probe_decode
+from prefect_ddp.tasks.training.decode_cost import DecodeProbe, probe_decode
 from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
 from prefect_ddp.tasks.training.step_times import PARTS, StepClock, epoch_timing, input_advice
 from tests.support.faulty_s3 import FaultyS3
@@ -147,12 +147,19 @@ def test_camera_originals_make_the_verdict_decode_bound_with_the_cores_each_way(
     assert originals.resized_s * 3 < originals.original_s
     fast_model = originals.original_s / 2 * 100  # seconds of compute per 100 images: half the decode's
     starved = [row(data=8.0, forward=fast_model, backward=0.0, optimizer=0.0, images=100.0)] * 2
-    text = epoch_timing(starved, "more loader workers", originals)["verdict"]
+    text = epoch_timing(starved, "more loader workers", lambda: originals)["verdict"]
     assert text.startswith("decode-bound: ") and "the originals average 4.3 MP" in text
     assert "a rank needs about 2 cores decoding originals, 1 core reading" in text
     assert "training.images_per_shard" in text
     slow_model = [row(data=8.0, forward=originals.original_s * 200, images=100.0)] * 2
-    assert epoch_timing(slow_model, "more loader workers", originals)["verdict"].startswith("input-bound")  # a core keeps up
+    assert epoch_timing(slow_model, "more loader workers", lambda: originals)["verdict"].startswith("input-bound")
     small = probe_decode([photo_jpeg(120, 90)] * 2, 64, transform)  # nothing to gain from storing them resized
-    assert epoch_timing(starved, "more loader workers", small)["verdict"].startswith("input-bound")
+    assert epoch_timing(starved, "more loader workers", lambda: small)["verdict"].startswith("input-bound")
+    asked = []
+    fast = [row(data=0.1)] * 2  # compute-bound: the probe is never taken
+    epoch_timing(fast, "", lambda: asked.append(1))
+    assert asked == []
+    fetched = []
+    probe = DecodeProbe(lambda: fetched.append(1) or [photo_jpeg(120, 90)], 64, transform)
+    assert probe() == probe() and fetched == [1]  # taken once, then kept
     assert probe_decode([b"not an image"], 64, transform) is None

@@ -1,11 +1,13 @@
 """What decoding costs this run, per image and per core: for a verdict that can say "decode-bound".
 
 An input-bound verdict's usual advice (more loader workers, shards, the byte cache) cannot
-close the gap that decoding camera originals opens: a 12-MP JPEG takes ~60-200 ms of a core
+close the gap that decoding camera originals opens: a 12-MP JPEG takes ~40-200 ms of a core
 to decode and augment even at reduced size, a copy stored at 1.5x the crop ~2 ms
-(docs/architecture.md, "Data: pre-resized shards"). So rank 0 times, once at its start, the
-training transform on a few of its own images as the run reads them, and on the same images
-as pre-resized shards would store them (`prefect_ddp.tasks.data.shard_writer.stored_resized`).
+(docs/architecture.md, "Data: pre-resized shards"). So rank 0 times, once, after the first
+epoch whose steps wait on data (`DecodeProbe`: a compute-bound run never pays for it, and a
+storage fault at the start is the loaders' to report), the training transform on a few of
+its own images as the run reads them, and on the same images as pre-resized shards would
+store them (`prefect_ddp.tasks.data.shard_writer.stored_resized`).
 With the step times' compute per image, that says how many cores a rank needs to keep its
 device busy either way (`decode_verdict`).
 """
@@ -43,6 +45,23 @@ class DecodeCost:
         compute per image, and pre-resized copies would cost a third of it or less."""
         return (compute_s_per_image > 0 and self.original_s >= compute_s_per_image
                 and self.original_s >= DECODE_BOUND * max(self.resized_s, 1e-6))
+
+
+class DecodeProbe:
+    """`probe_decode` of the images `fetch` gives, taken the first time it is called, then kept."""
+
+    def __init__(self, fetch: Callable[[], list[bytes]], image_size: int, transform: Callable) -> None:
+        self.fetch = fetch
+        self.image_size = image_size
+        self.transform = transform
+        self._cost: DecodeCost | None = None
+        self._taken = False
+
+    def __call__(self) -> DecodeCost | None:
+        if not self._taken:
+            self._taken = True
+            self._cost = probe_decode(self.fetch(), self.image_size, self.transform)
+        return self._cost
 
 
 def probe_decode(images: list[bytes], image_size: int, transform: Callable) -> DecodeCost | None:

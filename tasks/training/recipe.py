@@ -45,7 +45,7 @@ from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
 from prefect_ddp.tasks.data.shard_writer import shard_format
-from prefect_ddp.tasks.training.decode_cost import PROBE_IMAGES, DecodeCost, probe_decode
+from prefect_ddp.tasks.training.decode_cost import PROBE_IMAGES, DecodeProbe
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.data.storage import save_torch, write_json
 from prefect_ddp.tasks.gang import RankContext, all_reduce_sum, sync_buffers, wrap_ddp
@@ -390,7 +390,7 @@ class RankSetup:
     amp_dtype: torch.dtype | None
     clock: StepClock
     input_advice: str  # what would feed this run's ranks faster, for an input-bound verdict
-    decode_cost: DecodeCost | None  # rank 0's: what decoding the run's images costs, for the verdict
+    decode_cost: DecodeProbe | None  # rank 0's: what decoding the run's images costs, for the verdict
     batch_size: int
     warmup: Warmup
     frozen: list[nn.Module]  # BatchNorm layers kept in eval mode
@@ -434,20 +434,24 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
                      job.training.batch_size, warmup, frozen, recipe)
 
 
-def decode_probe(ctx: RankContext, job: TrainJob, log: Any) -> DecodeCost | None:
-    """Rank 0's measure of what decoding this run's training images costs (prefect_ddp.tasks.training.decode_cost);
-    None on other ranks and where the run does not decode originals on its CPUs (shards stored
-    resized, or decoding on the device)."""
+def decode_probe(ctx: RankContext, job: TrainJob, log: Any) -> DecodeProbe | None:
+    """Rank 0's measure of what decoding this run's training images costs, taken when an epoch is
+    input-bound (prefect_ddp.tasks.training.decode_cost); None on other ranks and where the run does
+    not decode originals on its CPUs (shards stored resized, or decoding on the device)."""
     cfg = job.training
     if not ctx.is_main or cfg.decode_on == "device" or (cfg.images_per_shard and shard_format(cfg).side):
         return None
     positions = job.split.train[:PROBE_IMAGES]
-    try:
-        images = ManifestImages(job.source, job.manifest, cfg).dataset(positions, None).fetch(range(len(positions)))
-    except OSError as exc:  # the loaders meet the storage's trouble and say so; the verdict goes without
-        log.debug("Could not fetch images to time their decoding: %s", exc)
-        return None
-    return probe_decode([data for data in images if data], cfg.image_size, train_transform(cfg.image_size))
+
+    def fetch() -> list[bytes]:
+        try:
+            images = ManifestImages(job.source, job.manifest, cfg).dataset(positions, None).fetch(range(len(positions)))
+        except OSError as exc:  # the loaders meet the storage's trouble and say so; the verdict goes without
+            log.debug("Could not fetch images to time their decoding: %s", exc)
+            return []
+        return [data for data in images if data]
+
+    return DecodeProbe(fetch, cfg.image_size, train_transform(cfg.image_size))
 
 
 def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress: ProgressReporter,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,12 +166,13 @@ def input_advice(cfg: TrainingConfig, from_object_store: bool) -> str:
     return "; ".join(advice)
 
 
-def epoch_timing(rows: list[list[float]], advice: str, decode: DecodeCost | None = None) -> dict[str, Any]:
+def epoch_timing(rows: list[list[float]], advice: str,
+                 decode: Callable[[], DecodeCost | None] | None = None) -> dict[str, Any]:
     """The gang's time for one epoch from every rank's row: shares, rate, slowest rank, verdict.
 
     Shares are of the ranks' summed step time; images per second is the gang's images over
     its slowest rank's training pass (the others wait for it at every step). `decode`: what
-    decoding this run's images costs (rank 0's probe), for an input-bound verdict to say so.
+    decoding this run's images costs (rank 0's probe), asked only for an input-bound verdict.
 
     >>> fast = [1.0, 2.0, 4.0, 0.5, 0.4, 0.1, 1.0, 8.0, 100.0]
     >>> epoch_timing([fast, fast], "shards")["verdict"]
@@ -202,7 +204,8 @@ def epoch_timing(rows: list[list[float]], advice: str, decode: DecodeCost | None
 
 
 def verdict(shares: dict[str, float], slowest: int, slower_by: float | None, slowest_parts: dict[str, float],
-            advice: str, decode: DecodeCost | None = None, compute_s_per_image: float = 0.0) -> str:
+            advice: str, decode: Callable[[], DecodeCost | None] | None = None,
+            compute_s_per_image: float = 0.0) -> str:
     """One line: what bounds the steps, and what would help; `slower_by` None when no rank straggles."""
     if slower_by is not None:
         cause = "waiting for its data" if slowest_parts["data"] >= max(
@@ -210,8 +213,9 @@ def verdict(shares: dict[str, float], slowest: int, slower_by: float | None, slo
         return (f"rank {slowest} is {slower_by:.1f}x slower than the median of the others (most of it "
                 f"{cause}); the others wait for it in every gradient sync. Look at its host: load, "
                 "a slower CPU or GPU, its network to the images.")
-    if shares["data"] >= INPUT_BOUND and decode is not None and decode.bounds(compute_s_per_image):
-        return decode_verdict(decode, shares["data"], compute_s_per_image)
+    cost = decode() if shares["data"] >= INPUT_BOUND and decode is not None else None
+    if cost is not None and cost.bounds(compute_s_per_image):
+        return decode_verdict(cost, shares["data"], compute_s_per_image)
     if shares["data"] >= INPUT_BOUND:
         return f"input-bound: {shares['data']:.0%} of each step waits for data; {advice}."
     if shares["sync"] >= SYNC_BOUND:
