@@ -200,8 +200,8 @@ def validate_dataset(
     (prefect_ddp.tasks.data.check_memory). Raises ValueError, before any rank starts, when no
     image can be read or more than `max_unreadable_fraction` of those checked cannot.
     """
-    remembered, unknown = memory.recall(manifest, sample_positions(manifest, per_class)) if memory else (
-        [], sample_positions(manifest, per_class))
+    positions = sample_positions(manifest, per_class)
+    remembered, unknown = memory.recall(manifest, positions) if memory else ([], positions)
     chunks = chunked(unknown, CHUNK_SIZE)
     futures = [
         runner.submit(
