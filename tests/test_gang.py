@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,10 @@ from tests.support.api_helpers import all_logs, assert_no_task_run_left_running,
 from tests.support.gang_functions import gang_flow
 
 
+# The session's cluster has 2 workers on this host's cores: a rank takes half of them.
+THREADS_PER_WORKER = max(1, len(os.sched_getaffinity(0)) // 2)
+
+
 def test_one_rank_per_worker_agreeing_on_the_world(dask_cluster):
     results = gang_flow(dask_cluster.scheduler_address, "report", {"lr": 0.1})
     contexts = [r["ctx"] for r in results]
@@ -28,6 +33,7 @@ def test_one_rank_per_worker_agreeing_on_the_world(dask_cluster):
     assert {c.backend for c in contexts} == {"gloo"}
     assert [c.local_rank for c in contexts] == [0, 1] and {c.local_world_size for c in contexts} == {2}
     assert all(r["rank_sum"] == 1.0 and r["config"] == {"lr": 0.1} for r in results)
+    assert {r["threads"] for r in results} == {THREADS_PER_WORKER}
 
 
 def test_world_size_one_runs_without_a_process_group(dask_cluster):
@@ -119,6 +125,9 @@ def test_two_gangs_at_once_never_share_a_worker(dask_cluster):
         (a,), (b,) = [run.result() for run in runs]
     assert a["worker"] != b["worker"]
     assert a["started"] < b["ended"] and b["started"] < a["ended"]  # side by side, not one after the other
+    # Each single-rank gang took its worker's share of the cores, not all of them (both at
+    # once on 2 cores with 2 threads each: 5x slower per step, plan.thread_shares).
+    assert a["threads"] == b["threads"] == THREADS_PER_WORKER
 
 
 def wait_until_leased(cluster, timeout_s: float = 60) -> None:

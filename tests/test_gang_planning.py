@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from prefect_ddp.tasks.gang import GangRefused
 from prefect_ddp.tasks.gang.gpu_claims import GpuClaim, claim_gpu
-from prefect_ddp.tasks.gang.plan import by_host, cluster_workers, free_port, plan_ranks
+from prefect_ddp.tasks.gang.plan import by_host, cluster_workers, free_port, plan_ranks, thread_shares
 from prefect_ddp.tasks.gang.process_group import (
     all_reduce_sum,
     choose_gloo_interface,
@@ -37,6 +37,25 @@ def test_local_ranks_count_within_each_host():
     ranks = plan_ranks(ADDRESSES, probes, port=29511, attempt=0, output_url=None, init_timeout_s=30)
     assert [(r.rank, r.local_rank, r.local_world_size) for r in ranks] == [(0, 0, 2), (1, 1, 2), (2, 0, 1)]
     assert {(r.master_addr, r.master_port) for r in ranks} == {("10.0.0.1", 29511)}
+
+
+@pytest.mark.unit
+def test_a_rank_shares_its_cores_with_every_worker_that_may_run_on_them():
+    eight, numa_0, numa_1 = tuple(range(8)), tuple(range(4)), tuple(range(4, 8))
+    cluster = {
+        # Two workers of a 8-core host: a single-rank gang on one gets 4 threads, not 8, since
+        # the other worker may train another gang (a sweep's next trial) on the same cores.
+        "tcp://10.0.0.1:1": eight, "tcp://10.0.0.1:2": eight,
+        # Four workers of another host, pinned two by two to its NUMA nodes (dask-cuda).
+        "tcp://10.0.0.2:1": numa_0, "tcp://10.0.0.2:2": numa_0, "tcp://10.0.0.2:3": numa_1, "tcp://10.0.0.2:4": numa_1,
+        # A worker alone on a 2-core host, and one on a host with more workers than cores.
+        "tcp://10.0.0.3:1": (0, 1), **{f"tcp://10.0.0.4:{i}": (0, 1) for i in range(3)},
+    }
+    assert thread_shares(cluster, ["tcp://10.0.0.1:1"]) == {"tcp://10.0.0.1:1": 4}
+    assert thread_shares(cluster, ["tcp://10.0.0.2:1", "tcp://10.0.0.2:3"]) == {"tcp://10.0.0.2:1": 2, "tcp://10.0.0.2:3": 2}
+    assert thread_shares(cluster, ["tcp://10.0.0.3:1", "tcp://10.0.0.4:0"]) == {"tcp://10.0.0.3:1": 2, "tcp://10.0.0.4:0": 1}
+    with pytest.raises(KeyError):  # a gang worker that did not answer: the attempt forms again
+        thread_shares(cluster, ["tcp://10.0.0.9:1"])
 
 
 @pytest.mark.unit

@@ -219,7 +219,7 @@ def test_training_with_cache_gb_keeps_the_images_in_the_cache_folder(tmp_path, m
 def test_loader_workers_default_to_the_ranks_share_of_cores_less_one():
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(4)  # as limit_threads sets it: the host's cores over the ranks there
+        torch.set_num_threads(4)  # as limit_threads sets it: the host's cores over its workers
         assert loader_workers(TrainingConfig(num_workers=None)) == 3
         torch.set_num_threads(1)
         assert loader_workers(TrainingConfig(num_workers=None)) == 0

@@ -21,7 +21,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_ddp.tasks.gang.context import RankContext
 from prefect_ddp.tasks.gang.errors import GangError, GangHung
-from prefect_ddp.tasks.gang.plan import free_port, plan_ranks
+from prefect_ddp.tasks.gang.plan import cpu_set, free_port, plan_ranks, thread_shares
 from prefect_ddp.tasks.gang.progress import HangWatch
 from prefect_ddp.tasks.gang.rank import run_rank
 from prefect_ddp.tasks.gang.stopping import stop_flag
@@ -55,7 +55,7 @@ class GangSpec:
 def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], attempt: int) -> list[Any]:
     """Run the gang once on `addresses`; each rank's result, or GangError saying what went wrong."""
     client = runner.client
-    probes, port = _prepare(client, addresses, spec)
+    probes, threads, port = _prepare(client, addresses, spec)
     check_workers(probes, flow_api_url(), spec.needs_child_processes, spec.warned)
     with stop_flag(client) as flag:
         contexts = plan_ranks(addresses, probes, port, attempt, spec.output_url, spec.init_timeout_s,
@@ -69,7 +69,7 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], at
                          spec.hang_timeout_s, spec.hang_floor_s, collective_timeout_s=spec.init_timeout_s)
         try:
             for ctx in contexts:
-                futures.append(_submit(runner, spec, ctx, probes[ctx.worker_address]["cpus"]))
+                futures.append(_submit(runner, spec, ctx, threads[ctx.worker_address]))
             supervise(client, futures, contexts, spec.deadline, hang)
             return [future.result() for future in futures]
         except BaseException as error:  # cancellation and Ctrl-C too: never leave ranks behind
@@ -80,25 +80,30 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], at
                 hang.forget()
 
 
-def _prepare(client: distributed.Client, addresses: list[str], spec: GangSpec) -> tuple[dict[str, dict[str, Any]], int]:
-    """What each worker has (and whether it sees a local output), and a port free on rank 0's
-    worker for the rendezvous."""
+def _prepare(client: distributed.Client, addresses: list[str],
+             spec: GangSpec) -> tuple[dict[str, dict[str, Any]], dict[str, int], int]:
+    """What each worker has (and whether it sees a local output), each rank's torch threads,
+    and a port free on rank 0's worker for the rendezvous."""
     try:
         # The flow's configured API URL travels with each rank's task (prefect_dask ships
         # the flow's settings); the probe checks the worker reaches it.
         with output_marker(spec.output_url, spec.shared_output) as marker:
             probes = client.run(probe_worker, PREFECT_API_URL.value(), marker=marker, workers=addresses)
+        # Every worker's CPUs, not only the gang's: the threads are shared with the others'
+        # ranks (plan.thread_shares). A worker outside the gang that fails to answer is left out.
+        cpu_sets = client.run(cpu_set, on_error="ignore")
+        threads = thread_shares(cpu_sets, addresses)
         port = client.run(free_port, workers=[addresses[0]])[addresses[0]]
     except Exception as exc:  # a worker left between choosing and asking: form again
         raise GangError(f"Could not prepare workers {addresses} for a gang: {exc!r}") from exc
-    return probes, port
+    return probes, threads, port
 
 
-def _submit(runner: DaskTaskRunner, spec: GangSpec, ctx: RankContext, cpus: int) -> PrefectDaskFuture:
+def _submit(runner: DaskTaskRunner, spec: GangSpec, ctx: RankContext, threads: int) -> PrefectDaskFuture:
     # Pinned with no escape: Dask must never run a rank elsewhere, alone, into a
     # rendezvous that the other ranks have already left.
     with dask.annotate(workers=[ctx.worker_address], allow_other_workers=False):
         return runner.submit(
             run_rank.with_options(task_run_name=f"rank-{ctx.rank}"),
-            parameters={"train_fn": spec.train_fn, "config": spec.config, "ctx": ctx, "cpus": cpus},
+            parameters={"train_fn": spec.train_fn, "config": spec.config, "ctx": ctx, "threads": threads},
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 from urllib.parse import urlparse
@@ -30,6 +31,33 @@ def cluster_workers(client: distributed.Client) -> list[str]:
 
 def _worker_addresses(dask_scheduler: Any = None) -> list[str]:
     return list(dask_scheduler.workers)
+
+
+def cpu_set() -> tuple[int, ...]:
+    """The CPUs this process may run on (its affinity; all of the host's where there is none)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return tuple(range(os.cpu_count() or 1))
+
+
+def thread_shares(cpu_sets: dict[str, tuple[int, ...]], addresses: list[str]) -> dict[str, int]:
+    """Torch threads for a rank on each of `addresses`: its worker's CPUs over every worker of
+    the cluster on the same host that may run on the same CPUs.
+
+    Every worker, not only this gang's ranks: a sweep's trials and concurrent runs are other
+    gangs on the host's other workers, and two single-rank gangs that each took all of a
+    2-core host's threads trained 5x slower per step than with one thread each (and 20x in
+    a loaded test run: docs/architecture.md, "Gang: rendezvous"). Workers pinned to other CPUs
+    (dask-cuda's per-GPU affinity) do not count against each other. `cpu_sets` holds the
+    CPUs of every worker of the cluster (`cpu_set`, run on each), the gang's among them.
+    """
+    sharing: dict[tuple[str, tuple[int, ...]], int] = {}
+    for address, cpus in cpu_sets.items():
+        key = (host_of(address), cpus)
+        sharing[key] = sharing.get(key, 0) + 1
+    return {address: max(1, len(cpu_sets[address]) // sharing[(host_of(address), cpu_sets[address])])
+            for address in addresses}
 
 
 def free_port() -> int:

@@ -27,11 +27,11 @@ from prefect_ddp.tasks.gang.stopping import stop_requested
 R = TypeVar("R")
 
 
-def limit_threads(ctx: RankContext, cpus: int) -> None:
-    """Share the host's cores between the ranks on it instead of each taking all of them."""
+def limit_threads(ctx: RankContext, threads: int) -> None:
+    """Take this rank's share of its host's cores (plan.thread_shares) instead of all of them."""
     import torch
 
-    torch.set_num_threads(max(1, cpus // ctx.local_world_size))
+    torch.set_num_threads(threads)
     if ctx.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(ctx.device))
 
@@ -50,10 +50,10 @@ def leave_worker_thread_pool() -> None:
 
 
 @task(name="ddp-rank", retries=0, cache_policy=NO_CACHE, persist_result=False)
-def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankContext, cpus: int) -> R | State:
+def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankContext, threads: int) -> R | State:
     """One rank: join the process group, run the training function, always leave the group."""
     leave_worker_thread_pool()
-    limit_threads(ctx, cpus)
+    limit_threads(ctx, threads)
     send_progress(ctx.progress_topic, ctx.rank, "rendezvous")
     with process_group(
         backend=ctx.backend,

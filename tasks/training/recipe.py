@@ -289,7 +289,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
 def loader_workers(cfg: TrainingConfig) -> int:
     """training.num_workers, or with none given, the rank's share of its host's cores less one.
 
-    The gang sets each rank's torch threads to that share (prefect_ddp.tasks.gang.rank.limit_threads).
+    The gang sets each rank's torch threads to that share (prefect_ddp.tasks.gang.plan.thread_shares).
     """
     return cfg.num_workers if cfg.num_workers is not None else max(0, torch.get_num_threads() - 1)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import distributed
+import torch
 import torch.distributed as dist
 from prefect import flow
 from prefect.runtime import flow_run
@@ -32,6 +33,7 @@ def report_rank(ctx: RankContext, config: dict) -> dict:
         "dist_world": dist.get_world_size() if dist.is_initialized() else 1,
         "rank_sum": all_reduce_sum([float(ctx.rank)])[0],
         "config": config,
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -61,7 +63,8 @@ def hold_worker(ctx: RankContext, config: dict) -> dict:
     """Keep the gang's workers busy for a while; say where and when."""
     started = time.time()
     time.sleep(config["seconds"])
-    return {"worker": ctx.worker_address, "started": started, "ended": time.time()}
+    return {"worker": ctx.worker_address, "started": started, "ended": time.time(),
+            "threads": torch.get_num_threads()}
 
 
 def loop_until_stopped(ctx: RankContext, config: dict) -> NoReturn:
