@@ -32,6 +32,15 @@ def test_ranks_that_disagree_on_global_metrics_are_an_error():
         global_history([rank(0, history(0.5)), rank(1, history(0.6))])
 
 
+def test_ranks_whose_loss_diverged_to_nan_together_agree_and_a_difference_names_its_epoch():
+    diverged = history(0.5, 0.5) + [{**history(0.5)[0], "epoch": 3, "train_loss": float("nan"), "val_loss": float("nan")}]
+    assert global_history([rank(0, diverged), rank(1, [dict(h) for h in diverged])]) == diverged
+    with pytest.raises(ValueError, match=r"from epoch 2 on .* 2 against 2 epochs"):
+        global_history([rank(0, history(0.5, 0.6)), rank(1, history(0.5, 0.7))])
+    with pytest.raises(ValueError, match=r"from epoch 2 on \(\[\] vs .* 1 against 2 epochs"):
+        global_history([rank(0, history(0.5, 0.6)), rank(1, history(0.5))])
+
+
 def test_no_results_is_an_error():
     with pytest.raises(ValueError, match="No rank results to aggregate"):
         global_history([])

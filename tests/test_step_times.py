@@ -9,9 +9,9 @@ for a moment, which must come out input-bound with the advice for an object stor
 from __future__ import annotations
 
 import json
-import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from prefect_ddp.tasks.gang import RankContext, free_port, process_group
 from prefect_ddp.tasks.data.dataset import train_transform
 from prefect_ddp.tasks.training.decode_cost import DecodeProbe, probe_decode
 from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
+from prefect_ddp.tasks.training import step_times
 from prefect_ddp.tasks.training.step_times import PARTS, StepClock, epoch_timing, input_advice
 from tests.support.faulty_s3 import FaultyS3
 from tests.support.flow_runs import block_copy
@@ -75,20 +76,27 @@ def test_otherwise_the_step_is_compute_bound():
 
 
 @pytest.mark.unit
-def test_backward_is_split_where_the_last_gradient_arrives():
+def test_backward_is_split_where_the_last_gradient_arrives(monkeypatch):
+    # A clock that moves only when told: the split is asserted exactly, whatever the load.
+    now = [100.0]
+    monkeypatch.setattr(step_times, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def wait(seconds: float) -> None:
+        now[0] += seconds
+
     clock = StepClock(CPU)
     clock.start()
-    time.sleep(0.02)
+    wait(0.02)
     clock.mark("data")
-    time.sleep(0.03)
+    wait(0.03)
     clock.gradient_ready()
-    time.sleep(0.05)
+    wait(0.05)
     clock.after_backward()
-    time.sleep(0.01)
+    wait(0.01)
     clock.after_backward()  # no bucket this time (no DDP): all of it is backward
     parts = clock.totals()
-    assert parts["data"] == pytest.approx(0.02, abs=0.01)
-    assert parts["backward"] == pytest.approx(0.04, abs=0.01) and parts["sync"] == pytest.approx(0.05, abs=0.01)
+    assert parts["data"] == pytest.approx(0.02)
+    assert parts["backward"] == pytest.approx(0.04) and parts["sync"] == pytest.approx(0.05)
 
 
 def job(source: DataLocation, manifest, output: Path, epochs: int) -> TrainJob:

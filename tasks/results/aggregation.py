@@ -6,6 +6,7 @@ train one model together, and is an error rather than something to average away.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from prefect import task
@@ -33,18 +34,31 @@ def check_stopped(results: list[dict[str, Any]]) -> None:
 
 
 def global_history(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rank 0's per-epoch history, after checking that every rank saw the same numbers."""
+    """Rank 0's per-epoch history, after checking that every rank saw the same numbers.
+
+    A loss that diverged to NaN is the same on every rank, yet NaN != NaN: compared as is,
+    a 2-rank run whose loss went NaN in one epoch failed here with "the ranks did not train
+    together" (seen in the suite), hiding the divergence the report would have shown.
+    """
     if not results:
         raise ValueError("No rank results to aggregate: the gang returned nothing.")
-    reference = [{k: h[k] for k in GLOBAL_METRICS} for h in results[0]["history"]]
+    reference = global_metrics(results[0]["history"])
     for result in results[1:]:
-        theirs = [{k: h[k] for k in GLOBAL_METRICS} for h in result["history"]]
+        theirs = global_metrics(result["history"])
         if theirs != reference:
+            epoch = next((i for i, (a, b) in enumerate(zip(theirs, reference)) if a != b), min(len(theirs), len(reference)))
             raise ValueError(
-                f"Rank {result['rank']} reports other global metrics than rank 0 "
-                f"({theirs[-1:]} vs {reference[-1:]}): the ranks did not train together."
+                f"Rank {result['rank']} reports other global metrics than rank 0 from epoch {epoch + 1} on "
+                f"({theirs[epoch:epoch + 1]} vs {reference[epoch:epoch + 1]}; {len(theirs)} against {len(reference)} "
+                "epochs): the ranks did not train together."
             )
     return results[0]["history"]
+
+
+def global_metrics(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The all-reduced metrics of each epoch, NaN as a string so that equal histories compare equal."""
+    return [{k: "nan" if isinstance(h[k], float) and math.isnan(h[k]) else h[k] for k in GLOBAL_METRICS}
+            for h in history]
 
 
 def last_epoch_time(history: list[dict[str, Any]], checkpoint_s: list[float]) -> dict[str, Any] | None:

@@ -1,0 +1,93 @@
+"""Where the test suite's time goes: seconds per test file, written to tests/DURATIONS.md.
+
+Runs the suite as the README's test command does (pytest's own options from pyproject,
+two xdist workers on this 2-core machine) with a JUnit report, or reads a report an earlier
+run wrote, and writes one table: per file, its tests, the seconds its tests took (set-up,
+call and tear-down, summed), and its share. Under xdist the files' seconds add up to about
+twice the wall time, since two files run at once; both are written down.
+
+    .venv/bin/python -m bench.suite_times                  # run everything, then write the table
+    .venv/bin/python -m bench.suite_times -m "not slow"    # pytest's arguments after the options
+    .venv/bin/python -m bench.suite_times --junit report.xml --wall 791
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE = REPO / "tests" / "DURATIONS.md"
+
+
+def per_file(junit: Path) -> dict[str, tuple[int, float]]:
+    """(tests, seconds) per test file of a JUnit report, as pytest writes it."""
+    files: dict[str, list[float]] = defaultdict(list)
+    for case in ET.parse(junit).iter("testcase"):
+        module = case.get("classname", "").split(".")
+        name = f"{'/'.join(module[:2])}.py" if len(module) >= 2 else case.get("classname", "?")
+        files[name].append(float(case.get("time") or 0))
+    return {name: (len(times), sum(times)) for name, times in files.items()}
+
+
+def run_suite(pytest_args: list[str], junit: Path) -> tuple[float, int]:
+    """Run pytest with a JUnit report; its wall seconds and exit code."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest", f"--junitxml={junit}", *pytest_args], cwd=REPO)
+    return time.monotonic() - started, done.returncode
+
+
+def load_average() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def table(files: dict[str, tuple[int, float]], wall_s: float, command: str, load: str) -> str:
+    total = sum(seconds for _, seconds in files.values())
+    rows = sorted(files.items(), key=lambda item: -item[1][1])
+    lines = [
+        "# Where the suite's time goes",
+        "",
+        f"Written by `bench/suite_times.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: `{command}`.",
+        f"Machine: {os.cpu_count()} cores ({platform.machine()}), load average before {load}.",
+        f"Wall time {wall_s / 60:.1f} min; the files' seconds add up to {total / 60:.1f} min (two xdist workers "
+        "run two files at once, each file on one worker).",
+        "",
+        "| file | tests | seconds | share |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {name} | {count} | {seconds:.1f} | {seconds / total:.1%} |" for name, (count, seconds) in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--junit", type=Path, help="read this JUnit report instead of running the suite")
+    parser.add_argument("--wall", type=float, help="with --junit: the run's wall seconds, as pytest printed them")
+    parser.add_argument("pytest_args", nargs="*", help="passed to pytest")
+    args = parser.parse_args()
+    load = load_average()
+    if args.junit:
+        if args.wall is None:
+            parser.error("--junit needs --wall: the report does not hold the run's wall time")
+        junit, wall_s, code = args.junit, args.wall, 0
+        command = f"(a report read from {args.junit.name})"
+    else:
+        junit = Path(tempfile.mkdtemp(prefix="suite-times-")) / "junit.xml"
+        wall_s, code = run_suite(args.pytest_args, junit)
+        command = " ".join([".venv/bin/python -m pytest", *args.pytest_args])
+    TABLE.write_text(table(per_file(junit), wall_s, command, load))
+    print(f"{TABLE.relative_to(REPO)}: {wall_s / 60:.1f} min, pytest exited {code}")
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
