@@ -152,7 +152,8 @@ def front(s3_endpoint: str) -> Iterator[FaultyS3]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests skip, saying why, where torch sees no CUDA device."""
+    """The slowest files first; `gpu` tests skip, saying why, where torch sees no CUDA device."""
+    slowest_files_first(items)
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
@@ -164,6 +165,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                    "driver); it runs on a machine with one")
     for item in gpu_tests:
         item.add_marker(skip)
+
+
+def recorded_seconds() -> dict[str, float]:
+    """Each test file's seconds in the last run bench/suite_times.py recorded (tests/DURATIONS.md)."""
+    table = Path(__file__).with_name("DURATIONS.md")
+    if not table.exists():
+        return {}
+    rows = (line.split("|") for line in table.read_text().splitlines() if line.startswith("| tests/"))
+    return {cells[1].strip(): float(cells[3]) for cells in rows}
+
+
+def slowest_files_first(items: list[pytest.Item]) -> None:
+    """Order the files by their recorded seconds, longest first, each file's tests as they were.
+
+    xdist (pyproject's addopts: `--dist loadfile`) hands the files to its two processes in
+    this order: with the longest first, the last files to finish are short ones, and neither
+    process waits long for the other at the end. Files not in the record go last.
+    """
+    seconds = recorded_seconds()
+    position = {}
+    for index, item in enumerate(items):
+        position.setdefault(item.nodeid.split("::")[0], index)
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), position[item.nodeid.split("::")[0]]))
 
 
 class StartedInUnitTest(RuntimeError):

@@ -186,7 +186,7 @@ def test_a_cancelled_sweep_on_default_settings_leaves_no_rank_running_and_forms_
                                env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + RANKS_START_S
-        while len(training := [r for r in rank_runs_started_after(started) if r.state.is_running()]) < 2:
+        while len(training := [r for r in rank_runs_started_after(started) if r.state and r.state.is_running()]) < 2:
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0][-3000:]
             time.sleep(0.5)
         sent = datetime.now(timezone.utc)
