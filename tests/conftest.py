@@ -49,6 +49,12 @@ SERVICE_FIXTURES = frozenset({"prefect_api", "s3_endpoint", "s3_fs", "image_loca
 # for scheduled runs every 10 s by default: each deployment run would wait 5 s on average
 # before it starts. Their children inherit these from the environment.
 QUICK_POLLING = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+# The session's SQLite-backed server at times answers nothing for up to 60 s on this loaded
+# machine (its busy timeout; docs/architecture.md, "Facts: Prefect"). A client that gives up
+# at its default 60 s and retries a state change the server made meanwhile gets the run's
+# state back from the server, without its result: a flow that trained ended Completed and
+# `state.result()` raised MissingResult. Clients of this session wait longer instead.
+PATIENT_CLIENT = {"PREFECT_API_REQUEST_TIMEOUT": "180"}
 
 
 def truncated_jpeg() -> bytes:
@@ -66,7 +72,7 @@ def prefect_home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def prefect_api(prefect_home: Path) -> Iterator[str]:
     """`prefect server start` on a fresh SQLite file; this process and its children use it."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_API_URL, temporary_settings
 
     # The scheduler looks for deployments to schedule every 60 s by default; the test of the
     # nightly schedule should not wait that long.
@@ -74,9 +80,10 @@ def prefect_api(prefect_home: Path) -> Iterator[str]:
     with prefect_server(prefect_home, database=prefect_home / "prefect.db", settings=fast_scheduler) as api_url:
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("PREFECT_API_URL", api_url)
-            for name, value in QUICK_POLLING.items():
+            for name, value in (QUICK_POLLING | PATIENT_CLIENT).items():
                 patch.setenv(name, value)
-            with temporary_settings({PREFECT_API_URL: api_url}):
+            patient = float(PATIENT_CLIENT["PREFECT_API_REQUEST_TIMEOUT"])
+            with temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_REQUEST_TIMEOUT: patient}):
                 yield api_url
 
 
@@ -113,13 +120,20 @@ def image_location(s3_endpoint: str, s3_fs: s3fs.S3FileSystem) -> DataLocation:
     )
 
 
+CLUSTER_WORKERS = 2
+# The session's cluster, once started: each test that uses it waits for all its workers first.
+SESSION_CLUSTER: list = []
+
+
 @pytest.fixture(scope="session")
 def dask_cluster(prefect_api: str):
     """2 worker processes, set up the way the project's own clusters are."""
     from prefect_ddp.blocks.cluster import create_local_cluster
 
-    cluster = create_local_cluster(n_workers=2)
+    cluster = create_local_cluster(n_workers=CLUSTER_WORKERS)
+    SESSION_CLUSTER.append(cluster)
     yield cluster
+    SESSION_CLUSTER.clear()
     cluster.close()
 
 
@@ -254,11 +268,20 @@ UNIT_GUARD = pytest.StashKey[UnitGuard]()
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A `unit` test that asks for a service fails before any fixture starts one; the guard
-    goes up before its fixtures are set up (this runs before pytest's own setup)."""
+    """Before a test's fixtures are set up (this runs before pytest's own setup): a `unit`
+    test that asks for a service fails, and the guard goes up; a test on the session's
+    cluster waits until all its workers are up.
+
+    A test before it may have killed or restarted a worker, whose nanny brings it back
+    seconds later (more on a loaded machine): a test that started meanwhile saw one worker,
+    and a gang of world size 1 where it expected 2.
+    """
+    fixtures = getattr(item, "fixturenames", ())
     if item.get_closest_marker("unit") is None:
+        if "dask_cluster" in fixtures and SESSION_CLUSTER:
+            SESSION_CLUSTER[0].wait_for_workers(CLUSTER_WORKERS, timeout=120)
         return
-    services = sorted(SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())))
+    services = sorted(SERVICE_FIXTURES.intersection(fixtures))
     if services:
         pytest.fail(f"{item.nodeid} is marked unit but requests {', '.join(services)} (directly or through "
                     "another fixture), which start services: take the unit mark off, or the fixture out.",

@@ -202,8 +202,8 @@ def test_a_missing_bucket_fails_validate_source_at_once_naming_it(bad_folders, d
     state = run_flow(tmp_path, dask_cluster, "s3://no-such-bucket/images")
     runs = failed_with(state, FileNotFoundError, r"Bucket 'no-such-bucket' of 's3://no-such-bucket/images' was not "
                                                  r"found at http://127.0.0.1:\d+", tmp_path)
-    assert [r.run_count for r in validate_source_runs(runs)] == [1]
-    assert time.monotonic() - started < 15
+    assert [r.run_count for r in validate_source_runs(runs)] == [1]  # the decision: no retry
+    assert time.monotonic() - started < 45  # at once, with room for a loaded machine
 
 
 def test_a_prefix_uploaded_after_this_process_listed_its_parent_is_found(image_location, s3_fs):
@@ -251,5 +251,5 @@ def test_an_unreachable_endpoint_fails_within_a_bounded_time_naming_it(image_loc
     state = run_flow(tmp_path, dask_cluster, block="unreachable")
     runs = failed_with(state, ConnectionError, r"Cannot reach 's3://test-images/shapes' .*Check endpoint_url "
                                                r"\(http://127.0.0.1:1\)", tmp_path)
-    assert [r.run_count for r in validate_source_runs(runs)] == [2]
-    assert time.monotonic() - started < 45
+    assert [r.run_count for r in validate_source_runs(runs)] == [2]  # the decision: one retry
+    assert time.monotonic() - started < 90  # bounded (about 20 s quiet), with room for a loaded machine

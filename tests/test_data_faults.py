@@ -106,7 +106,7 @@ def test_a_stalled_endpoint_fails_the_batch_within_the_fetch_limit_naming_the_im
     with pytest.raises(FetchTimeout, match=r"Could not fetch 3 image\(s\) within fetch_timeout_s=2 s, e.g. "
                                            r".*circle/0000.jpg.*raise training.fetch_timeout_s"):
         dataset.__getitems__([0, 1, 2])
-    assert time.monotonic() - started < 4
+    assert time.monotonic() - started < 15  # the 2 s limit, not the 30 s stall, on a loaded machine too
 
 
 def test_a_stall_shorter_than_the_limit_only_slows_the_batch(via_front, front):
@@ -115,7 +115,7 @@ def test_a_stall_shorter_than_the_limit_only_slows_the_batch(via_front, front):
     started = time.monotonic()
     batch = dataset.__getitems__([0, 1, 2])
     assert [label for _, label in batch] == [0, 0, 1]
-    assert 1 <= time.monotonic() - started < 4
+    assert time.monotonic() - started >= 1  # it did wait out the stall (and the 4 s limit did not fail it)
     assert all(front.gets[object_key(via_front, key)] == 1 for key in KEYS)
 
 

@@ -44,7 +44,7 @@ def test_a_frozen_worker_is_found_within_the_hang_limit_and_the_gang_re_formed_w
                       r"its worker has not answered the scheduler for \d+ s \(frozen\)", first.ended)
     assert found, first.ended
     assert found[1] == first.workers[1] and 1 <= int(found[3]) <= 10  # its last report (at most one a second)
-    assert HANG_S <= int(found[2]) <= HANG_S + 6  # the hang limit and a poll, not gloo's 300 s
+    assert HANG_S <= int(found[2]) <= HANG_S + 30  # the hang limit and a poll (+ load), not gloo's 300 s
     assert second.ended == "completed" and [r["ctx"].attempt for r in results] == [1, 1]
     assert first.workers[1] not in second.workers  # re-formed without the frozen process
     with pytest.raises(ProcessLookupError):
