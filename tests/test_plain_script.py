@@ -19,16 +19,17 @@ REPO = Path(__file__).resolve().parent.parent
 TEMPORARY_SERVER = "prefect.server.api.server:create_app"
 
 
-def temporary_servers_below(process: psutil.Process) -> set[int]:
+def temporary_servers_below(process: psutil.Process) -> dict[int, int]:
+    """Each temporary Prefect server below `process` (its pid), with the pid of its parent."""
     try:
         children = process.children(recursive=True)
     except psutil.NoSuchProcess:
-        return set()
-    found = set()
+        return {}
+    found = {}
     for child in children:
         try:
             if TEMPORARY_SERVER in " ".join(child.cmdline()):
-                found.add(child.pid)
+                found[child.pid] = child.ppid()
         except psutil.NoSuchProcess:
             continue
     return found
@@ -43,17 +44,23 @@ def test_one_temporary_server_serves_the_flow_and_every_rank(tmp_path):
         [sys.executable, "-m", "tests.support.plain_script_run", str(tmp_path / "images"), str(tmp_path / "out")],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    servers: set[int] = set()
+    servers: dict[int, int] = {}
+    most_at_once = 0
     deadline = time.monotonic() + 240
     while script.poll() is None and time.monotonic() < deadline:
         # Every server any process of the run starts (a worker's would live as long as it).
-        servers |= temporary_servers_below(psutil.Process(script.pid))
+        running = temporary_servers_below(psutil.Process(script.pid))
+        servers |= running
+        most_at_once = max(most_at_once, len(running))
         time.sleep(0.3)
     out, err = script.communicate(timeout=30)
     assert script.returncode == 0, err[-3000:]
     report = json.loads(out.strip().splitlines()[-1])
     assert report["state"] == "COMPLETED"
-    assert len(servers) == 1, f"{len(servers)} temporary Prefect servers ran: {servers}"
+    # One server at a time, the flow process's own: none started by a worker. (On a loaded
+    # machine Prefect may start the flow's again on another port when the first finds its
+    # port taken, so more than one may be seen in turn.)
+    assert set(servers.values()) == {script.pid} and most_at_once == 1, f"temporary Prefect servers: {servers}"
     assert [r["name"] for r in report["rank_task_runs"]] == ["rank-0", "rank-1"]
     assert {r["flow_run_id"] for r in report["rank_task_runs"]} == {report["flow_run_id"]}
     assert {r["state"] for r in report["rank_task_runs"]} == {"COMPLETED"}
