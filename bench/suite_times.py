@@ -7,7 +7,7 @@ call and tear-down, summed), and its share. Under xdist the files' seconds add u
 twice the wall time, since two files run at once; both are written down.
 
     .venv/bin/python -m bench.suite_times                  # run everything, then write the table
-    .venv/bin/python -m bench.suite_times -m "not slow"    # pytest's arguments after the options
+    .venv/bin/python -m bench.suite_times -m "not slow"    # other arguments go to pytest
     .venv/bin/python -m bench.suite_times --junit report.xml --wall 791
 """
 
@@ -29,13 +29,25 @@ REPO = Path(__file__).resolve().parents[1]
 TABLE = REPO / "tests" / "DURATIONS.md"
 
 
+def test_file(classname: str) -> str:
+    """The file of a JUnit test case: 'tests.sub.test_x.TestY' -> 'tests/sub/test_x.py'.
+
+    The longest leading part of the dotted name that is a file of this repository; a case
+    with no such part (a collection error) is named as it came.
+    """
+    parts = classname.split(".")
+    for end in range(len(parts), 0, -1):
+        path = "/".join(parts[:end]) + ".py"
+        if (REPO / path).is_file():
+            return path
+    return classname or "(collection error)"
+
+
 def per_file(junit: Path) -> dict[str, tuple[int, float]]:
     """(tests, seconds) per test file of a JUnit report, as pytest writes it."""
     files: dict[str, list[float]] = defaultdict(list)
     for case in ET.parse(junit).iter("testcase"):
-        module = case.get("classname", "").split(".")
-        name = f"{'/'.join(module[:2])}.py" if len(module) >= 2 else case.get("classname", "?")
-        files[name].append(float(case.get("time") or 0))
+        files[test_file(case.get("classname", ""))].append(float(case.get("time") or 0))
     return {name: (len(times), sum(times)) for name, times in files.items()}
 
 
@@ -51,7 +63,7 @@ def load_average() -> str:
 
 
 def table(files: dict[str, tuple[int, float]], wall_s: float, command: str, load: str) -> str:
-    total = sum(seconds for _, seconds in files.values())
+    total = sum(seconds for _, seconds in files.values()) or 1.0  # a run stopped at collection took none
     rows = sorted(files.items(), key=lambda item: -item[1][1])
     lines = [
         "# Where the suite's time goes",
@@ -72,8 +84,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--junit", type=Path, help="read this JUnit report instead of running the suite")
     parser.add_argument("--wall", type=float, help="with --junit: the run's wall seconds, as pytest printed them")
-    parser.add_argument("pytest_args", nargs="*", help="passed to pytest")
-    args = parser.parse_args()
+    args, pytest_args = parser.parse_known_args()  # the rest goes to pytest
     load = load_average()
     if args.junit:
         if args.wall is None:
@@ -82,8 +93,8 @@ def main() -> int:
         command = f"(a report read from {args.junit.name})"
     else:
         junit = Path(tempfile.mkdtemp(prefix="suite-times-")) / "junit.xml"
-        wall_s, code = run_suite(args.pytest_args, junit)
-        command = " ".join([".venv/bin/python -m pytest", *args.pytest_args])
+        wall_s, code = run_suite(pytest_args, junit)
+        command = " ".join([".venv/bin/python -m pytest", *pytest_args])
     TABLE.write_text(table(per_file(junit), wall_s, command, load))
     print(f"{TABLE.relative_to(REPO)}: {wall_s / 60:.1f} min, pytest exited {code}")
     return code

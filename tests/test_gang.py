@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
@@ -129,6 +130,27 @@ def test_two_gangs_at_once_never_share_a_worker(dask_cluster):
     # Each single-rank gang took its worker's share of the cores, not all of them (both at
     # once on 2 cores with 2 threads each: 5x slower per step, plan.thread_shares).
     assert a["threads"] == b["threads"] == THREADS_PER_WORKER
+
+
+def test_a_frozen_worker_outside_the_gang_holds_up_its_planning_only_briefly(dask_cluster):
+    """Asking every worker for its CPUs (plan.thread_shares) must not wait on one that never
+    answers: a SIGSTOPped process accepts the connection and is silent until the scheduler
+    drops it (5 minutes by default), which held every later gang of the cluster."""
+    from distributed import Client
+
+    from prefect_ddp.tasks.gang.plan import BYSTANDER_TIMEOUT_S, bystander_cpu_sets
+
+    with Client(dask_cluster.scheduler_address) as client:
+        pids = client.run(os.getpid)
+        gang, bystander = sorted(pids)
+        assert bystander_cpu_sets(client, [gang]) == {bystander: tuple(sorted(os.sched_getaffinity(0)))}
+        os.kill(pids[bystander], signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert bystander_cpu_sets(client, [gang]) == {}  # left out, not waited for
+            assert time.monotonic() - started < BYSTANDER_TIMEOUT_S + 10
+        finally:
+            os.kill(pids[bystander], signal.SIGCONT)
 
 
 def wait_until_leased(cluster, timeout_s: float = 60) -> None:

@@ -21,7 +21,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_ddp.tasks.gang.context import RankContext
 from prefect_ddp.tasks.gang.errors import GangError, GangHung
-from prefect_ddp.tasks.gang.plan import cpu_set, free_port, plan_ranks, thread_shares
+from prefect_ddp.tasks.gang.plan import bystander_cpu_sets, free_port, plan_ranks, thread_shares
 from prefect_ddp.tasks.gang.progress import HangWatch
 from prefect_ddp.tasks.gang.rank import run_rank
 from prefect_ddp.tasks.gang.stopping import stop_flag
@@ -90,8 +90,8 @@ def _prepare(client: distributed.Client, addresses: list[str],
         with output_marker(spec.output_url, spec.shared_output) as marker:
             probes = client.run(probe_worker, PREFECT_API_URL.value(), marker=marker, workers=addresses)
         # Every worker's CPUs, not only the gang's: the threads are shared with the others'
-        # ranks (plan.thread_shares). A worker outside the gang that fails to answer is left out.
-        cpu_sets = client.run(cpu_set, on_error="ignore")
+        # ranks (plan.thread_shares).
+        cpu_sets = bystander_cpu_sets(client, addresses) | {a: probes[a]["cpu_set"] for a in addresses}
         threads = thread_shares(cpu_sets, addresses)
         port = client.run(free_port, workers=[addresses[0]])[addresses[0]]
     except Exception as exc:  # a worker left between choosing and asking: form again

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from typing import Any
 from urllib.parse import urlparse
 
@@ -50,7 +51,8 @@ def thread_shares(cpu_sets: dict[str, tuple[int, ...]], addresses: list[str]) ->
     2-core host's threads trained 5x slower per step than with one thread each (and 20x in
     a loaded test run: docs/architecture.md, "Gang: rendezvous"). Workers pinned to other CPUs
     (dask-cuda's per-GPU affinity) do not count against each other. `cpu_sets` holds the
-    CPUs of every worker of the cluster (`cpu_set`, run on each), the gang's among them.
+    CPUs of the gang's workers (their probes) and of the others that answered
+    (`bystander_cpu_sets`).
     """
     sharing: dict[tuple[str, tuple[int, ...]], int] = {}
     for address, cpus in cpu_sets.items():
@@ -58,6 +60,31 @@ def thread_shares(cpu_sets: dict[str, tuple[int, ...]], addresses: list[str]) ->
         sharing[key] = sharing.get(key, 0) + 1
     return {address: max(1, len(cpu_sets[address]) // sharing[(host_of(address), cpu_sets[address])])
             for address in addresses}
+
+
+# How long the gang waits for the other workers' CPUs (bystander_cpu_sets).
+BYSTANDER_TIMEOUT_S = 5.0
+
+
+def bystander_cpu_sets(client: distributed.Client, gang: list[str]) -> dict[str, tuple[int, ...]]:
+    """The CPUs of the cluster's workers outside `gang`, or none where they do not all answer
+    within BYSTANDER_TIMEOUT_S.
+
+    Bounded: a frozen worker (SIGSTOP, a host stuck in swap) accepts the connection and never
+    answers, and an unbounded `client.run` held every later gang of the cluster until the
+    scheduler dropped that worker, 5 minutes by default. Left out, the others' ranks are not
+    counted, and the gang's ranks take more threads than their share; a frozen worker uses no
+    CPU anyway. A worker that raises is left out too.
+    """
+    others = [address for address in cluster_workers(client) if address not in gang]
+    if not others:
+        return {}
+    answers: dict[str, tuple[int, ...]] = {}
+    asking = threading.Thread(target=lambda: answers.update(client.run(cpu_set, workers=others, on_error="ignore")),
+                              name="bystander-cpus", daemon=True)
+    asking.start()
+    asking.join(BYSTANDER_TIMEOUT_S)
+    return dict(answers)
 
 
 def free_port() -> int:

@@ -48,6 +48,7 @@ import distributed
 
 from prefect_ddp.tasks.gang.errors import GangRefused
 from prefect_ddp.tasks.gang.gpu_claims import GpuClaim, claim_gpu
+from prefect_ddp.tasks.gang.plan import cpu_set
 from prefect_ddp.tasks.reporting import (
     in_prefect_run,
     markdown_table,
@@ -159,10 +160,7 @@ def probe_worker(flow_api: str | None = None, gpus: list[str] | None = None, cla
     import dask
     from prefect.settings import PREFECT_API_URL
 
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
+    cpus = cpu_set()
     gpus = visible_gpus() if gpus is None else gpus
     holder = f"worker {dask_worker.address}" if dask_worker is not None else f"process on {socket.gethostname()}"
     # The environment first: a nanny sets its `env` after the worker process imported
@@ -171,7 +169,8 @@ def probe_worker(flow_api: str | None = None, gpus: list[str] | None = None, cla
     rank_api = (flow_api or own_api or "").rstrip("/") or None
     return {
         "host": socket.gethostname(),
-        "cpus": cpus,
+        "cpus": len(cpus),
+        "cpu_set": cpus,
         "cuda": bool(gpus),
         "gpus": gpus,
         "gpu_claim": claim_gpu(gpus, holder, claims) if gpus else None,
