@@ -35,17 +35,34 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Self
 
 from distributed import Client
+from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect_dask import DaskTaskRunner
 
 from prefect_ddp.blocks.cluster import DaskCluster
 from prefect_ddp.blocks.warm_cluster import WarmClaim, WarmClusterUnavailable, claim_warm_cluster
-from prefect_ddp.tasks.reporting import run_logger
+from prefect_ddp.tasks.reporting import flow_api_url, run_logger
 
 logger = logging.getLogger(__name__)
+
+
+def api_url_named() -> AbstractContextManager:
+    """Within it, this flow's Prefect settings name the API it records on, also a temporary server's.
+
+    prefect_dask sends the flow's settings with every task, and a worker runs the task under
+    them. Where the flow uses a temporary server, those settings name no API, and where they
+    set anything at all (any PREFECT_* variable in the flow's environment, a profile's
+    setting), the worker took them over its own PREFECT_API_URL: each worker that ran a task
+    started a temporary server of its own (3 servers for 2 workers, seen with
+    PREFECT_API_REQUEST_TIMEOUT set; tests/test_plain_script.py).
+    """
+    if PREFECT_API_URL.value():
+        return nullcontext()
+    return temporary_settings({PREFECT_API_URL: flow_api_url()})
 
 
 class ClusterLifetime:
@@ -65,6 +82,7 @@ class ClusterLifetime:
         self._began = 0.0
         self._up_after_s = 0.0
         self._closed_in_s = 0.0
+        self._api_named: AbstractContextManager = nullcontext()
 
     @classmethod
     def of(cls, spec: DaskCluster) -> ClusterLifetime:
@@ -78,6 +96,8 @@ class ClusterLifetime:
         return self._warm is not None
 
     def __enter__(self) -> Self:
+        self._api_named = api_url_named()
+        self._api_named.__enter__()
         # The thread sees this flow's Prefect settings (the API URL workers are told) only
         # through a copy of this thread's context.
         context = contextvars.copy_context()
@@ -147,6 +167,7 @@ class ClusterLifetime:
                                   "that at its end", done, self._closed_in_s, time.monotonic() - waited)
         finally:
             self._threads.shutdown(wait=True)
+            self._api_named.__exit__(None, None, None)
 
     def _closed_after_start(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                             tb: TracebackType | None) -> None:

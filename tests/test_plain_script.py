@@ -39,7 +39,10 @@ def temporary_servers_below(process: psutil.Process) -> dict[int, int]:
 def test_one_temporary_server_serves_the_flow_and_every_rank(tmp_path):
     local_image_folder(tmp_path / "images", per_class=4)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env |= {"PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    # A Prefect setting of the user's own (a profile's, or any PREFECT_* variable): with one, the
+    # settings the flow sent with its tasks named no API, and each worker started its own server.
+    env |= {"PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_API_REQUEST_TIMEOUT": "120"}
     script = subprocess.Popen(
         [sys.executable, "-m", "tests.support.plain_script_run", str(tmp_path / "images"), str(tmp_path / "out")],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -60,7 +63,9 @@ def test_one_temporary_server_serves_the_flow_and_every_rank(tmp_path):
     # One server at a time, the flow process's own: none started by a worker. (On a loaded
     # machine Prefect may start the flow's again on another port when the first finds its
     # port taken, so more than one may be seen in turn.)
-    assert set(servers.values()) == {script.pid} and most_at_once == 1, f"temporary Prefect servers: {servers}"
+    starts = [line for line in err.splitlines() if "temporary server" in line.lower()]
+    assert set(servers.values()) == {script.pid} and most_at_once == 1, (
+        f"temporary Prefect servers (pid: parent pid) {servers} below the script's {script.pid}; {starts}")
     assert [r["name"] for r in report["rank_task_runs"]] == ["rank-0", "rank-1"]
     assert {r["flow_run_id"] for r in report["rank_task_runs"]} == {report["flow_run_id"]}
     assert {r["state"] for r in report["rank_task_runs"]} == {"COMPLETED"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -15,6 +16,8 @@ from prefect_ddp.tasks.gang.errors import GangRefused
 from prefect_ddp.tasks.gang.gpu_claims import ONE_GPU_PER_WORKER, GpuClaim
 from prefect_ddp.tasks.gang.process_group import default_backend
 from prefect_ddp.tasks.gang.trial import TrialLink
+
+logger = logging.getLogger(__name__)
 
 
 def cluster_workers(client: distributed.Client) -> list[str]:
@@ -80,8 +83,14 @@ def bystander_cpu_sets(client: distributed.Client, gang: list[str]) -> dict[str,
     if not others:
         return {}
     answers: dict[str, tuple[int, ...]] = {}
-    asking = threading.Thread(target=lambda: answers.update(client.run(cpu_set, workers=others, on_error="ignore")),
-                              name="bystander-cpus", daemon=True)
+
+    def ask() -> None:
+        try:
+            answers.update(client.run(cpu_set, workers=others, on_error="ignore"))
+        except Exception:  # a worker closed while asked (the broadcast's CommClosedError): none counted
+            logger.debug("The other workers' CPUs could not be asked", exc_info=True)
+
+    asking = threading.Thread(target=ask, name="bystander-cpus", daemon=True)
     asking.start()
     asking.join(BYSTANDER_TIMEOUT_S)
     return dict(answers)
