@@ -40,6 +40,7 @@ from types import TracebackType
 from typing import Self
 
 from distributed import Client
+from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect_dask import DaskTaskRunner
 
@@ -58,9 +59,10 @@ def api_url_named() -> AbstractContextManager:
     set anything at all (any PREFECT_* variable in the flow's environment, a profile's
     setting), the worker took them over its own PREFECT_API_URL: each worker that ran a task
     started a temporary server of its own (3 servers for 2 workers, seen with
-    PREFECT_API_REQUEST_TIMEOUT set; tests/test_plain_script.py).
+    PREFECT_API_REQUEST_TIMEOUT set; tests/test_plain_script.py). Outside a flow run there is
+    no server to name, and asking for one would start it.
     """
-    if PREFECT_API_URL.value():
+    if PREFECT_API_URL.value() or FlowRunContext.get() is None:
         return nullcontext()
     return temporary_settings({PREFECT_API_URL: flow_api_url()})
 
