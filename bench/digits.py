@@ -162,11 +162,26 @@ def main() -> None:
     print("\n| backbone | seed | old best val acc | new best val acc | BatchNorm changed (old / new) |")
     print("|---|---|---|---|---|")
     for frozen in ("fine-tuned", "frozen"):
+        differences = []
         for seed in range(args.seeds):
             old_row, new_row = ([r for r in rows if (r["backbone"], r["seed"], r["recipe"]) == (frozen, seed, which)][0]
                                 for which in ("old", "new"))
+            differences.append(new_row["best_val_acc"] - old_row["best_val_acc"])
             print(f"| {frozen} | {seed} | {old_row['best_val_acc']} | {new_row['best_val_acc']} | "
                   f"{old_row['batchnorm_changed']} / {new_row['batchnorm_changed']} |")
+        print(f"| {frozen} | mean of {args.seeds} | new - old: {paired_summary(differences)} | | |")
+
+
+def paired_summary(differences: list[float]) -> str:
+    """The mean paired difference in points, with its standard error (the seeds' spread over sqrt(n)).
+
+    >>> paired_summary([0.01, 0.03])
+    '+2.00 points (standard error 1.00)'
+    """
+    n = len(differences)
+    mean = sum(differences) / n
+    spread = (sum((d - mean) ** 2 for d in differences) / (n - 1)) ** 0.5 if n > 1 else float("nan")
+    return f"{100 * mean:+.2f} points (standard error {100 * spread / n ** 0.5:.2f})"
 
 
 if __name__ == "__main__":

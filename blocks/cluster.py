@@ -187,7 +187,7 @@ def client_security(address: str) -> dict[str, Any]:
         held = _held_security.get(address)
     if held is not None:
         return {"security": held}
-    if address.startswith("tls://") and not Security().tls_client_cert:
+    if address.startswith("tls://") and not Security().get_tls_config_for_role("client")["cert"]:
         raise ValueError(
             f"cluster.address {address} is a TLS scheduler, and this process holds no certificate for it: "
             "neither a cluster it started (a sweep's, for its trials) nor Dask's configuration "

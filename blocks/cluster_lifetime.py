@@ -109,32 +109,33 @@ class ClusterLifetime:
 
     def _started(self) -> None:
         try:
-            self._enter(self._make_runner)
+            client = self._enter(self._make_runner)
             if self._warm:
-                self._warm.prepare(self._client)
+                self._warm.prepare(client)
         except Exception as exc:
             if not self._warm or self._own is None:
                 raise
-            self._fall_back(exc)
+            self._fall_back(exc, self._warm, self._own)
         self._up_after_s = time.monotonic() - self._began
 
-    def _enter(self, make_runner: Callable[[], DaskTaskRunner]) -> None:
+    def _enter(self, make_runner: Callable[[], DaskTaskRunner]) -> Client:
         self.runner = make_runner().__enter__()
         self._client = self.runner.client  # the runner starts (or connects to) its cluster on first use
+        return self._client
 
-    def _fall_back(self, exc: Exception) -> None:
-        """Let go of the warm cluster, which could not serve this run, and start the run's own."""
+    def _fall_back(self, exc: Exception, warm: WarmClaim, own: Callable[[], DaskTaskRunner]) -> None:
+        """Let go of `warm`, the warm cluster, which could not serve this run, and start the run's `own`."""
         reason = str(exc) if isinstance(exc, WarmClusterUnavailable) else f"{type(exc).__name__}: {exc}"
         run_logger().warning("Not using the warm Dask cluster after all: %s. Starting a cluster for this run.",
                              reason)
-        warm, self._warm = self._warm, None
+        self._warm = None
         try:
             if self.runner is not None:
                 self.runner.__exit__(None, None, None)
         finally:
             warm.withdraw()
         self.runner = self._client = None
-        self._enter(self._own)
+        self._enter(own)
 
     def ready(self) -> DaskTaskRunner:
         """The runner, once its cluster is up; a failed start raises here, in the flow."""

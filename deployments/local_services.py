@@ -27,7 +27,9 @@ def wait_until_up(url: str, process: subprocess.Popen, timeout_s: float, log: Pa
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args[:3]} exited with {process.returncode}; see {log}:\n{log.read_text()[-2000:]}")
+            # The program and its first arguments where it was started from a list (as `running` does).
+            command = process.args[:3] if isinstance(process.args, list) else process.args
+            raise RuntimeError(f"{command!r} exited with {process.returncode}; see {log}:\n{log.read_text()[-2000:]}")
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return

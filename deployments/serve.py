@@ -42,6 +42,7 @@ from prefect_ddp.deployments.local_services import running
 from prefect_ddp.flows.sweep import hyperparameter_sweep
 from prefect_ddp.flows.transfer_learning import transfer_learning
 from prefect_ddp.tasks.gang import free_port
+from prefect_ddp.tasks.reporting import ran_sync
 
 UI_PORT = 4200
 DEPLOYMENT = "laptop"
@@ -67,16 +68,16 @@ def main(argv: list[str] | None = None) -> None:
         # Served runs are this process's children: they use its warm cluster (blocks/warm_cluster.py).
         stack.enter_context(warm_cluster(DaskCluster(n_workers=demo["cluster"].n_workers)))
         # By module path, not file path: the flows are found wherever prefect_ddp is installed.
-        deployment = transfer_learning.to_deployment(
+        deployment = ran_sync(transfer_learning.to_deployment(
             name=DEPLOYMENT, parameters=parameters, entrypoint_type=EntrypointType.MODULE_PATH,
             description="Trains on the demo images (block demo-images) in about a minute. "
             "Press Run, or Custom run to change the form.",
-        )
-        sweep = hyperparameter_sweep.to_deployment(
+        ), "transfer_learning.to_deployment")
+        sweep = ran_sync(hyperparameter_sweep.to_deployment(
             name=f"{DEPLOYMENT}-sweep", entrypoint_type=EntrypointType.MODULE_PATH, parameters=parameters | {"space": LAPTOP_SPACE, "settings": {
                 "name": "laptop-sweep", "n_trials": 4, "concurrency": 2}},
             description="Four trials over lr and batch size on the demo images, two at a time.",
-        )
+        ), "hyperparameter_sweep.to_deployment")
         ui = api_url.removesuffix("/api")
         print(f"Serving transfer-learning/{DEPLOYMENT} and hyperparameter-sweep/{DEPLOYMENT}-sweep. "
               f"Open {ui}/deployments and press Run; Ctrl-C stops. Server and S3 logs: {logs}", flush=True)

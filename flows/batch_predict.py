@@ -104,8 +104,9 @@ def batch_predict(
     """
     source, base = images_and_output(data_url, data_block, output_url, output_block)
     tracking = tracking_settings(TrackingConfig(block=tracking_block))
-    run = {"name": flow_run.get_name() or "run", "flow_run_id": flow_run.get_id()}
-    out = base.with_url(child_url(base.url, run_folder_name(run["name"], run["flow_run_id"]))).plain()
+    run_name = flow_run.get_name() or "run"
+    run = {"name": run_name, "flow_run_id": flow_run.get_id()}
+    out = base.with_url(child_url(base.url, run_folder_name(run_name, run["flow_run_id"]))).plain()
     validate_source(source)  # a wrong URL or key is told in a second, before any cluster starts
     with cluster_lifetime(cluster) as starting:  # the cluster starts while the model is copied and the images listed
         claim_run_folder(out, run)

@@ -15,6 +15,7 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import deployment
 from prefect.states import State
+from pydantic import BaseModel
 
 from prefect_ddp.blocks.cluster import shared_in_process
 from prefect_ddp.blocks.data_location import DataLocation
@@ -82,7 +83,8 @@ def check_space(space: dict[str, Dimension]) -> None:
     """Refuse a path that names no parameter, before any trial starts."""
     for path in space:
         section, _, field = path.partition(".")
-        model = {"data": DataConfig, "model": ModelConfig, "training": TrainingConfig}.get(section)
+        sections: dict[str, type[BaseModel]] = {"data": DataConfig, "model": ModelConfig, "training": TrainingConfig}
+        model = sections.get(section)
         if model is None or field not in model.model_fields:
             allowed = [f"{name}.{f}" for name, m in (("model", ModelConfig), ("training", TrainingConfig)) for f in m.model_fields]
             raise ValueError(f"The search space names {path!r}, which is no parameter of transfer-learning; "

@@ -143,9 +143,13 @@ def warm_start(model: ModelConfig, kept: DataLocation | None, tracking: Tracking
     """Where the run starts from: a registered model (copied into the run folder, where every rank
     reads it), the model kept under the run's name, or neither."""
     if uri := model.warm_start_uri():
+        assert tracking is not None, "require_registry refuses a registered model without tracking"
         folder = fetch_registered_model(tracking, uri, out.with_url(child_url(out.url, "warm-start")))
         return warm_start_from(folder, model.backbone, classes, f"registered model `{uri}`")
-    return find_warm_start(kept, model.backbone, classes) if model.warm_start else None
+    if not model.warm_start:
+        return None
+    assert kept is not None, "kept_model_name refuses warm_start=true without a name to keep under"
+    return find_warm_start(kept, model.backbone, classes)
 
 
 def cluster_lifetime(cluster: ClusterConfig) -> ClusterLifetime:
@@ -224,14 +228,14 @@ def transfer_learning(
     require_registry(model, tracker)
     source = data_location(data)
     base = output_base(output, source)
-    run = {"name": flow_run.get_name() or "run", "flow_run_id": flow_run.get_id(),
-           "deployment": deployment.get_name()}
-    out = base.with_url(child_url(base.url, run_folder_name(run["name"], run["flow_run_id"])))
+    run_name = flow_run.get_name() or "run"
+    run = {"name": run_name, "flow_run_id": flow_run.get_id(), "deployment": deployment.get_name()}
+    out = base.with_url(child_url(base.url, run_folder_name(run_name, run["flow_run_id"])))
     kept = kept_location(base, kept_name) if kept_name else None
     validate_source(source)  # a wrong URL or key is told in a second, before any cluster starts
     config = {"data": data, "model": model, "training": training, "cluster": cluster, "output": output}
     with cluster_lifetime(cluster) as starting, tracking_run(  # the cluster starts while the flow lists
-            tracker, run["name"], flat_params({k: v.model_dump() for k, v in config.items()}),
+            tracker, run_name, flat_params({k: v.model_dump() for k, v in config.items()}),
             prefect_tags(run)) as tracked:
         claim_run_folder(out, run)
         manifest = index_images.with_options(
@@ -273,8 +277,8 @@ def transfer_learning(
             trial=current_trial(),
         )
         starting.close_in_background()  # the run's cluster closes while it reports
-        return finish_run(results, manifest, split, out, (kept_name, kept) if kept else None, run, warm, tracked,
-                          output.min_improvement, kept_at_start["version"] if kept_at_start else None)
+        return finish_run(results, manifest, split, out, (kept_name, kept) if kept_name and kept else None, run,
+                          warm, tracked, output.min_improvement, kept_at_start["version"] if kept_at_start else None)
 
 
 def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, DataLocation] | None,

@@ -310,7 +310,9 @@ def shortcut(model: type[BaseModel], field: str) -> Any:
     takes a flow parameter's help text from the flow's docstring, not from here.)
     """
     info = model.model_fields[field]
-    optional = Optional[info.annotation]
+    # Optional[...] spelled as the call it is at runtime: the field's type is a value here,
+    # which a type checker would read as a (missing) type name in the subscript form.
+    optional = Optional.__getitem__(info.annotation)
     return Annotated[(optional, *info.metadata)] if info.metadata else optional
 
 

@@ -8,9 +8,12 @@ plain text only inside `storage_options()`, on the process that opens the connec
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, SecretStr
+
+# A Location or a subclass of it (a DataLocation block): what with_url gives back.
+LocationT = TypeVar("LocationT", bound="Location")
 
 
 class Location(BaseModel):
@@ -37,7 +40,7 @@ class Location(BaseModel):
         "retries.total_max_attempts); empty keeps botocore's default. Lower it to fail faster.",
     )
 
-    def with_url(self, url: str | None) -> Location:
+    def with_url(self: LocationT, url: str | None) -> LocationT:
         """This location's connection settings pointed at another url (when one is given)."""
         return self.model_copy(update={"url": url}) if url else self
 

@@ -6,11 +6,14 @@ import contextvars
 import html
 import logging
 import threading
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from prefect import get_run_logger
 from prefect.context import get_run_context
 from prefect.exceptions import MissingContextError
+
+R = TypeVar("R")
 
 
 def in_prefect_run() -> bool:
@@ -25,6 +28,21 @@ def in_prefect_run() -> bool:
 def run_logger() -> logging.Logger | logging.LoggerAdapter:
     """Prefect's logger for the current run, or a plain one outside a run (unit tests)."""
     return get_run_logger() if in_prefect_run() else logging.getLogger("prefect_ddp")
+
+
+def ran_sync(result: R | Coroutine[Any, Any, R], call: str) -> R:
+    """The result of a Prefect call that runs sync or async by its caller's context
+    (`Block.load`, `create_progress_artifact`, `Flow.to_deployment`), called from sync code.
+
+    Such a call returns a coroutine instead when the run context around it is an async flow
+    or task; our sync code cannot await it, so that is an error here, not a coroutine that
+    fails later far from its cause.
+    """
+    if isinstance(result, Coroutine):
+        result.close()  # never awaited: close it so Python does not warn about it as well
+        raise TypeError(f"{call} returned a coroutine: it was called from sync code inside an "
+                        "async flow or task. Call it from a sync flow or task.")
+    return result
 
 
 # The per-epoch columns people read, in the live table and in the final report.

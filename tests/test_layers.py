@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 # pyproject's package-dir: folder -> installed name
-PACKAGES = {"prefect_ddp": "prefect_ddp", "tasks": "prefect_ddp.tasks", "flows": "prefect_ddp.flows",
+PACKAGES = {"src/prefect_ddp": "prefect_ddp", "tasks": "prefect_ddp.tasks", "flows": "prefect_ddp.flows",
             "blocks": "prefect_ddp.blocks", "deployments": "prefect_ddp.deployments"}
 FOUNDATION = "foundation"  # modules directly in tasks/: settings and helpers every layer may use
 GANG = "prefect_ddp.tasks.gang"
@@ -68,11 +68,17 @@ class Import:
 
 
 def imports_of(path: Path) -> list[Import]:
-    """Every project import in `path` (also those in functions), as written."""
+    """Every project import in `path` (also those in functions), as written; not those under a
+    top-level `if TYPE_CHECKING:`, which only type checkers read (src/prefect_ddp/__init__.py's)."""
     tree = ast.parse(path.read_text())
     top = {id(node) for node in tree.body}
+    type_only = {id(node) for block in tree.body
+                 if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+                 for node in ast.walk(block)}
     found = []
     for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append(Import(node.module, tuple(a.name for a in node.names), node.lineno, id(node) in top))
         elif isinstance(node, ast.Import):
@@ -185,6 +191,14 @@ def test_the_layer_check_finds_an_import_hidden_in_a_function():
     found = layer_violations({"prefect_ddp.tasks.sweeps.sweep": [
         ("prefect_ddp.tasks.sweeps.sweep_report", edge("prefect_ddp.tasks.sweeps.sweep_report", top_level=False))]})
     assert len(found) == 1 and "inside a function" in found[0]
+
+
+def test_imports_for_type_checkers_only_are_not_counted_but_one_in_a_function_is(tmp_path):
+    module = tmp_path / "module.py"
+    module.write_text("from typing import TYPE_CHECKING\n"
+                      "if TYPE_CHECKING:\n    from prefect_ddp.flows.sweep import hyperparameter_sweep\n"
+                      "def later():\n    from prefect_ddp.tasks.urls import join\n")
+    assert [(imp.module, imp.top_level) for imp in imports_of(module)] == [("prefect_ddp.tasks.urls", False)]
 
 
 def test_the_cycle_check_finds_two_modules_that_import_each_other_and_longer_loops():

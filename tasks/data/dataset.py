@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import thread as executor_threads
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard, TypeVar
 
 import numpy as np
 import torch
@@ -104,6 +104,8 @@ class EncodedImage(NamedTuple):
 
 
 Sample = tuple[torch.Tensor | EncodedImage | None, int]
+# An image as a batch holds it: a tensor decoded (in the loader or on the device) or its encoded bytes.
+ImageT = TypeVar("ImageT", bound=torch.Tensor | EncodedImage)
 
 
 def unreadable_label(position: int) -> int:
@@ -162,12 +164,24 @@ def prepare(data: bytes | None, label: int, position: int, transform: Callable |
     return transform(image), label
 
 
-def blank_image(transform: Callable) -> torch.Tensor:
-    """A black image run through `transform`: the stand-in when no image of a batch could be read."""
+def blank_image(transform: Callable | None) -> torch.Tensor:
+    """A black image run through `transform`: the stand-in when no image of a batch could be read.
+
+    Loaders pass their own transform, None where they hand over encoded images; those are
+    never unreadable in the loader (`prepare`), so a stand-in asked for there is a bug.
+    """
+    if transform is None:
+        raise ValueError("blank_image got transform=None: a loader that hands over encoded images (no "
+                         "transform) has no unreadable image to stand in for; a stand-in needs a transform.")
     return transform(Image.new("RGB", (BLANK_SIDE, BLANK_SIDE)))
 
 
-def with_stand_ins(samples: list[Sample], blank: Callable[[], torch.Tensor]) -> list[Sample]:
+def _all_readable(samples: list[tuple[ImageT | None, int]]) -> TypeGuard[list[tuple[ImageT, int]]]:
+    """Whether no image of `samples` is unreadable (None): then they are a batch as they are."""
+    return all(image is not None for image, _ in samples)
+
+
+def with_stand_ins(samples: list[tuple[ImageT | None, int]], blank: Callable[[], ImageT]) -> list[tuple[ImageT, int]]:
     """`samples` with each unreadable image (None) replaced by the batch's first readable one.
 
     A copy of a real image, not a blank, where there is one: in training mode BatchNorm
@@ -175,7 +189,7 @@ def with_stand_ins(samples: list[Sample], blank: Callable[[], torch.Tensor]) -> 
     of the same batch moves them least. With none readable, `blank()` stands in for all;
     their loss is zero, but BatchNorm's running statistics still take in that batch.
     """
-    if all(image is not None for image, _ in samples):
+    if _all_readable(samples):
         return samples
     stand_in = next((image for image, _ in samples if image is not None), None)
     if stand_in is None:
@@ -366,11 +380,18 @@ class S3ImageFolder(Dataset):
         fs, root = self._files.get()
         paths = [f"{root}/{self.keys[i]}" for i in indices]
         got = fetch_objects(fs, paths, self.fetch_threads, FETCH_ATTEMPTS, self.fetch_timeout_s)
-        failed = {path: result for path, result in got.items()
-                  if isinstance(result, Exception) and not isinstance(result, FileNotFoundError)}
+        found: dict[str, bytes | None] = {}
+        failed: dict[str, Exception] = {}
+        for path, result in got.items():
+            if isinstance(result, FileNotFoundError):
+                found[path] = None
+            elif isinstance(result, Exception):
+                failed[path] = result
+            else:
+                found[path] = result
         if failed:
             raise self._fetch_error(failed)
-        return [None if isinstance(got[path], FileNotFoundError) else got[path] for path in paths]
+        return [found[path] for path in paths]
 
     def _fetch_error(self, failed: dict[str, Exception]) -> OSError:
         timed_out = [path for path, error in failed.items() if isinstance(error, TimeoutError)]

@@ -34,7 +34,6 @@ from torchvision.transforms import v2
 
 from prefect_ddp.tasks.data.dataset import (
     EncodedImage,
-    Sample,
     blank_image,
     decoded,
     orientation,
@@ -52,9 +51,16 @@ class EncodedBatch(NamedTuple):
     positions: torch.Tensor
 
 
-def encoded_collate(batch: Sequence[tuple[EncodedImage, int]]) -> tuple[EncodedBatch, torch.Tensor]:
-    """Keep the encoded images as a list, with their dataset positions beside them."""
-    images = EncodedBatch([image.data for image, _ in batch], torch.tensor([image.position for image, _ in batch]))
+def encoded_collate(batch: Sequence[tuple[torch.Tensor | EncodedImage, int]]) -> tuple[EncodedBatch, torch.Tensor]:
+    """Keep the encoded images as a list, with their dataset positions beside them.
+
+    The batch of a dataset with no transform (`EncodedImage`s); datasets are typed for either.
+    """
+    encoded = [image for image, _ in batch if isinstance(image, EncodedImage)]
+    if len(encoded) != len(batch):
+        raise TypeError(f"encoded_collate got {len(batch) - len(encoded)} decoded image(s) in a batch of {len(batch)}; "
+                        "it collates encoded images only: give the dataset no transform (decode_on='device').")
+    images = EncodedBatch([image.data for image in encoded], torch.tensor([image.position for image in encoded]))
     return images, default_collate([label for _, label in batch])
 
 
@@ -82,7 +88,7 @@ def decode_on(device: torch.device, images: list[torch.Tensor]) -> list[torch.Te
 def jpeg_orientation(data: torch.Tensor) -> int:
     """The EXIF orientation tag of an encoded JPEG (1 when it has none or its header does not parse)."""
     try:
-        with Image.open(io.BytesIO(data.numpy())) as image:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
             return orientation(image)
     except Exception:  # a header the decoder did not mind but PIL cannot read: leave the image as decoded
         return 1
@@ -132,14 +138,22 @@ class ToDevice:
     def __call__(self, images: torch.Tensor | EncodedBatch, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's images and labels on the device; an encoded image that does not decode is
         left out there: a stand-in labelled `unreadable_label(position)` takes its place."""
-        if self.transform is None:
+        transform = self.transform
+        if transform is None:
+            if isinstance(images, EncodedBatch):
+                raise TypeError("ToDevice got a batch of encoded images but has no transform to run after "
+                                "decoding them: give it the loader's transform (decode_on='device').")
             return (images.to(self.device, non_blocking=True, memory_format=self.memory_format),
                     labels.to(self.device, non_blocking=True))
-        samples: list[Sample] = [
-            (None, unreadable_label(position)) if image is None else (self.transform(image), label)
+        if not isinstance(images, EncodedBatch):
+            raise TypeError(f"ToDevice has a transform to run after decoding, so it takes encoded batches "
+                            f"(encoded_collate's); got a {type(images).__name__}: give it no transform "
+                            "for a loader that decodes.")
+        samples: list[tuple[torch.Tensor | None, int]] = [
+            (None, unreadable_label(position)) if image is None else (transform(image), label)
             for image, label, position in zip(decode_on(self.device, images.data), labels.tolist(),
                                               images.positions.tolist())
         ]
-        samples = with_stand_ins(samples, lambda: blank_image(self.transform).to(self.device))
-        batch = torch.stack([image for image, _ in samples]).contiguous(memory_format=self.memory_format)
-        return batch, torch.tensor([label for _, label in samples], device=self.device)
+        ready = with_stand_ins(samples, lambda: blank_image(transform).to(self.device))
+        batch = torch.stack([image for image, _ in ready]).contiguous(memory_format=self.memory_format)
+        return batch, torch.tensor([label for _, label in ready], device=self.device)

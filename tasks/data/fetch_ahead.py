@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -77,7 +77,7 @@ class FetchAheadLoader(DataLoader):
         return self._given_sampler
 
     @sampler.setter
-    def sampler(self, placeholder: Any) -> None:
+    def sampler(self, placeholder: Iterable[Any]) -> None:  # typed as DataLoader's attribute
         pass  # DataLoader.__init__ sets a placeholder sampler of its own when given batches
 
 

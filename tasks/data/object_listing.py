@@ -19,14 +19,18 @@ s3fs rather than guessing:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import obstore
 from fsspec import AbstractFileSystem
 from obstore.exceptions import BaseError as ObstoreError
 
 from prefect_ddp.tasks.data.object_reads import obstore_store
+
+if TYPE_CHECKING:
+    from obstore import ObjectMeta  # a TypedDict of obstore's stubs, not importable at runtime
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ def folder_sizes(fs: AbstractFileSystem, store: Any, bucket: str, root_prefix: s
                               versions)
 
 
-def object_version(info: dict[str, Any]) -> str:
+def object_version(info: Mapping[str, Any]) -> str:
     """What changes when an object is rewritten: its ETag on S3 (s3fs's `ETag`, obstore's `e_tag`),
     else its modification time (a local file's `mtime`, obstore's `last_modified`); "" unknown."""
     version = info.get("ETag") or info.get("e_tag") or info.get("mtime") or info.get("last_modified")
@@ -88,7 +92,7 @@ def relative_sizes(root: str, found: dict[str, dict[str, Any]],
     return {path: int(info.get("size") or 0) for path, info in files.items()}
 
 
-def exact_sizes(root_prefix: str, objects: list[dict[str, Any]], folder: str | None = None,
+def exact_sizes(root_prefix: str, objects: Sequence[ObjectMeta], folder: str | None = None,
                 versions: dict[str, str] | None = None) -> dict[str, int]:
     """Objects of the root's first level (`folder` None) or of one folder, as
     `{path relative to root: size}`, markers named as s3fs names them; AskS3fs where a

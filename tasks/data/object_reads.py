@@ -130,7 +130,9 @@ def fetch_objects(
             break
     if _passed(deadline):
         for path in pending:
-            results[path] = _timed_out(timeout_s, results[path])
+            last = results[path]
+            assert isinstance(last, Exception)  # pending keeps only paths whose last try failed
+            results[path] = _timed_out(timeout_s, last)
     return results
 
 
@@ -172,7 +174,7 @@ def obstore_settings(storage_options: dict[str, Any]) -> dict[str, Any] | None:
     attempts = retries.get("total_max_attempts") or retries.get("max_attempts", DEFAULT_REQUEST_ATTEMPTS - 1) + 1
     return {
         "config": config,
-        "client_options": {"allow_http": bool(endpoint) and endpoint.startswith("http://"),
+        "client_options": {"allow_http": endpoint is not None and endpoint.startswith("http://"),
                            "read_timeout": OBSTORE_READ_TIMEOUT, "timeout": OBSTORE_REQUEST_TIMEOUT},
         "retry_config": {"max_retries": attempts - 1},
         "credential_provider": credentials,
@@ -278,7 +280,9 @@ def _store(options_json: str, bucket: str) -> S3Store:
     global _runtime_pid
     with _stores_lock:
         if (options_json, bucket) not in _stores:
-            _stores[options_json, bucket] = S3Store(bucket, **_settings(options_json))
+            settings = _settings(options_json)
+            assert settings is not None  # options_json comes from _obstore_options, which checked it
+            _stores[options_json, bucket] = S3Store(bucket, **settings)
             _runtime_pid = os.getpid()
         return _stores[options_json, bucket]
 
@@ -338,8 +342,10 @@ def _cat_in_threads(
     return {path: _outcome(future) for path, future in futures.items()}
 
 
-def _outcome(future: Future) -> bytes | Exception:
+def _outcome(future: Future[bytes]) -> bytes | Exception:
+    """The bytes or the fetch's error; `result()` raises anything that is not an Exception
+    (a KeyboardInterrupt or SystemExit in the thread) rather than returning it as an answer."""
     if not future.done():
         return TimeoutError("still fetching")
     error = future.exception()
-    return error if error is not None else future.result()
+    return error if isinstance(error, Exception) else future.result()

@@ -23,7 +23,7 @@ import math
 import multiprocessing
 import random
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from itertools import islice
@@ -308,8 +308,9 @@ class ShardLoader(DataLoader):
         return self._epoch_sampler
 
     @sampler.setter
-    def sampler(self, placeholder: _InfiniteConstantSampler) -> None:
-        # Set once, by DataLoader.__init__, with the placeholder it made.
+    def sampler(self, placeholder: Iterable[Any]) -> None:
+        # Set once, by DataLoader.__init__, with the placeholder it made (typed as DataLoader's attribute).
+        assert isinstance(self.dataset, ShardDataset)  # __init__ takes nothing else
         self._epoch_sampler = _EpochSampler(self.dataset)
 
 

@@ -339,16 +339,23 @@ class Stored(NamedTuple):
 
 def stored_resized(data: bytes | None, fmt: ShardFormat) -> Stored:
     """An image larger than `fmt.side` on its shorter side as a JPEG at that side, upright
-    (`open_rgb`); one no larger as it is; None for one that is gone or does not decode."""
+    (`open_rgb`); one no larger as it is; None for one that is gone or does not decode.
+    ValueError for a format with no side (its images are stored as they are)."""
+    side = fmt.side
+    if side is None:  # checked before the decoder's errors are caught: it is no image's fault
+        raise ValueError(f"stored_resized got a format with side=None ({fmt!r}): images stored as they are "
+                         "are not resized; give a format with a side.")
     started = time.thread_time()
+    if data is None:
+        return Stored(None, cpu_s=time.thread_time() - started)
     try:
-        with Image.open(io.BytesIO(data or b"")) as header:
-            if min(header.size) <= fmt.side:
+        with Image.open(io.BytesIO(data)) as header:
+            if min(header.size) <= side:
                 return Stored(data)
-        image = open_rgb(data, fmt.side)
+        image = open_rgb(data, side)
     except Exception:  # any decoder error means unreadable, as decode-check takes it
         return Stored(None, cpu_s=time.thread_time() - started)
-    scale = fmt.side / min(image.size)
+    scale = side / min(image.size)
     if scale < 1:  # a reduced-size decode stops at or above the side: what is left is resized here
         image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
                              Image.Resampling.LANCZOS)
@@ -397,7 +404,7 @@ def write_train_shards(runner: DaskTaskRunner, manifest: Manifest, split: Split,
             "source": source, "output": output_base, "folder": plan.folder, "chunk": chunk, "fmt": fmt,
             "fetch_threads": training.fetches_in_flight(), "fetch_timeout_s": training.fetch_timeout_s,
         }) for chunk in chunks]
-        wait(futures)
+        wait(list(futures))  # a list[PrefectFuture], the one type prefect's wait takes
         raise_if_lost(futures, chunks, lambda chunk: f"Shard {chunk.name} of {len(chunk.paths)} image(s) "
                                                      f"from {chunk.paths[0]!r}")
         return [future.result() for future in futures]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fsspec import AbstractFileSystem
 from prefect import get_run_logger, task
@@ -103,6 +103,8 @@ def _block_name(location: Location) -> str:
 # it would at any size training decodes it.
 CHECK_SIDE = 1
 
+Chunk = TypeVar("Chunk")
+
 
 def decode_check(data: bytes) -> tuple[int, int]:
     """Decode an image as training will (`open_rgb`, to 8-bit RGB); return its stored (w, h), upright."""
@@ -138,18 +140,24 @@ def decode_chunk(location: Location, keys: list[str], positions: list[int]) -> l
     # s3fs, not obstore: this Dask worker forks the ranks' DataLoader workers later, and
     # obstore started here would leave them reading with s3fs (prefect_ddp.tasks.data.object_reads.fetch_objects).
     fetched = fetch_objects(fs, paths, FETCH_CONCURRENCY, FETCH_ATTEMPTS, keep_fork_safe=True)
-    raise_fetch_failures(location, fetched)
-    return [decode_result(position, fetched[path]) for position, path in zip(positions, paths)]
+    found = raise_fetch_failures(location, fetched)
+    return [decode_result(position, found[path]) for position, path in zip(positions, paths)]
 
 
 def raise_fetch_failures(location: Location, fetched: dict[str, bytes | Exception],
-                         timeout_s: float | None = None) -> None:
+                         timeout_s: float | None = None) -> dict[str, bytes | FileNotFoundError]:
     """Raise for images that failed for another reason than being gone: they are not known to
-    be unreadable, so they are never left out; the task is retried (or fails) instead."""
-    failed = {path: result for path, result in fetched.items()
-              if isinstance(result, Exception) and not isinstance(result, FileNotFoundError)}
+    be unreadable, so they are never left out; the task is retried (or fails) instead.
+    Returns `fetched` with nothing else left: each image's bytes, or its FileNotFoundError."""
+    found: dict[str, bytes | FileNotFoundError] = {}
+    failed: dict[str, Exception] = {}
+    for path, result in fetched.items():
+        if isinstance(result, Exception) and not isinstance(result, FileNotFoundError):
+            failed[path] = result
+        else:
+            found[path] = result
     if not failed:
-        return
+        return found
     path, error = next(iter(failed.items()))
     if isinstance(error, PermissionError):
         raise PermissionError(
@@ -181,7 +189,7 @@ def sample_positions(manifest: Manifest, per_class: int | None) -> list[int]:
     return chosen
 
 
-def chunked(items: Sequence[int], size: int) -> list[list[int]]:
+def chunked(items: Sequence[Chunk], size: int) -> list[list[Chunk]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 
@@ -232,7 +240,7 @@ def validate_dataset(
 
 
 def gather_chunks(
-    futures: list[PrefectDaskFuture], chunks: list[list[int]], manifest: Manifest
+    futures: list[PrefectDaskFuture[list[DecodeResult]]], chunks: list[list[int]], manifest: Manifest
 ) -> list[DecodeResult]:
     """Every chunk's results, once all have ended.
 
@@ -240,12 +248,12 @@ def gather_chunks(
     it gives up (KilledWorker: every worker that tried died), the task run would stay
     RUNNING, as its worker never reports again: it is marked Crashed and the run stops.
     """
-    wait(futures)
+    wait(list(futures))  # a list[PrefectFuture], the one type prefect's wait takes
     raise_if_lost(futures, chunks, lambda chunk: f"Decode-check of {len(chunk)} image(s) from {manifest.paths[chunk[0]]!r}")
     return [r for future in futures for r in future.result()]
 
 
-def raise_if_lost(futures: list[PrefectDaskFuture], chunks: list[list[Any]], what: Callable[[list[Any]], str]) -> None:
+def raise_if_lost(futures: Sequence[PrefectDaskFuture[Any]], chunks: Sequence[Chunk], what: Callable[[Chunk], str]) -> None:
     """Fail, naming the first, when Dask gave up on chunks whose workers died (KilledWorker).
 
     Their task runs would stay RUNNING, as their worker never reports again: they are

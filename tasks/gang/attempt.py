@@ -65,7 +65,9 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], at
             attempt + 1, len(contexts), addresses, contexts[0].backend, contexts[0].master_addr, port,
         )
         futures: list[PrefectDaskFuture] = []
-        hang = HangWatch(client, contexts[0].progress_topic, {c.rank: c.worker_address for c in contexts},
+        topic = contexts[0].progress_topic
+        assert topic is not None  # every context got stop_flag=flag.name, and with it a topic
+        hang = HangWatch(client, topic, {c.rank: c.worker_address for c in contexts},
                          spec.hang_timeout_s, spec.hang_floor_s, collective_timeout_s=spec.init_timeout_s)
         try:
             for ctx in contexts:

@@ -142,11 +142,10 @@ def gpu_devices(addresses: list[str], probes: dict[str, dict[str, Any]]) -> dict
     process for both, or separate claim folders).
     """
     claims: dict[str, GpuClaim] = {a: probes[a]["gpu_claim"] for a in addresses}
+    holders: dict[str, list[str]] = {}
     for address, claim in claims.items():
         if claim.uuid is None:
             raise GangRefused(f"Worker {address} on host {host_of(address)} has no GPU of its own: {claim.why_none}")
-    holders: dict[str, list[str]] = {}
-    for address, claim in claims.items():
         holders.setdefault(claim.uuid, []).append(address)
     shared = [f"{uuid} is held by the workers of {len(workers)} ranks ({', '.join(workers)})"
               for uuid, workers in holders.items() if len(workers) > 1]

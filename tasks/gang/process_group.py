@@ -179,6 +179,7 @@ def broadcast_bytes(data: bytes | None, device: torch.device | str = "cpu") -> b
     if length.item() < 0:
         return None
     if is_source:
+        assert data is not None  # rank 0's None went out as length -1, returned above
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from prefect.context import get_run_context
+from prefect.context import TaskRunContext, get_run_context
 from prefect.runtime import flow_run
 from prefect_dask import DaskTaskRunner
 
@@ -32,7 +32,14 @@ R = TypeVar("R")
 
 
 def current_dask_runner() -> DaskTaskRunner:
-    runner = get_run_context().task_runner
+    context = get_run_context()
+    if isinstance(context, TaskRunContext):
+        raise GangError(
+            f"run_gang needs the flow's DaskTaskRunner, but was called inside task run "
+            f"{context.task_run.name!r}, which has none. Call it from the flow function itself, or "
+            "pass run_gang(..., task_runner=...)."
+        )
+    runner = context.task_runner
     if not isinstance(runner, DaskTaskRunner):
         raise GangError(
             f"run_gang needs a DaskTaskRunner; this flow runs with {type(runner).__name__}. "

@@ -141,10 +141,12 @@ def check_champion(spec: str, store: Location, tracking: Tracking) -> dict[str, 
         if not pointer_url:  # another alias or a version, or registered before the pointer was recorded
             return None
         kept = store.with_url(posixpath.dirname(pointer_url))
-    elif kept := kept_folder(spec, store):
-        name = ((read_pointer(kept) or {}).get("registered") or {}).get("name") or posixpath.basename(kept.url)
     else:
-        return None
+        folder = kept_folder(spec, store)
+        if folder is None:
+            return None
+        kept = folder
+        name = ((read_pointer(kept) or {}).get("registered") or {}).get("name") or posixpath.basename(kept.url)
     # A reader: it moves the alias to the version the pointer names, never removes it, and
     # leaves it unchecked where the pointer is not readable here or names another server's version.
     check = align_champion(tracking, name, lambda: read_pointer(kept), remove_unregistered=False)

@@ -158,7 +158,8 @@ def score_chunk(job: ScoringJob, index: int, keys: list[str]) -> ChunkOutcome:
         return outcome_of(index, read_bytes(url, options), skipped=True)
     loaded = loaded_model(job.model)
     transform = eval_transform(loaded.image_size, loaded.resize)
-    batches, unreadable = [], {}
+    batches: list[pa.Table] = []
+    unreadable: dict[str, str] = {}
     for start in range(0, len(keys), job.batch_size):
         images, failed = fetch_images(job.source, keys[start:start + job.batch_size], transform,
                                       job.fetch_timeout_s)
@@ -190,6 +191,7 @@ def fetch_images(source: Location, keys: Sequence[str], transform: Callable,
         if isinstance(data, FileNotFoundError):
             unreadable[key] = f"FileNotFoundError: {data}"
             continue
+        assert not isinstance(data, Exception), "raise_fetch_failures raised for every other failure"
         try:
             image = open_rgb(data, needed_side(transform))
         except Exception as exc:  # any decoder error means unreadable, as decode-check takes it

@@ -49,11 +49,13 @@ def read_predictions(output: Location, chunk_count: int) -> tuple[pa.Table, dict
     fs, root = filesystem(output.url, options)
     paths = [f"{root}/{CHUNKS_FOLDER}/{chunk_name(index)}" for index in range(chunk_count)]
     fetched = fetch_objects(fs, paths, READ_CONCURRENCY, FETCH_ATTEMPTS)
-    tables, unreadable = [], {}
+    tables: list[pa.Table] = []
+    unreadable: dict[str, str] = {}
     for path in paths:
-        if isinstance(fetched[path], Exception):
-            raise fetched[path]  # every chunk was written before the summary: retried as any storage error
-        table, failed = read_chunk(fetched[path])
+        data = fetched[path]
+        if isinstance(data, Exception):
+            raise data  # every chunk was written before the summary: retried as any storage error
+        table, failed = read_chunk(data)
         tables.append(table)
         unreadable |= failed
     return (pa.concat_tables(tables) if tables else SCHEMA.empty_table()), dict(sorted(unreadable.items()))

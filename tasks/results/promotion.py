@@ -38,7 +38,7 @@ from prefect_ddp.tasks.data.storage import (
     write_bytes,
     write_json,
 )
-from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.location import Location, LocationT
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.results.comparison import SPLIT_FILE, decide_on_comparison
 from prefect_ddp.tasks.results.pointer import Document, read_json_document, update_json
@@ -67,7 +67,7 @@ class Promotion(BaseModel):
     registry_disagrees: str | None = None  # how the alias and the pointer disagree, when they still do
 
 
-def kept_location(output_base: Location, name: str) -> Location:
+def kept_location(output_base: LocationT, name: str) -> LocationT:
     """`<output>/<name>`, with the output's credentials; `name` becomes one safe segment."""
     return output_base.with_url(child_url(output_base.url, safe_segment(name)))
 
@@ -166,10 +166,15 @@ def promote(summary: dict[str, Any], run_output: Location, kept: Location,
     check = (align_champion(registry.tracking, registry.name, lambda: read_pointer(kept), remove_unregistered=True)
              if registry else None)
     if check and check.now:
-        run_logger().info("Registered model %r: alias %r names version %s.", registry.name, ALIAS, check.now)
+        run_logger().info("Registered model %r: alias %r names version %s.", check.name, ALIAS, check.now)
+    if promoted:
+        kept_url = version.url
+    else:
+        assert seen is not None, "decide() promotes where no model is kept"
+        kept_url = seen["version"]
     return Promotion(
         promoted=promoted, reason=reason, pointer_url=pointer_url,
-        kept_url=version.url if promoted else seen["version"],
+        kept_url=kept_url,
         previous_run=seen["run"].get("name") if seen else None,
         previous_metric=seen[METRIC] if seen else None,
         comparison=comparison, registered=registered, champion=check.now if check else None,

@@ -170,13 +170,21 @@ def _download(out: Location, name: str, folder: str) -> str | None:
     return path
 
 
+def _download_model_file(out: Location, name: str, folder: str) -> str:
+    """`_download` of a file the logged model cannot do without: its absence is the error."""
+    path = _download(out, name, folder)
+    if path is None:
+        raise FileNotFoundError(f"{child_url(out.url, name)} does not exist: the run wrote no model to log.")
+    return path
+
+
 def _log_model(run: TrackedRun, out: Location, folder: str) -> LoggedModel:
     """The run's model as an MLflow PyTorch model (torch.export's pt2, no pickle), with prefect-ddp's
     own model.pt and model.json beside it, which `fetch_registered_model` loads with weights_only=True."""
     import mlflow
 
-    card = read_json(_download(out, "model.json", folder), {})
-    state_path = _download(out, "model.pt", folder)
+    card = read_json(_download_model_file(out, "model.json", folder), {})
+    state_path = _download_model_file(out, "model.pt", folder)
     model = load_model(card, load_torch(state_path, {}))
     example = torch.zeros(2, 3, card["image_size"], card["image_size"]).numpy()
     with mlflow.start_run(run_id=run.run_id):

@@ -51,7 +51,9 @@ class Dimension(BaseModel):
         )
 
         if self.kind in ("grid", "choice"):
+            assert self.values is not None, "_complete requires values of grid and choice"
             return CategoricalDistribution(self.values)
+        assert self.low is not None and self.high is not None, "_complete requires low and high of the rest"
         if self.kind == "int":
             return IntDistribution(int(self.low), int(self.high))
         return FloatDistribution(self.low, self.high, log=self.kind == "log_uniform")
@@ -69,7 +71,11 @@ def grid(space: dict[str, Dimension]) -> dict[str, list[Value]]:
             f"sampler='grid' tries every combination, so every dimension must be kind='grid'; "
             f"{not_grid} are not. Give them values as a grid, or use sampler 'random' or 'tpe'."
         )
-    return {name: list(dimension.values) for name, dimension in space.items()}
+    values: dict[str, list[Value]] = {}
+    for name, dimension in space.items():
+        assert dimension.values is not None, "_complete requires values of grid"
+        values[name] = list(dimension.values)
+    return values
 
 
 def grid_size(space: dict[str, Dimension]) -> int:

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -85,6 +85,7 @@ def study_storage(settings: SweepSettings, output_url: str) -> str:
         return load_block(StudyStorage, settings.storage_block).url.get_secret_value()
     if settings.storage:
         return settings.storage
+    folder: Path | str
     if not is_local_url(output_url):
         digest = hashlib.sha256(output_url.encode()).hexdigest()[:16]
         folder = private_folder(study_root() / digest / safe_segment(settings.name),
@@ -334,7 +335,7 @@ def gang_trial(train_fn: Callable, config: dict[str, Any], link: TrialLink, sett
 def sweep(
     train_fn: Callable,
     config: dict[str, Any],
-    space: dict[str, Dimension | dict[str, Any]],
+    space: Mapping[str, Dimension | dict[str, Any]],
     settings: SweepSettings | None = None,
     *,
     task_runner: DaskTaskRunner | None = None,
@@ -371,16 +372,17 @@ def sweep(
         ...       SweepSettings(n_trials=8, metric="loss", direction="minimize"))
     """
     settings = settings or SweepSettings()
-    space = {path: Dimension.model_validate(dimension) for path, dimension in space.items()}
+    dimensions = {path: Dimension.model_validate(dimension) for path, dimension in space.items()}
     runner = task_runner or current_dask_runner()
     output = output if isinstance(output, Location) else Location(url=absolute_url(output))
-    study = open_study(settings, space, study_storage(settings, output.url), max_epochs=config.get("epochs", "auto"))
+    study = open_study(settings, dimensions, study_storage(settings, output.url),
+                       max_epochs=config.get("epochs", "auto"))
 
     def train_trial(trial: Any, link: TrialLink) -> dict[str, Any]:
         folder = child_url(output.url, safe_segment(settings.name), f"trial-{trial.number}")
         return gang_trial(train_fn, with_params(config, trial.params), link, settings, runner, folder)
 
-    trials = run_trials(study, space, settings, runner.client, train_trial)
+    trials = run_trials(study, dimensions, settings, runner.client, train_trial)
     record = publish_sweep_report(study, settings, output)
     trials.require_one_trained(settings.name, record["best"])
     return record

@@ -49,7 +49,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             "trial": trial.number,
             "params": trial.params,
             "state": state_text(trial.state.name, outcome, curve),
-            "value": trial.value if trial.value is not None else (dict(curve).get(best_epoch) if curve else None),
+            "value": trial.value if trial.value is not None else (dict(curve).get(best_epoch) if best_epoch is not None else None),
             "best_epoch": best_epoch,
             "seconds": outcome.get("seconds"),
             "run": outcome.get("run"),

@@ -64,11 +64,11 @@ def score_against_champion(ctx: RankContext, champion: Champion, output: Locatio
     ours = right_per_image(ctx, output, images, shard, device)
     theirs = right_per_image(ctx, champion.folder, images, shard, device)
     paired = [(a, b) for a, b in zip(ours, theirs) if a is not None and b is not None]
-    images, new, old, better, worse = all_reduce_sum([
+    compared, new, old, better, worse = all_reduce_sum([
         len(paired), sum(a for a, _ in paired), sum(b for _, b in paired),
         sum(a and not b for a, b in paired), sum(b and not a for a, b in paired)], device)
     return {
-        "images": int(images), "challenger_acc": new / max(images, 1), "champion_acc": old / max(images, 1),
+        "images": int(compared), "challenger_acc": new / max(compared, 1), "champion_acc": old / max(compared, 1),
         "better": int(better), "worse": int(worse), "challenger_epoch": best_epoch,
         "champion_version": champion.version, "champion_run": champion.run,
         "left_out": champion.left_out, "split_known": champion.split_known,

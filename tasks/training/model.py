@@ -78,7 +78,7 @@ def _torchvision_weights(backbone: str, weights: str | None) -> Any:
 
 
 def is_state_dict_uri(weights: str | None) -> bool:
-    return bool(weights) and ("://" in weights or weights.endswith((".pt", ".pth")))
+    return weights is not None and ("://" in weights or weights.endswith((".pt", ".pth")))
 
 
 def build_model(

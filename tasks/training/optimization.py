@@ -16,6 +16,7 @@ BatchNorm's batch statistics over the gang (CUDA ranks only: torch's SyncBatchNo
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -129,7 +130,7 @@ def frozen_batchnorm(model: nn.Module) -> list[nn.Module]:
             and not any(p.requires_grad for p in module.parameters())]
 
 
-def keep_frozen_in_eval(layers: list[nn.Module]) -> None:
+def keep_frozen_in_eval(layers: Sequence[nn.Module]) -> None:
     """After `model.train()`: frozen BatchNorm layers normalise with their pretrained running
     statistics and leave them unchanged, as the frozen weights expect."""
     for layer in layers:

@@ -10,11 +10,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
+from uuid import UUID
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from prefect_ddp.tasks.gang import RankContext
-from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, BackgroundPublisher, epoch_rows, in_prefect_run, markdown_table
+from prefect_ddp.tasks.reporting import (
+    EPOCH_COLUMNS,
+    BackgroundPublisher,
+    epoch_rows,
+    in_prefect_run,
+    markdown_table,
+    ran_sync,
+)
 from prefect_ddp.tasks.tracking import TrackedRun, log_epoch
 
 PROGRESS_INTERVAL_S = 5.0
@@ -34,20 +42,27 @@ class ProgressReporter:
         self.tracked = tracked if ctx.is_main else None
         self.publisher = BackgroundPublisher(log) if self.shows or self.tracked else None
         self.epochs = epochs
-        self.artifact_id = None  # touched only by the publisher's thread
+        self.artifact_id: UUID | None = None  # touched only by the publisher's thread
         self.last_update = -PROGRESS_INTERVAL_S
         self._set_progress(0.0)
 
     def _publish_progress(self, percent: float, description: str) -> None:
         if self.artifact_id is None:
-            self.artifact_id = create_progress_artifact(percent, key="training-progress", description=description)
+            self.artifact_id = ran_sync(
+                create_progress_artifact(percent, key="training-progress", description=description),
+                "create_progress_artifact",
+            )
         else:
             update_progress_artifact(self.artifact_id, percent, description=description)
+
+    def _submit(self, key: str, call: Callable[[], Any]) -> None:
+        assert self.publisher is not None, "shows or tracked, so __init__ made a publisher"
+        self.publisher.submit(key, call)
 
     def _set_progress(self, percent: float, detail: str = "") -> None:
         if self.shows:
             description = f"Epochs done of {self.epochs}" + (f". {detail}" if detail else "")
-            self.publisher.submit("progress", lambda: self._publish_progress(percent, description))
+            self._submit("progress", lambda: self._publish_progress(percent, description))
             self.last_update = time.monotonic()
 
     def step(self, epoch: int, done: int, total: int, describe: Callable[[], str]) -> None:
@@ -63,10 +78,10 @@ class ProgressReporter:
         self._set_progress(100.0 * len(history) / self.epochs, said)
         if self.tracked:  # keyed by epoch: every epoch is logged, none replaces another
             record, tracked = history[-1], self.tracked
-            self.publisher.submit(f"mlflow-epoch-{record['epoch']}", lambda: log_epoch(tracked, record))
+            self._submit(f"mlflow-epoch-{record['epoch']}", lambda: log_epoch(tracked, record))
         if self.shows:
             table = markdown_table(EPOCH_COLUMNS, epoch_rows(history))
-            self.publisher.submit("table", lambda: create_markdown_artifact(
+            self._submit("table", lambda: create_markdown_artifact(
                 key="training-epochs",
                 description="Per-epoch metrics, all ranks reduced",
                 markdown="# Training so far\n\n" + table + (f"\n{said}\n" if verdict else ""),

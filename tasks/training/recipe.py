@@ -22,10 +22,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, field_validator
@@ -119,6 +119,22 @@ class TrainJob(BaseModel):
         return location.plain()
 
 
+@runtime_checkable
+class KeyedImages(Protocol):
+    """A dataset whose stand-ins for unreadable images name them by position in `keys`
+    (S3ImageFolder, ShardDataset: prefect_ddp.tasks.data.dataset.unreadable_label)."""
+
+    @property
+    def keys(self) -> Sequence[str]: ...
+
+
+@runtime_checkable
+class EpochSampler(Protocol):
+    """A sampler told each epoch, to shuffle it anew: DistributedSampler, or a ShardLoader's."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
 @dataclass
 class PassSums:
     """One pass over a rank's batches: the sums the gang's metrics add up, and what it left out.
@@ -140,7 +156,9 @@ class PassSums:
         self.correct += (logits.argmax(1) == labels).sum().item()  # a stand-in's negative label matches no class
         self.count += count
         if count < len(labels):
-            self.unreadable.update(loader.dataset.keys[p] for p in unreadable_positions(labels))
+            dataset = loader.dataset
+            assert isinstance(dataset, KeyedImages), "only datasets with keys hand over stand-ins"
+            self.unreadable.update(dataset.keys[p] for p in unreadable_positions(labels))
 
     def sums(self) -> list[float]:
         return [self.loss_sum, self.correct, self.count]
@@ -162,7 +180,7 @@ def train_one_epoch(
     model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler, inputs: ToDevice, amp_dtype: torch.dtype | None,
     on_step: Callable[[int, int], None] | None = None, clock: StepClock | None = None,
-    warmup: Warmup | None = None, frozen: list[nn.Module] = (),
+    warmup: Warmup | None = None, frozen: Sequence[nn.Module] = (),
 ) -> PassSums:
     """One pass over this rank's shard; returns the rank's local sums.
 
@@ -260,7 +278,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
     on_device = cfg.decode_on == "device"
     train_tf = None if on_device else train_transform(cfg.image_size)
     val_tf = None if on_device else eval_transform(cfg.image_size)
-    collate = {"collate_fn": encoded_collate} if on_device else {}
+    collate: dict[str, Any] = {"collate_fn": encoded_collate} if on_device else {}
     val_set = dataset(job.split.val, val_tf)
     workers = loader_workers(cfg)
     loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": ctx.device.startswith("cuda")}
@@ -276,7 +294,7 @@ def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoade
                               ctx.world_size, workers, job.split.seed, cfg.fetch_timeout_s)
         return ShardLoader(shards, **loader_options), val_loader
     train_set = dataset(job.split.train, train_tf)
-    sampler = DistributedSampler(
+    sampler: DistributedSampler[int] = DistributedSampler(
         train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=job.split.seed
     )
     # A last batch of one image breaks BatchNorm in training mode; every rank's shard has
@@ -416,7 +434,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     if (reason := frozen_random_backbone(job.model, job.warm_start is not None)) and ctx.is_main:
         log.warning(reason)
     synced = job.training.sync_batchnorm and sync_batchnorm(model, device, ctx.world_size, log)
-    model = model.to(device, memory_format=train_inputs.memory_format)
+    # Module.to's documented forms take a device or a memory_format, not both in one call.
+    model = model.to(device).to(memory_format=train_inputs.memory_format)
     optimizer = build_optimizer(model, job.training, ctx.world_size)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler)
@@ -462,7 +481,9 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
     every rank's row of it travels in the same all-reduce as the metrics.
     """
     started = time.monotonic()
-    rank.train_loader.sampler.set_epoch(epoch)
+    sampler = rank.train_loader.sampler
+    assert isinstance(sampler, EpochSampler), "make_loaders' train loaders sample by epoch"
+    sampler.set_epoch(epoch)
     on_step = partial(between_steps, ctx, progress, rank.clock, rank.batch_size, started, epoch)
     train = train_one_epoch(ddp_model, rank.train_loader, rank.state.optimizer, rank.state.scaler,
                             rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock,

@@ -11,7 +11,7 @@ unpickles one gang function does not also import the flows, Optuna and matplotli
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # public name -> the module that defines it
 _HOMES = {
@@ -46,6 +46,25 @@ _HOMES = {
 }
 
 __all__ = sorted(_HOMES)
+
+if TYPE_CHECKING:  # what static tools see; Python imports each name on first use (__getattr__)
+    from prefect_ddp.blocks.cluster import DaskCluster
+    from prefect_ddp.blocks.data_location import DataLocation
+    from prefect_ddp.blocks.tracking import MlflowTracking
+    from prefect_ddp.blocks.study_storage import StudyStorage
+    from prefect_ddp.flows.batch_predict import batch_predict
+    from prefect_ddp.flows.sweep import hyperparameter_sweep
+    from prefect_ddp.flows.transfer_learning import transfer_learning
+    from prefect_ddp.tasks.config import (ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrackingConfig,
+                                          TrainingConfig)
+    from prefect_ddp.tasks.data.dataset import S3ImageFolder
+    from prefect_ddp.tasks.gang import (GangAttempt, GangError, GangRefused, GangResults, GangStopped, GangTimeout,
+                                        RankContext, all_reduce_sum, run_gang)
+    from prefect_ddp.tasks.training.model import load_model
+    from prefect_ddp.tasks.data.storage import load_torch
+    from prefect_ddp.tasks.sweeps.search_space import Dimension
+    from prefect_ddp.tasks.sweeps.settings import SweepSettings
+    from prefect_ddp.tasks.sweeps.sweep import sweep
 
 
 def __getattr__(name: str) -> Any:
