@@ -261,19 +261,14 @@ def transfer_learning(
             train_classifier,
             training_job(source, out, manifest, split, model, training, warm, unreadable).model_copy(
                 update={"tracked": tracked, "champion": champion}),
+            **cluster.gang_options(),
             task_runner=runner,
-            world_size=cluster.world_size,
             output_url=out.url,
             shared_output=output.shared,
             # Loader processes: 0 starts none; a count or empty (sized per rank) may.
             needs_child_processes=training.num_workers != 0,
-            init_timeout=timedelta(seconds=cluster.init_timeout_s),
-            timeout=timedelta(seconds=cluster.gang_timeout_s) if cluster.gang_timeout_s else None,
-            max_restarts=cluster.max_restarts,
-            hang_timeout=timedelta(seconds=cluster.hang_timeout_s) if cluster.hang_timeout_s else None,
             # A rank waiting for a batch is silent up to the fetch timeout before it fails on its own.
             hang_floor=timedelta(seconds=training.fetch_timeout_s),
-            lease_timeout=timedelta(seconds=cluster.lease_timeout_s),
             trial=current_trial(),
         )
         starting.close_in_background()  # the run's cluster closes while it reports

@@ -11,7 +11,8 @@ placeholders are written in capitals (URL/CLASS/IMAGE.jpg).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional, TypeVar
+from datetime import timedelta
+from typing import Annotated, Any, Literal, Optional, TypedDict, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -222,6 +223,17 @@ class TrainingConfig(_Strict):
         return self
 
 
+class GangOptions(TypedDict):
+    """`run_gang`'s keyword arguments that a flow's `cluster` parameter decides (`ClusterConfig.gang_options`)."""
+
+    world_size: int | None
+    init_timeout: timedelta
+    timeout: timedelta | None
+    max_restarts: int
+    hang_timeout: timedelta | None
+    lease_timeout: timedelta
+
+
 class ClusterConfig(_Strict):
     """Which Dask cluster runs the ranks: a saved block, an address, or a new local one."""
 
@@ -257,6 +269,23 @@ class ClusterConfig(_Strict):
         600, ge=0, le=86400,
         description="How long to wait for enough workers that no other run holds before failing.",
     )
+
+    def gang_options(self) -> GangOptions:
+        """The gang's options, as `run_gang(fn, config, **cluster.gang_options(), ...)` takes them:
+        seconds become timedeltas, and an empty limit stays None (no limit, or the gang's own rule).
+
+        >>> options = ClusterConfig(world_size=2, gang_timeout_s=3600).gang_options()
+        >>> options["world_size"], options["timeout"], options["hang_timeout"]
+        (2, datetime.timedelta(seconds=3600), None)
+        """
+        return GangOptions(
+            world_size=self.world_size,
+            init_timeout=timedelta(seconds=self.init_timeout_s),
+            timeout=timedelta(seconds=self.gang_timeout_s) if self.gang_timeout_s else None,
+            max_restarts=self.max_restarts,
+            hang_timeout=timedelta(seconds=self.hang_timeout_s) if self.hang_timeout_s else None,
+            lease_timeout=timedelta(seconds=self.lease_timeout_s),
+        )
 
     @model_validator(mode="after")
     def _block_or_address(self) -> ClusterConfig:
