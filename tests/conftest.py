@@ -5,7 +5,7 @@ that needs them; unit tests that need none of them start none of them. The Prefe
 is a real `prefect server start`, so the CLI, a work pool's worker and the browser tests
 use the same one as the flows run from this process.
 
-The tiers (pyproject's markers; README, "Layout"): `unit` tests start no service, no Dask
+The tiers (pyproject's markers; docs/testing.md, "Three tiers"): `unit` tests start no service, no Dask
 cluster, no process group and no child process. Two checks keep them so: a unit test that
 requests a fixture of SERVICE_FIXTURES fails before its fixtures are set up, and one that
 starts a Python child process, a multiprocessing process, a Dask scheduler or a process

@@ -100,7 +100,7 @@ def blocks(prefect_api, image_location, mlflow_uri) -> str:
 
 @pytest.fixture(scope="module")
 def external(tmp_path_factory, prefect_home: Path, prefect_api: str) -> Iterator[str]:
-    """Two `dask worker`s of a `dask scheduler`, set up as the README tells a cluster's owner."""
+    """Two `dask worker`s of a `dask scheduler`, set up as docs/running.md tells a cluster's owner."""
     env = owner_environment(prefect_home, TRAINING_ENV | {"PREFECT_API_URL": prefect_api})
     with dask_processes(tmp_path_factory.mktemp("external"), 2, nanny=True, env=env) as address:
         yield address
@@ -241,7 +241,7 @@ def test_transfer_learning_python_local_tracking_off(kept_plain):
 @pytest.fixture(scope="module")
 def kept_tracked(blocks, deployments, tmp_path_factory) -> tuple[Path, Any]:
     """Cell transfer-learning-deployment-warm-tracking-on: `prefect deployment run
-    transfer-learning/on-demand` from the CLI, as the README walks it (nested parameters and a
+    transfer-learning/on-demand` from the CLI, as docs/deployments.md walks it (nested parameters and a
     shortcut), on the worker's warm cluster, kept and registered under the deployment's name
     (and scored below from the registry)."""
     output = tmp_path_factory.mktemp("tracked")

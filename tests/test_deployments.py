@@ -1,4 +1,4 @@
-"""prefect.yaml through the CLI, as the README walks it: pool, deploy, worker, deployment run (a run of
+"""prefect.yaml through the CLI, as docs/deployments.md walks it: pool, deploy, worker, deployment run (a run of
 `transfer-learning/on-demand` from the CLI is a cell of tests/test_crossings.py)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 Three small clusters, each started once per module: one with Dask's defaults (daemonic
 workers, the nanny's MALLOC_TRIM_THRESHOLD_, the profiler on), one set up for training as
-the README says, and one of `--no-nanny` workers. None of the nanny clusters' workers has
+docs/running.md says, and one of `--no-nanny` workers. None of the nanny clusters' workers has
 PREFECT_API_URL: the flow's own setting reaches the ranks with each task.
 """
 
@@ -53,7 +53,7 @@ def default_cluster(tmp_path_factory, prefect_home: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def training_cluster(tmp_path_factory, prefect_home: Path) -> Iterator[str]:
-    """Two nanny workers started with the README's settings, still without PREFECT_API_URL."""
+    """Two nanny workers started with docs/running.md's settings, still without PREFECT_API_URL."""
     with dask_processes(tmp_path_factory.mktemp("training-cluster"), 2, nanny=True,
                         env=owner_environment(prefect_home, TRAINING_ENV)) as address:
         yield address

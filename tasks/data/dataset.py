@@ -306,7 +306,8 @@ class S3ImageFolder(Dataset):
 
     Args:
         root: folder URL; keys are relative to it.
-        keys, labels: the images to serve and their class indices.
+        keys: the images to serve.
+        labels: their class indices, one per key.
         storage_options: fsspec options (endpoint, credentials) for `root`.
         transform: applied to each decoded PIL image (8-bit RGB, see `open_rgb`); None
             serves the encoded bytes as a uint8 tensor, for decoding on the rank's device.

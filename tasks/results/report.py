@@ -73,7 +73,7 @@ def trained_images_text(history: list[dict[str, Any]], train_size: int) -> str:
     """Images trained per epoch beside the training set's size, so that a shortfall shows.
 
     Ranks take equal steps, so an epoch may train on a few images fewer (shard mode: fewer
-    than world size x batch size, README: training.images_per_shard) or repeat a few
+    than world size x batch size, docs/parameters.md: training.images_per_shard) or repeat a few
     (per-image mode pads the ranks); a range shows when epochs differ (a gang re-formed on
     fewer ranks).
 

@@ -21,7 +21,7 @@ the device idle) and reading them costs one synchronisation per epoch, not one p
 
 At the end of the epoch every rank's parts are gathered (one all-reduce of a small
 matrix) and `epoch_timing` turns them into shares, images per second, the slowest rank
-and a verdict; the README's "Where the time goes" says what each verdict means.
+and a verdict; docs/troubleshooting.md, "Where the time goes", says what each verdict means.
 """
 
 from __future__ import annotations

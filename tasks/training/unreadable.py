@@ -9,7 +9,7 @@ the training loop collects its key (prefect_ddp.tasks.training.recipe). This mod
   holds the same set, so all decide alike at the same epoch boundary.
 - The share is decode-check's exclusions plus the images met in training, over the images
   listed: each listed image was either left out by decode-check or is trained or
-  validated on, so training meets it (README: "When something is wrong").
+  validated on, so training meets it (docs/troubleshooting.md, "When something is wrong").
 - Past the limit, every rank stops at that boundary, keeps no checkpoint or model of the
   epoch, and returns the reason; the flow fails with it in `aggregate`. A ValueError
   raised in a rank would be taken for a failed rank, and `cluster.max_restarts` would

@@ -1,5 +1,5 @@
 """Drive the Prefect UI in headless Chromium, as a person would: the browser test and the
-README's screenshots both go through here.
+docs' screenshots (docs/images/) both go through here.
 
 Debian's `chromium` package does the rendering, driven by Playwright for Python through
 `executable_path` (Playwright's own browser download is never used: it needs internet).

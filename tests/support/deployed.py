@@ -1,4 +1,4 @@
-"""The deployments of prefect.yaml, served the way the README says: pool, deploy, `prefect-ddp worker`.
+"""The deployments of prefect.yaml, served the way docs/deployments.md says: pool, deploy, `prefect-ddp worker`.
 
 Shared by the CLI test and the browser test, which both need a worker running the
 `transfer-learning/on-demand` deployment against the session's Prefect server.

@@ -16,7 +16,7 @@ from pathlib import Path
 import distributed
 
 REPO = Path(__file__).resolve().parents[2]
-# The environment of a worker set up for training (README, "Existing clusters").
+# The environment of a worker set up for training (docs/running.md, "Existing clusters, or a GPU box").
 TRAINING_ENV = {
     "DASK_DISTRIBUTED__WORKER__DAEMON": "False",
     "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON": '{"MALLOC_TRIM_THRESHOLD_": None}',

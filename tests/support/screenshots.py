@@ -1,4 +1,4 @@
-"""Take the README's screenshots again: the Run form, a run's graph, the training report,
+"""Take the docs' screenshots again (docs/images/): the Run form, a run's graph, the training report,
 and a sweep's comparison.
 
     python -m tests.support.screenshots          # writes docs/images/*.png
