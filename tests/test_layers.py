@@ -74,7 +74,7 @@ def imports_of(path: Path) -> list[Import]:
     top = {id(node) for node in tree.body}
     type_only = {id(node) for block in tree.body
                  if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
-                 for node in ast.walk(block)}
+                 for statement in block.body for node in ast.walk(statement)}  # its `else:` runs
     found = []
     for node in ast.walk(tree):
         if id(node) in type_only:
@@ -193,12 +193,14 @@ def test_the_layer_check_finds_an_import_hidden_in_a_function():
     assert len(found) == 1 and "inside a function" in found[0]
 
 
-def test_imports_for_type_checkers_only_are_not_counted_but_one_in_a_function_is(tmp_path):
+def test_imports_for_type_checkers_only_are_not_counted_but_their_else_and_a_function_s_are(tmp_path):
     module = tmp_path / "module.py"
     module.write_text("from typing import TYPE_CHECKING\n"
                       "if TYPE_CHECKING:\n    from prefect_ddp.flows.sweep import hyperparameter_sweep\n"
+                      "else:\n    from prefect_ddp.flows.batch_predict import batch_predict\n"
                       "def later():\n    from prefect_ddp.tasks.urls import join\n")
-    assert [(imp.module, imp.top_level) for imp in imports_of(module)] == [("prefect_ddp.tasks.urls", False)]
+    assert sorted((imp.module, imp.top_level) for imp in imports_of(module)) == [
+        ("prefect_ddp.flows.batch_predict", False), ("prefect_ddp.tasks.urls", False)]
 
 
 def test_the_cycle_check_finds_two_modules_that_import_each_other_and_longer_loops():

@@ -17,11 +17,12 @@ import multiprocessing
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from threading import Thread
+from threading import Event, Thread
 
 import fsspec.asyn
 import pytest
 import s3fs
+from fsspec.implementations.memory import MemoryFileSystem
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.data.object_reads import (
@@ -241,3 +242,26 @@ def test_obstore_starts_per_process_and_a_child_forked_after_it_reads_with_s3fs(
     path = next(iter(odd_objects))
     story = in_child("spawn", fork_story, image_location, path, odd_objects[path])
     assert story == ["s3fs", "obstore", "obstore", "s3fs", "obstore"]
+
+
+@pytest.mark.unit
+def test_reads_still_queued_when_the_limit_passes_time_out_like_the_running_one():
+    """On a filesystem of sync reads (local disk, NFS), the reads queued behind a stalled one
+    are cancelled at the limit; each was a CancelledError out of fetch_objects, not a timeout."""
+    stalled = Event()
+
+    class Stalling(MemoryFileSystem):
+        protocol = "stalling"
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            stalled.wait(30)
+            return super().cat_file(path, start, end, **kwargs)
+
+    filesystem = Stalling()
+    paths = [f"/stalled/{n}.jpg" for n in range(4)]
+    filesystem.pipe({path: b"image" for path in paths})
+    try:
+        fetched = fetch_objects(filesystem, paths, batch_size=1, attempts=1, timeout_s=0.2)
+    finally:
+        stalled.set()
+    assert {path: type(outcome) for path, outcome in fetched.items()} == dict.fromkeys(paths, TimeoutError)

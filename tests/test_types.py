@@ -46,7 +46,8 @@ def test_a_project_name_resolves_to_its_real_type_not_any(tmp_path: Path) -> Non
                        "reveal_type(TrainingConfig())\n"
                        "reveal_type(TrainingConfig().epochs)\n"
                        "reveal_type(run_gang)\n"
-                       "TrainingConfig().no_such_field\n")
+                       "TrainingConfig().no_such_field\n"
+                       "from prefect_ddp import run_gangg\n")
     checked = mypy([str(snippet)], tmp_path)
     output = checked.stdout
     assert 'Revealed type is "prefect_ddp.tasks.config.TrainingConfig"' in output, output
@@ -55,6 +56,7 @@ def test_a_project_name_resolves_to_its_real_type_not_any(tmp_path: Path) -> Non
     assert "(train_fn: def (prefect_ddp.tasks.gang.context.RankContext" in output, output
     assert 'Revealed type is "Any"' not in output, output
     assert '"TrainingConfig" has no attribute "no_such_field"' in output, output
+    assert 'Module "prefect_ddp" has no attribute "run_gangg"' in output, output  # not Any
     assert "Cannot find implementation or library stub" not in output, output
 
 
@@ -65,6 +67,6 @@ def test_the_public_names_static_tools_see_are_the_ones_python_imports() -> None
     Any to the checker, or missing at run time."""
     tree = ast.parse(Path(prefect_ddp.__file__).read_text())
     checked = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
-    static = {(node.module, alias.name) for node in checked.body if isinstance(node, ast.ImportFrom)
+    static = {(node.module, alias.asname or alias.name) for node in checked.body if isinstance(node, ast.ImportFrom)
               for alias in node.names}
     assert static == {(module, name) for name, module in prefect_ddp._HOMES.items()}

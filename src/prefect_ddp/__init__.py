@@ -67,12 +67,15 @@ if TYPE_CHECKING:  # what static tools see; Python imports each name on first us
     from prefect_ddp.tasks.sweeps.sweep import sweep
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'prefect_ddp' has no attribute {name!r}; its public names: {', '.join(__all__)}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # a checker that saw this would take any misspelt name for Any
+
+    def __getattr__(name: str) -> Any:
+        if name not in _HOMES:
+            raise AttributeError(
+                f"module 'prefect_ddp' has no attribute {name!r}; its public names: {', '.join(__all__)}")
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> list[str]:

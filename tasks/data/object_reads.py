@@ -344,8 +344,12 @@ def _cat_in_threads(
 
 def _outcome(future: Future[bytes]) -> bytes | Exception:
     """The bytes or the fetch's error; `result()` raises anything that is not an Exception
-    (a KeyboardInterrupt or SystemExit in the thread) rather than returning it as an answer."""
+    (a KeyboardInterrupt or SystemExit in the thread) rather than returning it as an answer.
+    A fetch still running or never started (cancelled, queued behind the others when the
+    deadline passed) timed out: asking a cancelled future for its exception raises."""
     if not future.done():
         return TimeoutError("still fetching")
+    if future.cancelled():
+        return TimeoutError("not started before the time limit: the fetches before it took it all")
     error = future.exception()
     return error if isinstance(error, Exception) else future.result()
