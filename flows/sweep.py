@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from prefect_ddp.blocks.cluster import shared_in_process
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.flows.transfer_learning import (
+    RunResult,
     cluster_lifetime,
     data_location,
     output_base,
@@ -39,6 +40,7 @@ from prefect_ddp.tasks.config import (
 from prefect_ddp.tasks.data.storage import read_json
 from prefect_ddp.tasks.gang import TrialLink, training_trial
 from prefect_ddp.tasks.results.promotion import POINTER, Promotion, kept_location, promote, read_pointer
+from prefect_ddp.tasks.results.records import TrainingSummary
 from prefect_ddp.tasks.results.registry import Registration
 from prefect_ddp.tasks.results.tracking_run import (
     LoggedModel,
@@ -48,7 +50,7 @@ from prefect_ddp.tasks.results.tracking_run import (
     tracking_run,
 )
 from prefect_ddp.tasks.sweeps.search_space import Dimension, with_params
-from prefect_ddp.tasks.sweeps.settings import SweepSettings
+from prefect_ddp.tasks.sweeps.settings import SweepSettings, TrialOutcome
 from prefect_ddp.tasks.sweeps.sweep import open_study, run_trials, study_storage, trial_run_name
 from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
 from prefect_ddp.tasks.tracking import Tracking
@@ -62,21 +64,22 @@ DESCRIPTION = (
 )
 
 
-def trial_outcome(state: State) -> dict[str, Any]:
+def trial_outcome(state: State) -> TrialOutcome:
     """What the sweep keeps of a trial's flow run (a pruned run ends Completed, named Pruned)."""
     if not state.is_completed():
-        return {"state": "failed", "message": state.message}
-    summary = state.result()
-    return {"state": "completed", "model_url": summary["files"]["model.pt"],
-            "mlflow_model": summary.get("mlflow_model"), "flow_run_id": str(state.state_details.flow_run_id),
-            "workers": [rank["worker_address"] for rank in summary["ranks"]]}
+        return TrialOutcome(state="failed", message=state.message)
+    result = RunResult.model_validate(state.result())
+    return TrialOutcome(state="completed", model_url=result.files["model.pt"],
+                        mlflow_model=result.mlflow_model.model_dump() if result.mlflow_model else None,
+                        flow_run_id=str(state.state_details.flow_run_id),
+                        workers=[rank.worker_address for rank in result.ranks])
 
 
-def transfer_learning_trial(parameters: dict[str, Any], link: TrialLink, run_name: str) -> dict[str, Any]:
+def transfer_learning_trial(parameters: dict[str, Any], link: TrialLink, run_name: str) -> TrialOutcome:
     """One trial: a `transfer-learning` child flow run that reports each epoch to the study."""
     with training_trial(link):
         state = transfer_learning.with_options(flow_run_name=run_name)(**parameters, return_state=True)
-    return trial_outcome(state) | {"run": run_name}
+    return trial_outcome(state).model_copy(update={"run": run_name})
 
 
 def check_space(space: dict[str, Dimension]) -> None:
@@ -146,7 +149,7 @@ def hyperparameter_sweep(
                 "world_size": settings.ranks_per_trial, "lease_timeout_s": settings.lease_timeout_s,
             })
 
-            def train_trial(trial: Any, link: TrialLink) -> dict[str, Any]:
+            def train_trial(trial: Any, link: TrialLink) -> TrialOutcome:
                 parameters = with_params(base, trial.params) | {"cluster": shared.model_dump()}
                 with child_runs_of(parent):
                     return transfer_learning_trial(parameters, link, trial_run_name(trial.number, trial.params))
@@ -190,7 +193,8 @@ def promote_best(best: dict[str, Any] | None, out: DataLocation, kept: DataLocat
         return Promotion(promoted=False, reason="no trial completed, so there was nothing to promote",
                          pointer_url=child_url(kept.url, POINTER), kept_url=pointer["version"] if pointer else None)
     run_output = out.with_url(best["model_url"].rsplit("/", 1)[0])
-    summary = read_json(child_url(run_output.url, "metrics.json"), run_output.storage_options())
+    summary = TrainingSummary.model_validate(
+        read_json(child_url(run_output.url, "metrics.json"), run_output.storage_options()))
     run = {"name": best["run"], "flow_run_id": best["flow_run_id"], "deployment": deployment.get_name()}
     logged = best.get("mlflow_model")
     model = LoggedModel(tracking=tracking, **logged) if tracking and logged else None

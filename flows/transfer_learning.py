@@ -52,7 +52,7 @@ from prefect_ddp.tasks.data.indexing import index_images
 from prefect_ddp.tasks.data.shard_writer import write_train_shards
 from prefect_ddp.tasks.data.splitting import split_dataset
 from prefect_ddp.tasks.data.validation import validate_dataset, validate_source
-from prefect_ddp.tasks.gang import cluster_workers, current_trial, run_gang
+from prefect_ddp.tasks.gang import GangResults, cluster_workers, current_trial, run_gang
 from prefect_ddp.tasks.results.aggregation import aggregate
 from prefect_ddp.tasks.results.comparison import champion_to_beat
 from prefect_ddp.tasks.results.promotion import (
@@ -63,10 +63,12 @@ from prefect_ddp.tasks.results.promotion import (
     read_pointer,
     warm_start_from,
 )
+from prefect_ddp.tasks.results.records import TrainingSummary
 from prefect_ddp.tasks.results.registry import Registration
 from prefect_ddp.tasks.results.report import publish_report
 from prefect_ddp.tasks.results.run_folder import claim_run_folder, run_folder_name
 from prefect_ddp.tasks.results.tracking_run import (
+    ModelReference,
     complete_run,
     fetch_registered_model,
     flat_params,
@@ -75,9 +77,19 @@ from prefect_ddp.tasks.results.tracking_run import (
 )
 from prefect_ddp.tasks.tracking import TrackedRun, Tracking, import_mlflow
 from prefect_ddp.tasks.training.model import WarmStart, check_starting_weights
+from prefect_ddp.tasks.training.rank_result import RankResult
 from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit
 from prefect_ddp.tasks.urls import absolute_url, child_url
+
+
+class RunResult(TrainingSummary):
+    """What the flow returns: the training summary (metrics.json), what promotion made of the
+    model (None when nothing is kept for the run, in a sweep's trials, and for a pruned run),
+    and the model logged to MLflow (None without tracking; a pruned run's result leaves it out)."""
+
+    promotion: Promotion | None
+    mlflow_model: ModelReference | None = None
 
 
 def data_location(data: DataConfig) -> DataLocation:
@@ -276,19 +288,19 @@ def transfer_learning(
                           warm, tracked, output.min_improvement, kept_at_start["version"] if kept_at_start else None)
 
 
-def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, DataLocation] | None,
-               run: dict[str, Any], warm: WarmStart | None, tracked: TrackedRun | None,
-               min_improvement: float | None = None, kept_at_start: str | None = None) -> dict[str, Any] | State:
+def finish_run(results: GangResults[RankResult], manifest, split, out: DataLocation,
+               kept: tuple[str, DataLocation] | None, run: dict[str, Any], warm: WarmStart | None,
+               tracked: TrackedRun | None, min_improvement: float | None = None, kept_at_start: str | None = None) -> dict[str, Any] | State:
     """Aggregate the ranks' results, promote the model where it is better, publish the report;
     with tracking, log the model before promotion (which registers it) and the files after the report."""
     summary = aggregate(results, manifest, split, out, [asdict(a) for a in results.attempts])
     in_sweep = current_trial() is not None
-    if summary["pruned_at"]:  # a sweep stopped it early: a partial model is kept by no one
+    if summary.pruned_at:  # a sweep stopped it early: a partial model is kept by no one
         publish_report(summary, manifest, out, None, warm, in_sweep)
         if tracked:
-            complete_run(tracked, out, {"pruned": str(summary["pruned_at"])})
-        return Completed(name="Pruned", message=f"pruned at epoch {summary['pruned_at']}",
-                         data=summary | {"promotion": None})
+            complete_run(tracked, out, {"pruned": str(summary.pruned_at)})
+        return Completed(name="Pruned", message=f"pruned at epoch {summary.pruned_at}",
+                         data=summary.model_dump() | {"promotion": None})
     logged = log_model(tracked, out) if tracked else None
     # A sweep's trials never promote on their own: the sweep may promote its best one at its end.
     promotion = None
@@ -300,8 +312,8 @@ def finish_run(results, manifest, split, out: DataLocation, kept: tuple[str, Dat
     if tracked:
         complete_run(tracked, out, promotion_tags(promotion))
     # A sweep registers its best trial's logged model when it promotes it (flows/sweep.py).
-    return summary | {"promotion": promotion.model_dump() if promotion else None,
-                      "mlflow_model": logged.reference().model_dump() if logged else None}
+    return RunResult(**dict(summary), promotion=promotion,
+                     mlflow_model=logged.reference() if logged else None).model_dump()
 
 
 def promotion_tags(promotion: Promotion | None) -> dict[str, str]:

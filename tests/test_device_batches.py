@@ -117,6 +117,6 @@ def test_the_recipe_trains_with_images_decoded_on_the_rank(tmp_path):
     job = local_job(tmp_path, epochs=1)
     job.training = job.training.model_copy(update={"decode_on": "device", "num_workers": 1})
     result = train_classifier(CTX, job)
-    (epoch,) = result["history"]
+    (epoch,) = result.history
     assert epoch["train_samples"] == 8 and epoch["val_samples"] == 3  # every image, decoded on the rank
     assert np.isfinite(epoch["train_loss"]) and np.isfinite(epoch["val_loss"])

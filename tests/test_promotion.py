@@ -24,17 +24,21 @@ from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.results.comparison import champion_to_beat, comparison_markdown
 from prefect_ddp.tasks.results.pointer import read_json_document
 from prefect_ddp.tasks.results.promotion import decide, find_warm_start, kept_location, promote, read_pointer
+from prefect_ddp.tasks.results.records import TrainingSummary
 from prefect_ddp.tasks.training.model import build_model, load_warm_start, model_card
 
 CLASSES = ["circle", "square", "triangle"]
 
 
-def summary_of(acc: float) -> dict:
+def summary_of(acc: float) -> TrainingSummary:
     history = [{"epoch": 1, "val_acc": acc, "val_loss": 1 - acc}]
-    return {"best_val_acc": acc, "final_val_acc": acc, "best_epoch": 1, "final_val_loss": 1 - acc, "history": history}
+    return TrainingSummary(
+        world_size=1, ranks=[], split_digests=[], train_size=0, val_size=0, history=history, best_epoch=1,
+        best_val_acc=acc, selected_by="highest val_acc", final_val_acc=acc, final_val_loss=1 - acc, time=None,
+        pruned_at=None, attempts=[], unreadable={}, recipe=None, comparison=None, files={})
 
 
-def finished_run(tmp_path, name: str, best_val_acc: float, classes=CLASSES) -> tuple[dict, DataLocation]:
+def finished_run(tmp_path, name: str, best_val_acc: float, classes=CLASSES) -> tuple[TrainingSummary, DataLocation]:
     """A run's summary and its folder as the flow leaves it: model.pt, model.json."""
     run = DataLocation(url=str(tmp_path / name))
     config = ModelConfig(backbone="mobilenet_v3_small")

@@ -13,6 +13,7 @@ from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.reporting import markdown_table
 from prefect_ddp.tasks.results.plots import markdown_image, training_curves_png
 from prefect_ddp.tasks.results.promotion import Promotion
+from prefect_ddp.tasks.results.records import TrainingSummary
 from prefect_ddp.tasks.results.report import (
     promotion_markdown,
     report_markdown,
@@ -35,11 +36,12 @@ def test_curves_are_a_png_that_renders_inline():
 
 
 def test_the_report_shows_curves_and_says_whether_the_model_was_promoted():
-    summary = {"history": HISTORY, "final_val_acc": 0.75, "best_val_acc": 0.75, "best_epoch": 3,
-               "selected_by": "highest val_acc", "train_size": 30, "val_size": 9, "world_size": 2,
-               "ranks": [{"rank": 0, "worker_address": "tcp://a:1"}, {"rank": 1, "worker_address": "tcp://b:1"}],
-               "files": {"model.pt": "s3://b/out/run/model.pt"},
-               "unreadable": {"decode_check": 1, "in_training": 0, "keys": []}}
+    summary = TrainingSummary.model_validate({
+        "history": HISTORY, "final_val_acc": 0.75, "final_val_loss": 0.4, "best_val_acc": 0.75, "best_epoch": 3,
+        "selected_by": "highest val_acc", "train_size": 30, "val_size": 9, "world_size": 2, "split_digests": ["abc"],
+        "ranks": [{"rank": 0, "worker_address": "tcp://a:1"}, {"rank": 1, "worker_address": "tcp://b:1"}],
+        "files": {"model.pt": "s3://b/out/run/model.pt"}, "time": None, "pruned_at": None, "attempts": [],
+        "unreadable": {"decode_check": 1, "in_training": 0, "keys": []}, "recipe": None, "comparison": None})
     manifest = Manifest(root="s3://b/images", classes=["a", "b", "c"], paths=["a/1.jpg"], labels=[0], sizes=[1])
     refused = Promotion(promoted=False, reason="best_val_acc 0.7500 is worse than 0.8000 of owl, which stays",
                         pointer_url="s3://b/out/nightly/latest.json", kept_url="s3://b/out/nightly/versions/owl-1")

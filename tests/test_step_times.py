@@ -42,9 +42,9 @@ def row(data=1.0, forward=2.0, backward=4.0, sync=0.5, optimizer=0.4, other=0.1,
 @pytest.mark.unit
 def test_a_rank_that_waits_for_data_most_of_each_step_is_input_bound_with_the_object_store_advice():
     timing = epoch_timing([row(data=6.0), row(data=6.0)], input_advice(TrainingConfig(), from_object_store=True))
-    assert timing["verdict"].startswith("input-bound: 46% of each step waits for data; ")
-    assert "training.images_per_shard" in timing["verdict"] and "training.cache_gb" in timing["verdict"]
-    assert timing["images_per_s"] == round(200 / 13.0, 1)  # both ranks' images over the slower pass
+    assert timing.verdict.startswith("input-bound: 46% of each step waits for data; ")
+    assert "training.images_per_shard" in timing.verdict and "training.cache_gb" in timing.verdict
+    assert timing.images_per_s == round(200 / 13.0, 1)  # both ranks' images over the slower pass
 
 
 @pytest.mark.unit
@@ -59,19 +59,19 @@ def test_input_advice_follows_the_run_settings():
 def test_a_rank_slower_than_the_others_is_named_before_anything_else():
     # Ranks 0 and 2 wait for rank 1 in the sync: their own work is the same as each other's.
     timing = epoch_timing([row(sync=4.0), row(forward=4.0, backward=8.0), row(sync=4.0)], "")
-    assert timing["slowest_rank"] == 1 and timing["slower_by"] == 1.8
-    assert timing["verdict"].startswith("rank 1 is 1.8x slower than the median of the others (most of it computing)")
+    assert timing.slowest_rank == 1 and timing.slower_by == 1.8
+    assert timing.verdict.startswith("rank 1 is 1.8x slower than the median of the others (most of it computing)")
 
 
 @pytest.mark.unit
 def test_a_step_mostly_waiting_in_gradient_sync_is_communication_bound():
     timing = epoch_timing([row(sync=5.0), row(sync=5.0)], "")
-    assert timing["verdict"].startswith("communication-bound: 40% of each step waits on gradient sync")
+    assert timing.verdict.startswith("communication-bound: 40% of each step waits on gradient sync")
 
 
 @pytest.mark.unit
 def test_otherwise_the_step_is_compute_bound():
-    assert epoch_timing([row(), row()], "")["verdict"] == (
+    assert epoch_timing([row(), row()], "").verdict == (
         "compute-bound: 80% of each step is forward, backward and optimizer; the input keeps up.")
 
 
@@ -114,7 +114,7 @@ def rank_runs(rank: int, port: int, jobs: dict[str, TrainJob], out: Path) -> Non
     with process_group(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
                        timeout=timedelta(seconds=60)):
         results = {name: train_classifier(ctx, one) for name, one in jobs.items()}
-    (out / f"rank{rank}.json").write_text(json.dumps({name: r["history"] for name, r in results.items()}))
+    (out / f"rank{rank}.json").write_text(json.dumps({name: r.history for name, r in results.items()}))
 
 
 def test_the_parts_add_up_to_the_training_pass_and_slow_reads_make_it_input_bound(
@@ -155,14 +155,14 @@ def test_camera_originals_make_the_verdict_decode_bound_with_the_cores_each_way(
     assert originals.resized_s * 3 < originals.original_s
     fast_model = originals.original_s / 2 * 100  # seconds of compute per 100 images: half the decode's
     starved = [row(data=8.0, forward=fast_model, backward=0.0, optimizer=0.0, images=100.0)] * 2
-    text = epoch_timing(starved, "more loader workers", lambda: originals)["verdict"]
+    text = epoch_timing(starved, "more loader workers", lambda: originals).verdict
     assert text.startswith("decode-bound: ") and "the originals average 4.3 MP" in text
     assert "a rank needs about 2 cores decoding originals, 1 core reading" in text
     assert "training.images_per_shard" in text
     slow_model = [row(data=8.0, forward=originals.original_s * 200, images=100.0)] * 2
-    assert epoch_timing(slow_model, "more loader workers", lambda: originals)["verdict"].startswith("input-bound")
+    assert epoch_timing(slow_model, "more loader workers", lambda: originals).verdict.startswith("input-bound")
     small = probe_decode([photo_jpeg(120, 90)] * 2, 64, transform)  # nothing to gain from storing them resized
-    assert epoch_timing(starved, "more loader workers", lambda: small)["verdict"].startswith("input-bound")
+    assert epoch_timing(starved, "more loader workers", lambda: small).verdict.startswith("input-bound")
     asked = []
     fast = [row(data=0.1)] * 2  # compute-bound: the probe is never taken
     epoch_timing(fast, "", lambda: asked.append(1))

@@ -7,6 +7,7 @@ import torch
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
+from prefect_ddp.tasks.data.loaders import loader_workers, rank_data
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.location import Location
@@ -22,8 +23,6 @@ from prefect_ddp.tasks.training.recipe import (
     TrainJob,
     batch_inputs,
     evaluate,
-    loader_workers,
-    make_loaders,
     train_classifier,
 )
 from tests.support.image_folders import local_image_folder
@@ -47,16 +46,16 @@ CTX = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backen
 @pytest.mark.unit
 def test_training_resumes_from_the_last_checkpoint(tmp_path):
     first = train_classifier(CTX, local_job(tmp_path, epochs=1))
-    assert len(first["history"]) == 1 and (tmp_path / "run" / "checkpoints" / "checkpoint.pt").exists()
+    assert len(first.history) == 1 and (tmp_path / "run" / "checkpoints" / "checkpoint.pt").exists()
     resumed = train_classifier(CTX, local_job(tmp_path, epochs=2))
-    assert [h["epoch"] for h in resumed["history"]] == [1, 2]
-    assert resumed["history"][0] == first["history"][0]  # epoch 1 was not trained again
+    assert [h["epoch"] for h in resumed.history] == [1, 2]
+    assert resumed.history[0] == first.history[0]  # epoch 1 was not trained again
     # Only epoch 2 ran: 9 train images in batches of 4, the lone ninth dropped for BatchNorm.
-    assert resumed["local_train_samples"] == [8]
+    assert resumed.local_train_samples == [8]
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "checkpoint.pt", weights_only=True)
     assert set(checkpoint) == {"model", "optimizer", "lr_scheduler", "scaler", "epoch", "history", "job", "world_size"}
     assert checkpoint["epoch"] == 1  # the last finished epoch's index, as torchvision keeps it
-    assert resumed["attempts"] == [{"attempt": 1, "world_size": 1, "resumed_after_epoch": 0},
+    assert resumed.attempts == [{"attempt": 1, "world_size": 1, "resumed_after_epoch": 0},
                                    {"attempt": 1, "world_size": 1, "resumed_after_epoch": 1}]
 
 
@@ -147,7 +146,7 @@ def test_a_frozen_backbone_keeps_its_batchnorm_statistics(tmp_path, frozen):
     untouched = {k: v for k, v in build_model_state(job).items() if k in stats}
     assert len(stats) > 10 and all(torch.equal(stats[k], untouched[k]) for k in stats) == frozen
     # Every BatchNorm layer of mobilenet_v3_small is in the backbone.
-    assert result["recipe"]["frozen_batchnorm"] == (len(stats) // 3 if frozen else 0)
+    assert result.recipe.frozen_batchnorm == (len(stats) // 3 if frozen else 0)
 
 
 def build_model_state(job: TrainJob) -> dict[str, torch.Tensor]:
@@ -182,7 +181,7 @@ def test_a_scaled_rate_warms_up_from_the_unscaled_one():
 def test_daemonic_workers_get_the_fix_not_a_multiprocessing_error():
     import multiprocessing
 
-    from prefect_ddp.tasks.training.recipe import require_non_daemonic
+    from prefect_ddp.tasks.data.loaders import require_non_daemonic
 
     process = multiprocessing.current_process()
     process.daemon = True
@@ -242,16 +241,16 @@ def test_the_model_file_holds_the_weights_of_the_epoch_reported_best_not_the_las
     job = local_job(tmp_path, epochs=4)
     job = job.model_copy(update={"training": job.training.model_copy(update={"lr": 0.03, "scheduler": "none"})})
     result = train_classifier(CTX, job)
-    history = result["history"]
-    assert result["best_epoch"] != history[-1]["epoch"], "the case must have a best epoch before the last"
-    assert history[result["best_epoch"] - 1]["val_loss"] != pytest.approx(history[-1]["val_loss"], rel=1e-3)
+    history = result.history
+    assert result.best_epoch != history[-1]["epoch"], "the case must have a best epoch before the last"
+    assert history[result.best_epoch - 1]["val_loss"] != pytest.approx(history[-1]["val_loss"], rel=1e-3)
 
     card = json.loads((tmp_path / "run" / "model.json").read_text())
     model = load_model(card, torch.load(tmp_path / "run" / "model.pt", weights_only=True))
-    _, val_loader = make_loaders(CTX, job)
+    val_loader = rank_data(CTX, job.source, job.output, job.manifest, job.split, job.training).val
     sums = evaluate(model, val_loader, batch_inputs(job.training, torch.device("cpu"))[1])
-    best = history[result["best_epoch"] - 1]
-    assert card["epoch"] == result["best_epoch"] and card["selected_by"] == "highest val_acc"
+    best = history[result.best_epoch - 1]
+    assert card["epoch"] == result.best_epoch and card["selected_by"] == "highest val_acc"
     assert (sums.loss_sum / sums.count, sums.correct / sums.count) == (pytest.approx(best["val_loss"], rel=1e-4),
                                                                         best["val_acc"])
 

@@ -25,6 +25,7 @@ from prefect_ddp.tasks.config import ClusterConfig
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
 from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
 from prefect_ddp.tasks.data.indexing import index_images
+from prefect_ddp.tasks.data.loaders import rank_data
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader
 from prefect_ddp.tasks.data.shard_writer import ShardFormat, write_shards
@@ -33,7 +34,6 @@ from prefect_ddp.tasks.results.report import unreadable_text
 from prefect_ddp.tasks.training.recipe import (
     TrainJob,
     evaluate,
-    make_loaders,
     train_classifier,
     train_one_epoch,
 )
@@ -193,7 +193,8 @@ def test_leaving_images_out_changes_no_rank_s_steps_or_batch_sizes(tmp_path):
     job = spoilt_job(tmp_path, epochs=1, missing="train", undecodable="train")
     sizes, left_out = [], []
     for rank in (0, 1):
-        train_loader, _ = make_loaders(replace(CTX, rank=rank, world_size=2), job)
+        train_loader = rank_data(replace(CTX, rank=rank, world_size=2), job.source, job.output, job.manifest,
+                                 job.split, job.training).train
         assert isinstance(train_loader.sampler, DistributedSampler)
         batches = [labels.tolist() for _, labels in train_loader]
         sizes.append([len(labels) for labels in batches])
@@ -211,13 +212,13 @@ def test_a_rank_trains_on_the_rest_names_what_it_left_out_and_counts_each_once_a
     job = job.model_copy(update={"unreadable": UnreadableLimit(limit=0.2)})  # 2 of 12 is more than the default 0.1
     bad = sorted([job.manifest.paths[job.split.train[0]], job.manifest.paths[job.split.val[1]]])
     first = train_classifier(CTX, job)
-    assert first["unreadable"] == {"decode_check": 0, "in_training": 2, "keys": bad, "stopped": None}
-    (epoch,) = first["history"]
+    assert first.unreadable == {"decode_check": 0, "in_training": 2, "keys": bad} and first.stopped is None
+    (epoch,) = first.history
     assert epoch["unreadable"] == bad
     assert (epoch["train_samples"], epoch["val_samples"]) == (len(job.split.train) - 1, len(job.split.val) - 1)
     resumed = train_classifier(CTX, job.model_copy(update={"training": job.training.model_copy(update={"epochs": 2})}))
-    assert [h["unreadable"] for h in resumed["history"]] == [bad, []]  # met again in epoch 2, counted once
-    assert resumed["unreadable"] == first["unreadable"]
+    assert [h["unreadable"] for h in resumed.history] == [bad, []]  # met again in epoch 2, counted once
+    assert resumed.unreadable == first.unreadable
 
 
 # Not `unit` (it starts nothing): the whole recipe, 5-10 s on 2 busy cores.
@@ -225,14 +226,14 @@ def test_past_the_limit_every_rank_stops_and_returns_the_reason_without_raising(
     job = spoilt_job(tmp_path, epochs=3, missing="train", undecodable="train")
     job = job.model_copy(update={"unreadable": UnreadableLimit(excluded=1, limit=0.2)})
     result = train_classifier(CTX, job)
-    stopped = result["unreadable"]["stopped"]
+    stopped = result.stopped
     # 12 images listed in the manifest, plus the one decode-check left out: 3 of 13.
     assert stopped.startswith("3 of the 13 images under ")
     assert "(23.1%) could not be read, more than data.max_unreadable_fraction=0.2 allows" in stopped
     assert "1 left out by decode-check and 2 missing or undecodable when training read them (by epoch 1)" in stopped
     assert ", ".join(sorted(job.manifest.paths[p] for p in job.split.train[:2])) + "." in stopped
     assert "raise data.max_unreadable_fraction" in stopped and "data.validate_sample" in stopped
-    assert result["history"] == [] and not (tmp_path / "run" / "model.pt").exists()
+    assert result.history == [] and not (tmp_path / "run" / "model.pt").exists()
     with pytest.raises(ValueError, match=r"3 of the 13 images under .* could not be read"):
         check_stopped([result])
 

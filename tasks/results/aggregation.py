@@ -10,30 +10,34 @@ import math
 from typing import Any
 
 from prefect import task
+from pydantic import ValidationError
 
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.data.storage import exists, write_json
 from prefect_ddp.tasks.location import Location
+from prefect_ddp.tasks.results.records import AttemptRow, RankPlace, TrainingSummary
 from prefect_ddp.tasks.retries import retry_transient
+from prefect_ddp.tasks.training.rank_result import RankResult
+from prefect_ddp.tasks.training.step_times import EpochTiming
 from prefect_ddp.tasks.urls import child_url
 
 GLOBAL_METRICS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "train_samples", "val_samples",
                   "unreadable")
 
 
-def check_stopped(results: list[dict[str, Any]]) -> None:
+def check_stopped(results: list[RankResult]) -> None:
     """Fail the run when its ranks stopped because too many images were unreadable (prefect_ddp.tasks.training.unreadable).
 
     The ranks stop together and return the reason rather than raise it: a rank that raised
     would be taken for a failed one, and the gang re-formed only to meet the same images.
     """
-    stopped = results[0]["unreadable"]["stopped"] if results else None
+    stopped = results[0].stopped if results else None
     if stopped:
         raise ValueError(stopped)
 
 
-def global_history(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def global_history(results: list[RankResult]) -> list[dict[str, Any]]:
     """Rank 0's per-epoch history, after checking that every rank saw the same numbers.
 
     A loss that diverged to NaN is the same on every rank, yet NaN != NaN: compared as is,
@@ -42,17 +46,17 @@ def global_history(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     if not results:
         raise ValueError("No rank results to aggregate: the gang returned nothing.")
-    reference = global_metrics(results[0]["history"])
+    reference = global_metrics(results[0].history)
     for result in results[1:]:
-        theirs = global_metrics(result["history"])
+        theirs = global_metrics(result.history)
         if theirs != reference:
             epoch = next((i for i, (a, b) in enumerate(zip(theirs, reference)) if a != b), min(len(theirs), len(reference)))
             raise ValueError(
-                f"Rank {result['rank']} reports other global metrics than rank 0 from epoch {epoch + 1} on "
+                f"Rank {result.rank} reports other global metrics than rank 0 from epoch {epoch + 1} on "
                 f"({theirs[epoch:epoch + 1]} vs {reference[epoch:epoch + 1]}; {len(theirs)} against {len(reference)} "
                 "epochs): the ranks did not train together."
             )
-    return results[0]["history"]
+    return results[0].history
 
 
 def global_metrics(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -61,58 +65,63 @@ def global_metrics(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for h in history]
 
 
-def last_epoch_time(history: list[dict[str, Any]], checkpoint_s: list[float]) -> dict[str, Any] | None:
+def last_epoch_time(history: list[dict[str, Any]], checkpoint_s: list[float]) -> EpochTiming | None:
     """Where the last epoch's time went (prefect_ddp.tasks.training.step_times), with rank 0's
-    checkpoint time when this attempt trained that epoch; None for a run recorded before."""
-    timing = history[-1].get("time")
-    if timing is None or not checkpoint_s:
-        return timing
-    return timing | {"checkpoint_s": checkpoint_s[-1]}
+    checkpoint time when this attempt trained that epoch; None for an epoch recorded before the
+    timing was, or in another shape (a checkpoint from an older release, resumed by this one)."""
+    recorded = history[-1].get("time")
+    try:
+        timing = EpochTiming.model_validate(recorded)
+    except ValidationError:
+        return None
+    return timing.model_copy(update={"checkpoint_s": checkpoint_s[-1]}) if checkpoint_s else timing
 
 
-def attempt_rows(gang_attempts: list[dict[str, Any]], resumes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def attempt_rows(gang_attempts: list[dict[str, Any]], resumes: list[dict[str, Any]]) -> list[AttemptRow]:
     """One row per gang attempt: the supervisor's view (workers, how it ended) joined with
     rank 0's (the epoch it resumed after; None when it never got that far)."""
     resumed = {r["attempt"]: r["resumed_after_epoch"] for r in resumes}
-    return [a | {"resumed_after_epoch": resumed.get(a["number"])} for a in gang_attempts]
+    return [AttemptRow(**a, resumed_after_epoch=resumed.get(a["number"])) for a in gang_attempts]
 
 
-def summarize(results: list[dict[str, Any]], split: Split,
-              gang_attempts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def summarize(results: list[RankResult], split: Split, files: dict[str, str],
+              gang_attempts: list[dict[str, Any]] | None = None) -> TrainingSummary:
     """The run's record. `best_epoch` is the epoch whose weights rank 0 kept in model.pt (by
     prefect_ddp.tasks.selection's rule), so the summary, the report and promotion name that model."""
     history = global_history(results)
-    best = next(h for h in history if h["epoch"] == results[0]["best_epoch"])
-    return {
-        "world_size": len(results),
-        "ranks": [{"rank": r["rank"], "worker_address": r["worker_address"]} for r in results],
-        "split_digests": sorted({r["split_digest"] for r in results}),
-        "train_size": len(split.train),
-        "val_size": len(split.val),
-        "history": history,
-        "best_epoch": best["epoch"],
-        "best_val_acc": best["val_acc"],
-        "selected_by": results[0]["selected_by"],
-        "final_val_acc": history[-1]["val_acc"],
-        "final_val_loss": history[-1]["val_loss"],
-        "time": last_epoch_time(history, results[0].get("checkpoint_s", [])),
-        "pruned_at": results[0].get("pruned_at"),
-        "attempts": attempt_rows(gang_attempts or [], results[0].get("attempts", [])),
+    first = results[0]
+    best = next(h for h in history if h["epoch"] == first.best_epoch)
+    return TrainingSummary(
+        world_size=len(results),
+        ranks=[RankPlace(rank=r.rank, worker_address=r.worker_address) for r in results],
+        split_digests=sorted({r.split_digest for r in results}),
+        train_size=len(split.train),
+        val_size=len(split.val),
+        history=history,
+        best_epoch=best["epoch"],
+        best_val_acc=best["val_acc"],
+        selected_by=first.selected_by,
+        final_val_acc=history[-1]["val_acc"],
+        final_val_loss=history[-1]["val_loss"],
+        time=last_epoch_time(history, first.checkpoint_s),
+        pruned_at=first.pruned_at,
+        attempts=attempt_rows(gang_attempts or [], first.attempts),
         # Left out as unreadable: by decode-check, and in training (the first keys; each epoch's record holds all).
-        "unreadable": {k: v for k, v in results[0]["unreadable"].items() if k != "stopped"},
-        "recipe": results[0].get("recipe"),  # as it ran: the defaults that empty fields left (optimization.py)
-        "comparison": results[0].get("comparison"),  # with the kept model, on the same images (comparison.py)
-    }
+        unreadable=first.unreadable,
+        recipe=first.recipe,  # as it ran: the defaults that empty fields left (optimization.py)
+        comparison=first.comparison,  # with the kept model, on the same images (comparison.py)
+        files=files,
+    )
 
 
 @task(name="aggregate", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
 def aggregate(
-    results: list[dict[str, Any]], manifest: Manifest, split: Split, output: Location,
+    results: list[RankResult], manifest: Manifest, split: Split, output: Location,
     gang_attempts: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+) -> TrainingSummary:
     """Write metrics, manifest and split under the run's output; return the summary.
 
-    `gang_attempts` are run_gang's attempts as dicts, when the gang was formed more than once.
+    `gang_attempts` are run_gang's attempts as dicts (GangAttempt's fields).
     Fails, writing nothing, when the ranks stopped for too many unreadable images (`check_stopped`).
     """
     check_stopped(results)
@@ -121,8 +130,8 @@ def aggregate(
              ("model.pt", "model.json", "metrics.json", "manifest.json", "split.json", "report.md", "curves.png")}
     if not exists(files["model.pt"], options):
         raise FileNotFoundError(f"Rank 0 reported success but wrote no model at {files['model.pt']}.")
-    summary = summarize(results, split, gang_attempts) | {"files": files}
-    write_json(files["metrics.json"], summary, options)
+    summary = summarize(results, split, files, gang_attempts)
+    write_json(files["metrics.json"], summary.model_dump(), options)
     write_json(files["manifest.json"], manifest.model_dump(), options)
     write_json(files["split.json"], split.model_dump() | {
         "train_keys": [manifest.paths[i] for i in split.train],

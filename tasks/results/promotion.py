@@ -42,6 +42,7 @@ from prefect_ddp.tasks.location import Location, LocationT
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.results.comparison import SPLIT_FILE, decide_on_comparison
 from prefect_ddp.tasks.results.pointer import Document, read_json_document, update_json
+from prefect_ddp.tasks.results.records import TrainingSummary
 from prefect_ddp.tasks.results.registry import ALIAS, Registration, align_champion, drop_version, register_version
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.training.model import SAVED_MODEL_FILES, WarmStart
@@ -99,10 +100,10 @@ def decide(new_metric: float, current: Document | None, comparison: dict[str, An
     return False, f"{METRIC} {new_metric:.4f} is worse than {old:.4f} of {run}, which stays"
 
 
-def pointer_fields(summary: dict[str, Any]) -> dict[str, Any]:
+def pointer_fields(summary: TrainingSummary) -> dict[str, Any]:
     """What latest.json says of the kept model's scores besides its own val accuracy: the comparison
     that promoted it, when there was one."""
-    return {"comparison": summary["comparison"]} if summary.get("comparison") else {}
+    return {"comparison": summary.comparison} if summary.comparison else {}
 
 
 def read_pointer(kept: Location) -> Document | None:
@@ -110,13 +111,14 @@ def read_pointer(kept: Location) -> Document | None:
     return read_json_document(child_url(kept.url, POINTER), kept.storage_options())
 
 
-def write_version(summary: dict[str, Any], run_output: Location, version: Location,
+def write_version(summary: TrainingSummary, run_output: Location, version: Location,
                   record: dict[str, Any]) -> None:
     """Copy the run's model and card into its version folder, metrics.json last."""
     source, target = run_output.storage_options(), version.storage_options()
     for name in SAVED_MODEL_FILES:
         write_bytes(child_url(version.url, name), read_bytes(child_url(run_output.url, name), source), target)
-    kept = {key: summary[key] for key in (METRIC, "best_epoch", "final_val_acc", "final_val_loss", "history")}
+    kept = {METRIC: summary.best_val_acc, "best_epoch": summary.best_epoch, "final_val_acc": summary.final_val_acc,
+            "final_val_loss": summary.final_val_loss, "history": summary.history}
     # The split beside the model: a later run leaves its training images out of the comparison.
     if exists(split := child_url(run_output.url, SPLIT_FILE), source):
         write_bytes(child_url(version.url, SPLIT_FILE), read_bytes(split, source), target)
@@ -124,7 +126,7 @@ def write_version(summary: dict[str, Any], run_output: Location, version: Locati
 
 
 @task(name="promote", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
-def promote(summary: dict[str, Any], run_output: Location, kept: Location,
+def promote(summary: TrainingSummary, run_output: Location, kept: Location,
             run: dict[str, str], registry: Registration | None = None,
             min_improvement: float | None = None, kept_at_start: str | None = NOT_RECORDED) -> Promotion:
     """Keep this run's model under `kept` when it beats the one kept there (`decide`).
@@ -134,11 +136,11 @@ def promote(summary: dict[str, Any], run_output: Location, kept: Location,
     `registry`, the registered model and its `champion` alias follow the pointer
     (prefect_ddp.tasks.results.registry).
     """
-    metric = summary[METRIC]
+    metric = summary.best_val_acc
     version = version_location(kept, run_output)
     pointer_url = child_url(kept.url, POINTER)
     seen = read_pointer(kept)
-    comparison = summary.get("comparison")
+    comparison = summary.comparison
     promoted, reason = decide(metric, seen, comparison, min_improvement, kept_at_start)
     registered = None
     if promoted:  # write the candidate whole, then point at it if it still wins

@@ -18,9 +18,11 @@ from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, epoch_rows, markdown_tabl
 from prefect_ddp.tasks.results.comparison import comparison_markdown
 from prefect_ddp.tasks.results.plots import markdown_image, training_curves_png
 from prefect_ddp.tasks.results.promotion import Promotion
+from prefect_ddp.tasks.results.records import AttemptRow, TrainingSummary
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.training.model import WarmStart
-from prefect_ddp.tasks.training.step_times import PARTS
+from prefect_ddp.tasks.training.optimization import EffectiveRecipe
+from prefect_ddp.tasks.training.step_times import PARTS, EpochTiming
 from prefect_ddp.tasks.urls import child_url
 
 
@@ -56,12 +58,12 @@ def resumed_text(after_epoch: int | None) -> str:
     return f"after epoch {after_epoch}" if after_epoch else "from the start"
 
 
-def attempts_markdown(attempts: list[dict[str, Any]]) -> str:
+def attempts_markdown(attempts: list[AttemptRow]) -> str:
     """How the gang got there: one line when it trained in one go, else every attempt."""
     if len(attempts) <= 1:
         return "Trained in one gang attempt, without a restart.\n\n"
-    rows = [[a["number"], a["world_size"], ", ".join(a["workers"]), resumed_text(a["resumed_after_epoch"]),
-             f"{a['seconds']:.0f}", a["ended"]] for a in attempts]
+    rows = [[a.number, a.world_size, ", ".join(a.workers), resumed_text(a.resumed_after_epoch),
+             f"{a.seconds:.0f}", a.ended] for a in attempts]
     return (
         f"**The gang was re-formed: {len(attempts)} attempts.** Each resumed from the last "
         "checkpoint of the one before.\n\n"
@@ -101,74 +103,74 @@ def unreadable_text(unreadable: dict[str, Any]) -> str:
             f"(missing or not decodable when read): {named}.")
 
 
-def time_markdown(timing: dict[str, Any] | None, epoch: int) -> str:
+def time_markdown(timing: EpochTiming | None, epoch: int) -> str:
     """Where the last epoch's time went, rank by rank, under its verdict; empty for a run
     recorded before the accounting (prefect_ddp.tasks.training.step_times)."""
     if not timing:
         return ""
     header = ["rank", "step s", *(f"{p} %" for p in PARTS), "validation s", "images"]
-    rows = [[r["rank"], r["step_s"], *(round(100 * r[p] / max(r["step_s"], 1e-9), 1) for p in PARTS),
-             r["validation"], r["images"]] for r in timing["per_rank"]]
-    checkpoint = f", checkpoint {timing['checkpoint_s']} s on rank 0" if "checkpoint_s" in timing else ""
+    rows = [[r.rank, r.step_s, *(round(100 * getattr(r, p) / max(r.step_s, 1e-9), 1) for p in PARTS),
+             r.validation, r.images] for r in timing.per_rank]
+    checkpoint = f", checkpoint {timing.checkpoint_s} s on rank 0" if timing.checkpoint_s is not None else ""
     return (
-        f"## Where the time went (epoch {epoch})\n\n**{timing['verdict']}**\n\n"
-        f"{timing['images_per_s']} images/s; slowest rank {timing['slowest_rank']} "
-        f"({timing['slower_by']}x the median of the others' own work){checkpoint}.\n\n"
+        f"## Where the time went (epoch {epoch})\n\n**{timing.verdict}**\n\n"
+        f"{timing.images_per_s} images/s; slowest rank {timing.slowest_rank} "
+        f"({timing.slower_by}x the median of the others' own work){checkpoint}.\n\n"
         + markdown_table(header, rows) + "\n"
     )
 
 
-def recipe_text(recipe: dict[str, Any] | None) -> str:
+def recipe_text(recipe: EffectiveRecipe | None) -> str:
     """The recipe as it ran, with what its empty fields were left to; empty for a run recorded before.
 
-    >>> recipe_text({"lr": 0.04, "lr_scaled_by": 4, "warmup_epochs": 1, "weight_decay": 0.0001,
-    ...              "frozen_batchnorm": 0, "sync_batchnorm": False})
+    >>> recipe_text(EffectiveRecipe(lr=0.04, lr_scaled_by=4, warmup_epochs=1, weight_decay=0.0001,
+    ...                             frozen_batchnorm=0, sync_batchnorm=False))
     'Recipe as run: lr 0.04 per step (4x the per-rank lr: the world size), warmed up over 1 epoch(s); weight decay 0.0001 on weights, none on norm and bias parameters; BatchNorm per rank.'
     """
     if not recipe:
         return ""
-    scaled = f" ({recipe['lr_scaled_by']}x the per-rank lr: the world size)" if recipe["lr_scaled_by"] > 1 else ""
-    warmup = f", warmed up over {recipe['warmup_epochs']} epoch(s)" if recipe["warmup_epochs"] else ", no warmup"
-    norms = ("BatchNorm synchronised across ranks" if recipe["sync_batchnorm"] else "BatchNorm per rank") + (
-        f", {recipe['frozen_batchnorm']} frozen layer(s) in eval mode" if recipe["frozen_batchnorm"] else "")
-    return (f"Recipe as run: lr {recipe['lr']:g} per step{scaled}{warmup}; weight decay {recipe['weight_decay']:g} "
+    scaled = f" ({recipe.lr_scaled_by}x the per-rank lr: the world size)" if recipe.lr_scaled_by > 1 else ""
+    warmup = f", warmed up over {recipe.warmup_epochs} epoch(s)" if recipe.warmup_epochs else ", no warmup"
+    norms = ("BatchNorm synchronised across ranks" if recipe.sync_batchnorm else "BatchNorm per rank") + (
+        f", {recipe.frozen_batchnorm} frozen layer(s) in eval mode" if recipe.frozen_batchnorm else "")
+    return (f"Recipe as run: lr {recipe.lr:g} per step{scaled}{warmup}; weight decay {recipe.weight_decay:g} "
             f"on weights, none on norm and bias parameters; {norms}.")
 
 
-def report_markdown(summary: dict[str, Any], manifest: Manifest, curves: str, outcome: str) -> str:
-    rows = epoch_rows(summary["history"])
-    workers = ", ".join(f"rank {r['rank']}: `{r['worker_address']}`" for r in summary["ranks"])
-    unreadable = unreadable_text(summary["unreadable"])
+def report_markdown(summary: TrainingSummary, manifest: Manifest, curves: str, outcome: str) -> str:
+    rows = epoch_rows(summary.history)
+    workers = ", ".join(f"rank {r.rank}: `{r.worker_address}`" for r in summary.ranks)
+    unreadable = unreadable_text(summary.unreadable)
     return (
         f"# Transfer learning report\n\n"
-        f"**Model: the weights of epoch {summary['best_epoch']}, val accuracy {summary['best_val_acc']:.4f}** "
-        f"(the epoch with the {summary['selected_by']}); the last epoch's val accuracy was "
-        f"{summary['final_val_acc']:.4f}.\n\n"
+        f"**Model: the weights of epoch {summary.best_epoch}, val accuracy {summary.best_val_acc:.4f}** "
+        f"(the epoch with the {summary.selected_by}); the last epoch's val accuracy was "
+        f"{summary.final_val_acc:.4f}.\n\n"
         + outcome
-        + f"\nData: `{manifest.root}`, {len(manifest.classes)} classes, {summary['train_size']} train / "
-        f"{summary['val_size']} val images. World size {summary['world_size']} ({workers}).\n\n"
-        + trained_images_text(summary["history"], summary["train_size"]) + "\n\n"
-        + (f"{recipe}\n\n" if (recipe := recipe_text(summary.get("recipe"))) else "")
+        + f"\nData: `{manifest.root}`, {len(manifest.classes)} classes, {summary.train_size} train / "
+        f"{summary.val_size} val images. World size {summary.world_size} ({workers}).\n\n"
+        + trained_images_text(summary.history, summary.train_size) + "\n\n"
+        + (f"{recipe}\n\n" if (recipe := recipe_text(summary.recipe)) else "")
         + (f"{unreadable}\n\n" if unreadable else "")
-        + attempts_markdown(summary.get("attempts", []))
+        + attempts_markdown(summary.attempts)
         + "## Curves\n\n" + curves + "\n\n"
-        + time_markdown(summary.get("time"), summary["history"][-1]["epoch"])
+        + time_markdown(summary.time, summary.history[-1]["epoch"])
         + "## Per epoch (all ranks)\n\n"
         + markdown_table(EPOCH_COLUMNS, rows)
         + "\n## Files\n\n"
-        + "".join(f"- {name}: `{url}`\n" for name, url in summary["files"].items())
+        + "".join(f"- {name}: `{url}`\n" for name, url in summary.files.items())
     )
 
 
 @task(name="report", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
-def publish_report(summary: dict[str, Any], manifest: Manifest, output: Location,
+def publish_report(summary: TrainingSummary, manifest: Manifest, output: Location,
                    promotion: Promotion | None, warm: WarmStart | None, in_sweep: bool = False) -> str:
     """Write `curves.png` and `report.md` beside the model and leave the `training-report` artifact."""
     options = output.storage_options()
-    png = training_curves_png(summary["history"])
+    png = training_curves_png(summary.history)
     write_bytes(child_url(output.url, "curves.png"), png, options)
     report = report_markdown(summary, manifest, markdown_image(png, "loss and accuracy per epoch"),
-                             promotion_markdown(promotion, warm, summary.get("pruned_at"), in_sweep))
+                             promotion_markdown(promotion, warm, summary.pruned_at, in_sweep))
     write_bytes(child_url(output.url, "report.md"), report.encode(), options)
     create_markdown_artifact(key="training-report", markdown=report, description="Final report")
     return report

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import optuna
@@ -14,6 +14,32 @@ from prefect_ddp.tasks.sweeps.search_space import Value
 # Trial outcomes, kept on the Optuna trial as user attributes.
 OUTCOME = "outcome"
 INTERRUPTED = "interrupted"
+
+
+class TrialOutcome(BaseModel):
+    """What the sweep keeps of a finished trial: the OUTCOME user attribute, without its empty fields.
+
+    Attributes:
+        state: "completed" when the trial's training returned (a pruned trial's too), "failed"
+            when it raised; None in a trial recorded without an outcome.
+        message: why it failed; None when it did not.
+        model_url: the trial's model.pt; None when it failed, or a trainable's rank 0 named none.
+        mlflow_model: the trial's logged model (prefect_ddp.tasks.results.tracking_run.ModelReference),
+            when tracked; None otherwise.
+        flow_run_id: the trial's `transfer-learning` flow run; None for another trainable.
+        workers: its ranks' Dask workers, in rank order; None for another trainable.
+        run: the name of its flow run; None for another trainable.
+        seconds: from the trial's start to its end, as the sweep measured it.
+    """
+
+    state: Literal["completed", "failed"] | None = None
+    message: str | None = None
+    model_url: str | None = None
+    mlflow_model: dict[str, Any] | None = None
+    flow_run_id: str | None = None
+    workers: list[str] | None = None
+    run: str | None = None
+    seconds: float | None = None
 
 
 class SweepSettings(BaseModel):

@@ -60,7 +60,7 @@ from prefect_ddp.tasks.sweeps.search_space import (
     grid_size,
     with_params,
 )
-from prefect_ddp.tasks.sweeps.settings import INTERRUPTED, OUTCOME, SweepSettings, direction_of
+from prefect_ddp.tasks.sweeps.settings import INTERRUPTED, OUTCOME, SweepSettings, TrialOutcome, direction_of
 from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
 from prefect_ddp.tasks.sweeps.trial_relay import TrialRelay
 from prefect_ddp.tasks.urls import absolute_url, child_url, is_local_url, safe_segment
@@ -232,7 +232,7 @@ def sole_sweep(study: optuna.Study) -> Iterator[None]:
 
 def run_trials(
     study: optuna.Study, space: dict[str, Dimension], settings: SweepSettings, client: distributed.Client,
-    train_trial: Callable[[Any, TrialLink], dict[str, Any]],
+    train_trial: Callable[[Any, TrialLink], TrialOutcome],
 ) -> TrialsRun:
     """Ask for trials, `concurrency` at a time, until the study has `n_trials` finished ones;
     what became of the trials this call trained.
@@ -259,7 +259,7 @@ def run_trials(
 
 
 def _ask_and_tell(study: optuna.Study, space: dict[str, Dimension], settings: SweepSettings,
-                  client: distributed.Client, train_trial: Callable[[Any, TrialLink], dict[str, Any]],
+                  client: distributed.Client, train_trial: Callable[[Any, TrialLink], TrialOutcome],
                   to_run: int, pool: ThreadPoolExecutor) -> TrialsRun:
     pending: dict[Future, tuple[Any, float]] = {}
     trials = TrialsRun()
@@ -274,7 +274,8 @@ def _ask_and_tell(study: optuna.Study, space: dict[str, Dimension], settings: Sw
         done, _ = wait(pending, return_when=FIRST_COMPLETED)
         for future in done:
             trial, started = pending.pop(future)
-            failure = tell(study, trial, outcome_of(future) | {"seconds": round(time.monotonic() - started, 1)})
+            failure = tell(study, trial, outcome_of(future).model_copy(
+                update={"seconds": round(time.monotonic() - started, 1)}))
             if failure is None:
                 trials.trained += 1
             else:
@@ -282,34 +283,34 @@ def _ask_and_tell(study: optuna.Study, space: dict[str, Dimension], settings: Sw
     return trials
 
 
-def relayed(train_trial: Callable[[Any, TrialLink], dict[str, Any]], trial: Any, relay: TrialRelay) -> dict[str, Any]:
+def relayed(train_trial: Callable[[Any, TrialLink], TrialOutcome], trial: Any, relay: TrialRelay) -> TrialOutcome:
     """Train `trial` while its relay serves the reports of its gang."""
     with relay:
         return train_trial(trial, relay.link)
 
 
-def outcome_of(future: Future) -> dict[str, Any]:
+def outcome_of(future: Future) -> TrialOutcome:
     try:
         return future.result()
     except Exception as exc:  # one failed trial is a result of the sweep, not its end
-        return {"state": "failed", "message": f"{type(exc).__name__}: {exc}"}
+        return TrialOutcome(state="failed", message=f"{type(exc).__name__}: {exc}")
 
 
-def tell(study: Any, trial: Any, outcome: dict[str, Any]) -> str | None:
+def tell(study: Any, trial: Any, outcome: TrialOutcome) -> str | None:
     """Record a finished trial: its outcome, and its value (best reported) or its state; why it
     failed, or None where it trained (completed or pruned)."""
-    trial.set_user_attr(OUTCOME, outcome)
+    trial.set_user_attr(OUTCOME, outcome.model_dump(exclude_none=True))
     (recorded,) = [t for t in study.get_trials(deepcopy=False) if t.number == trial.number]
     values = [value for _, value in sorted(recorded.intermediate_values.items())]
     log = run_logger()
     reason = None
     if PRUNED_AT in recorded.user_attrs:
         study.tell(trial, state=TrialState.PRUNED)
-    elif outcome["state"] == "completed" and values:
+    elif outcome.state == "completed" and values:
         # The best epoch's value (prefect_ddp.tasks.selection): the epoch whose weights the trial kept.
         study.tell(trial, values[best_index(values, direction_of(study))])
     else:
-        reason = outcome.get("message") or "it reported no metric: call ctx.report(epoch, metrics) every epoch"
+        reason = outcome.message or "it reported no metric: call ctx.report(epoch, metrics) every epoch"
         log.warning("Trial %d failed: %s", trial.number, reason)
         study.tell(trial, state=TrialState.FAIL)
     log.info("Trial %d: %s.", trial.number, study.get_trials(deepcopy=False)[trial.number].state.name.lower())
@@ -322,14 +323,14 @@ def trial_run_name(number: int, params: dict[str, Any]) -> str:
 
 
 def gang_trial(train_fn: Callable, config: dict[str, Any], link: TrialLink, settings: SweepSettings,
-               runner: DaskTaskRunner, output_url: str) -> dict[str, Any]:
+               runner: DaskTaskRunner, output_url: str) -> TrialOutcome:
     """One trial of a user's trainable: a gang on leased workers, reporting to the study;
     its ranks find their own folder in `ctx.output_url`."""
     results = run_gang(train_fn, config, task_runner=runner, world_size=settings.ranks_per_trial,
                        output_url=output_url, trial=link,
                        lease_timeout=timedelta(seconds=settings.lease_timeout_s))
     first = results[0] if isinstance(results[0], dict) else {}
-    return {"state": "completed", "model_url": first.get("model_url")}
+    return TrialOutcome(state="completed", model_url=first.get("model_url"))
 
 
 def sweep(
@@ -378,7 +379,7 @@ def sweep(
     study = open_study(settings, dimensions, study_storage(settings, output.url),
                        max_epochs=config.get("epochs", "auto"))
 
-    def train_trial(trial: Any, link: TrialLink) -> dict[str, Any]:
+    def train_trial(trial: Any, link: TrialLink) -> TrialOutcome:
         folder = child_url(output.url, safe_segment(settings.name), f"trial-{trial.number}")
         return gang_trial(train_fn, with_params(config, trial.params), link, settings, runner, folder)
 

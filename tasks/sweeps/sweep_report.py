@@ -26,6 +26,7 @@ from prefect_ddp.tasks.sweeps.settings import (
     INTERRUPTED,
     OUTCOME,
     SweepSettings,
+    TrialOutcome,
     direction_of,
 )
 from prefect_ddp.tasks.urls import child_url, safe_segment
@@ -41,7 +42,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         if trial.user_attrs.get(INTERRUPTED) or not trial.state.is_finished():
             continue
         curve = sorted(trial.intermediate_values.items())
-        outcome = trial.user_attrs.get(OUTCOME, {})
+        outcome = TrialOutcome.model_validate(trial.user_attrs.get(OUTCOME, {}))
         # The epoch whose weights the trial kept (prefect_ddp.tasks.selection): the one its model holds.
         best_epoch = curve[best_index([v for _, v in curve], direction_of(study))][0] if curve else None
         start = trial.datetime_start.timestamp() if trial.datetime_start else 0.0
@@ -51,12 +52,12 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
             "state": state_text(trial.state.name, outcome, curve),
             "value": trial.value if trial.value is not None else (dict(curve).get(best_epoch) if best_epoch is not None else None),
             "best_epoch": best_epoch,
-            "seconds": outcome.get("seconds"),
-            "run": outcome.get("run"),
-            "model_url": outcome.get("model_url"),
-            "mlflow_model": outcome.get("mlflow_model"),  # the trial's logged model, when tracked
-            "flow_run_id": outcome.get("flow_run_id"),
-            "workers": outcome.get("workers"),
+            "seconds": outcome.seconds,
+            "run": outcome.run,
+            "model_url": outcome.model_url,
+            "mlflow_model": outcome.mlflow_model,  # the trial's logged model, when tracked
+            "flow_run_id": outcome.flow_run_id,
+            "workers": outcome.workers,
             "curve": [{"epoch": e, "value": v, "elapsed_s": trial.user_attrs.get(f"{REPORTED_AT}{e}", start) - start}
                       for e, v in curve],
         })
@@ -64,11 +65,11 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["value"] if r["value"] is not None else missing, reverse=maximize)
 
 
-def state_text(state: str, outcome: dict[str, Any], curve: list) -> str:
+def state_text(state: str, outcome: TrialOutcome, curve: list) -> str:
     if state == "PRUNED":
         return f"pruned at epoch {curve[-1][0]}" if curve else "pruned"
     if state == "FAIL":
-        return f"failed: {outcome.get('message') or 'no metric reported'}"
+        return f"failed: {outcome.message or 'no metric reported'}"
     return "completed"
 
 

@@ -8,18 +8,14 @@ images only one of the two gets right (`better`, `worse`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from pydantic import BaseModel
 
-from prefect_ddp.tasks.config import TrainingConfig
-from prefect_ddp.tasks.data.byte_cache import ByteCache
-from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
+from prefect_ddp.tasks.data.dataset import eval_transform
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
-from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.loaders import ManifestImages, RankData
 from prefect_ddp.tasks.data.storage import load_torch, read_json
 from prefect_ddp.tasks.gang import RankContext, all_reduce_sum
 from prefect_ddp.tasks.location import Location
@@ -38,31 +34,15 @@ class Champion(BaseModel):
     split_known: bool  # False: its training keys were not found, so none could be left out
 
 
-@dataclass(frozen=True)
-class ManifestImages:
-    """Datasets of a run's manifest with its recipe's fetch settings: the loaders' and the comparison's."""
-
-    source: Location
-    manifest: Manifest
-    training: TrainingConfig
-
-    def dataset(self, positions: list[int], transform: Callable | None, cache: ByteCache | None = None) -> S3ImageFolder:
-        """The images at `positions` of the manifest."""
-        cfg, m = self.training, self.manifest
-        return S3ImageFolder(
-            m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions], self.source.storage_options(),
-            transform, fetch_threads=cfg.fetches_in_flight(), fetch_timeout_s=cfg.fetch_timeout_s,
-            sizes=[m.sizes[i] for i in positions], cache=cache)
-
-
-def score_against_champion(ctx: RankContext, champion: Champion, output: Location, images: ManifestImages,
+def score_against_champion(ctx: RankContext, champion: Champion, output_url: str, data: RankData,
                            device: torch.device, best_epoch: int) -> dict[str, Any]:
     """Both models' right answers on this rank's share of the champion's positions, summed over the
-    gang; this run's model is the best epoch's, in `output`."""
+    gang; this run's model is the best epoch's, in `output_url`, read with the options the rank's
+    data path derived for it (prefect_ddp.tasks.data.loaders)."""
     all_reduce_sum([0.0], device)  # rank 0 wrote the best epoch's model.pt before any rank reads it
     shard = champion.positions[ctx.rank :: ctx.world_size]
-    ours = right_per_image(ctx, output, images, shard, device)
-    theirs = right_per_image(ctx, champion.folder, images, shard, device)
+    ours = right_per_image(ctx, output_url, data.output_options, data.images, shard, device)
+    theirs = right_per_image(ctx, champion.folder.url, champion.folder.storage_options(), data.images, shard, device)
     paired = [(a, b) for a, b in zip(ours, theirs) if a is not None and b is not None]
     compared, new, old, better, worse = all_reduce_sum([
         len(paired), sum(a for a, _ in paired), sum(b for _, b in paired),
@@ -76,13 +56,12 @@ def score_against_champion(ctx: RankContext, champion: Champion, output: Locatio
 
 
 @torch.inference_mode()
-def right_per_image(ctx: RankContext, folder: Location, images: ManifestImages, positions: list[int],
-                    device: torch.device) -> list[bool | None]:
+def right_per_image(ctx: RankContext, folder: str, options: dict[str, Any], images: ManifestImages,
+                    positions: list[int], device: torch.device) -> list[bool | None]:
     """Whether the model in `folder` (model.pt, model.json) classifies each image right; None
     for an image that could not be read."""
-    options = folder.storage_options()
-    card = read_json(child_url(folder.url, "model.json"), options)
-    model = load_model(card, load_torch(child_url(folder.url, "model.pt"), options)).to(device)
+    card = read_json(child_url(folder, "model.json"), options)
+    model = load_model(card, load_torch(child_url(folder, "model.pt"), options)).to(device)
     # Preprocessed as its card says: a champion of another image size is scored as it was validated.
     dataset = images.dataset(positions, eval_transform(card["image_size"], card_resize(card)))
     right: list[bool | None] = []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,9 +36,6 @@ class EffectiveRecipe:
     weight_decay: float  # on weights of two or more dimensions; norm and bias parameters get none
     frozen_batchnorm: int  # BatchNorm layers kept in eval mode (their parameters do not train)
     sync_batchnorm: bool
-
-    def describe(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def scales_lr(cfg: TrainingConfig) -> bool:

@@ -1,8 +1,8 @@
 """The transfer-learning recipe that runs on every rank of the gang.
 
-Read top to bottom like torchvision's reference `train.py`: `train_one_epoch`, `evaluate`,
-`make_loaders` (the optimiser, its schedule and the normalisation layers are
-prefect_ddp.tasks.training.optimization's), then `set_up_rank`, `run_epoch` and
+Read top to bottom like torchvision's reference `train.py`: `train_one_epoch`, `evaluate`
+(the loaders are prefect_ddp.tasks.data.loaders'; the optimiser, its schedule and the
+normalisation layers prefect_ddp.tasks.training.optimization's), then `set_up_rank`, `run_epoch` and
 `train_classifier`, the per-rank entry point that `run_gang` calls. The loop does not care
 about world size: at world size 1 there is no process group and the wrappers do nothing.
 
@@ -20,7 +20,6 @@ resumes from it, and only from its own job's. `model.pt` holds the best epoch's 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,21 +29,17 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from pydantic import BaseModel, field_validator
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
-from prefect_ddp.tasks.data.byte_cache import ByteCache
 from prefect_ddp.tasks.data.dataset import (
     eval_transform,
-    forked_workers,
     train_transform,
     unreadable_positions,
 )
-from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
-from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
+from prefect_ddp.tasks.data.device_batches import ToDevice
+from prefect_ddp.tasks.data.loaders import RankData, rank_data
 from prefect_ddp.tasks.data.manifest import Manifest
-from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
-from prefect_ddp.tasks.data.shard_writer import shard_format
 from prefect_ddp.tasks.training.decode_cost import PROBE_IMAGES, DecodeProbe
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.data.storage import save_torch, write_json
@@ -55,7 +50,7 @@ from prefect_ddp.tasks.reporting import (
 )
 from prefect_ddp.tasks.selection import Selection, best_index, is_better
 from prefect_ddp.tasks.tracking import TrackedRun
-from prefect_ddp.tasks.training.champion import Champion, ManifestImages, score_against_champion
+from prefect_ddp.tasks.training.champion import Champion, score_against_champion
 from prefect_ddp.tasks.training.checkpoints import (
     TrainingState,
     job_fingerprint,
@@ -82,6 +77,7 @@ from prefect_ddp.tasks.training.optimization import (
     warmup_epochs,
 )
 from prefect_ddp.tasks.training.progress import ProgressReporter
+from prefect_ddp.tasks.training.rank_result import RankResult
 from prefect_ddp.tasks.training.step_times import (
     StepClock,
     epoch_timing,
@@ -260,69 +256,6 @@ def between_batches(ctx: RankContext, epoch: int, done: int, total: int) -> None
     ctx.check_stop()
 
 
-def make_loaders(ctx: RankContext, job: TrainJob) -> tuple[DataLoader, DataLoader]:
-    """Train batches from a DistributedSampler (or tar shards); val sharded rank::world_size, unpadded.
-
-    DistributedSampler pads the val shard with repeats to even it out, which would count
-    some images twice; a plain stride covers every val image exactly once. With
-    training.images_per_shard the train set is read from the shards that the flow's
-    write-shards step wrote; that dataset batches itself and gives every rank the same
-    number of steps (prefect_ddp.tasks.data.shard_reader).
-    """
-    cfg, m = job.training, job.manifest
-    cache = ByteCache(int(cfg.cache_gb * 1e9)) if cfg.cache_gb else None
-    dataset = partial(ManifestImages(job.source, m, cfg).dataset, cache=cache)
-
-    # decode_on="device": the loaders hand over encoded images (no transform); the rank
-    # decodes and transforms them (batch_inputs).
-    on_device = cfg.decode_on == "device"
-    train_tf = None if on_device else train_transform(cfg.image_size)
-    val_tf = None if on_device else eval_transform(cfg.image_size)
-    collate: dict[str, Any] = {"collate_fn": encoded_collate} if on_device else {}
-    val_set = dataset(job.split.val, val_tf)
-    workers = loader_workers(cfg)
-    loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": ctx.device.startswith("cuda")}
-    if workers:
-        require_non_daemonic(workers)
-        loader_options |= {**forked_workers(), "persistent_workers": True}
-    val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
-    val_loader = FetchAheadLoader(val_set, val_shard, cfg.batch_size, **collate, **loader_options)
-    if cfg.images_per_shard:
-        output = job.output.storage_options()
-        folder, index = open_shards(job.output.url, output, m, job.split, shard_format(cfg))
-        shards = ShardDataset(folder, index, output, train_tf, cfg.batch_size, ctx.rank,
-                              ctx.world_size, workers, job.split.seed, cfg.fetch_timeout_s)
-        return ShardLoader(shards, **loader_options), val_loader
-    train_set = dataset(job.split.train, train_tf)
-    sampler: DistributedSampler[int] = DistributedSampler(
-        train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=job.split.seed
-    )
-    # A last batch of one image breaks BatchNorm in training mode; every rank's shard has
-    # the same length, so all ranks drop it together and keep the same number of steps.
-    drop_single = len(sampler) % cfg.batch_size == 1
-    train_loader = FetchAheadLoader(train_set, sampler, cfg.batch_size, drop_single, **collate, **loader_options)
-    return train_loader, val_loader
-
-
-def loader_workers(cfg: TrainingConfig) -> int:
-    """training.num_workers, or with none given, the rank's share of its host's cores less one.
-
-    The gang sets each rank's torch threads to that share (prefect_ddp.tasks.gang.plan.thread_shares).
-    """
-    return cfg.num_workers if cfg.num_workers is not None else max(0, torch.get_num_threads() - 1)
-
-
-def require_non_daemonic(num_workers: int) -> None:
-    """Fail with the fix, not multiprocessing's 'daemonic processes are not allowed to have children'."""
-    if multiprocessing.current_process().daemon:
-        raise RuntimeError(
-            f"training.num_workers={num_workers} needs DataLoader worker processes, but this Dask "
-            "worker is a daemonic process and cannot start any. Start the cluster's workers with "
-            "DASK_DISTRIBUTED__WORKER__DAEMON=False (clusters this project creates do), or set "
-            "training.num_workers=0."
-        )
-
-
 def autocast_dtype(cfg: TrainingConfig, device: torch.device, log: Any) -> torch.dtype | None:
     """The autocast type, or None for full precision (amp off, or a rank without CUDA)."""
     if not cfg.amp or device.type != "cuda":
@@ -352,11 +285,11 @@ class BestWeights:
     checkpoint whose own epoch is the best writes it again (`after_resume`).
     """
 
-    def __init__(self, ctx: RankContext, job: TrainJob, selection: Selection) -> None:
+    def __init__(self, ctx: RankContext, job: TrainJob, selection: Selection, options: dict[str, Any]) -> None:
         self.enabled = ctx.is_main
         self.job = job
         self.selection = selection
-        self.options = job.output.storage_options()
+        self.options = options  # the output's, as rank_data derived them
         self.best: float | None = None
         self.epoch: int | None = None  # the epoch model.pt holds, counted from 1
 
@@ -401,8 +334,7 @@ class RankSetup:
     """A rank's recipe, set up: what a checkpoint holds, the data, and how batches reach the device."""
 
     state: TrainingState  # its model is the unwrapped one: checkpoints, model.pt and validation use it
-    train_loader: DataLoader
-    val_loader: DataLoader
+    data: RankData  # its loaders, the images read outside them and the storage options, from one call
     train_inputs: ToDevice
     val_inputs: ToDevice
     amp_dtype: torch.dtype | None
@@ -427,8 +359,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     # A download says how it gets on, so its time does not count against the start's allowance.
     download_weights(job.model, partial(ctx.progress, "download"))
     ctx.progress("data")
-    train_loader, val_loader = make_loaders(ctx, job)
-    model = build_model(job.model, len(job.manifest.classes), job.source.storage_options())
+    data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training)
+    model = build_model(job.model, len(job.manifest.classes), data.source_options)
     if job.warm_start:
         load_warm_start(model, job.warm_start)
     if (reason := frozen_random_backbone(job.model, job.warm_start is not None)) and ctx.is_main:
@@ -442,33 +374,33 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     advice = input_advice(job.training, from_object_store="://" in job.manifest.root)
     warm_epochs = warmup_epochs(job.training, ctx.world_size)
     scaled_by = ctx.world_size if scales_lr(job.training) else 1
-    warmup = Warmup(warm_epochs * len(train_loader), start=1 / scaled_by if scaled_by > 1 else 0.0)
+    warmup = Warmup(warm_epochs * len(data.train), start=1 / scaled_by if scaled_by > 1 else 0.0)
     frozen = frozen_batchnorm(model)
     recipe = EffectiveRecipe(
         lr=optimizer.param_groups[0]["lr"], lr_scaled_by=scaled_by,
         warmup_epochs=warm_epochs, weight_decay=job.training.weight_decay, frozen_batchnorm=len(frozen),
         sync_batchnorm=synced)
-    return RankSetup(state, train_loader, val_loader, train_inputs, val_inputs, amp_dtype, StepClock(device), advice,
-                     decode_probe(ctx, job, log),
+    return RankSetup(state, data, train_inputs, val_inputs, amp_dtype, StepClock(device), advice,
+                     decode_probe(ctx, job, data, log),
                      job.training.batch_size, warmup, frozen, recipe)
 
 
-def decode_probe(ctx: RankContext, job: TrainJob, log: Any) -> DecodeProbe | None:
+def decode_probe(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> DecodeProbe | None:
     """Rank 0's measure of what decoding this run's training images costs, taken when an epoch is
     input-bound (prefect_ddp.tasks.training.decode_cost); None on other ranks and where the run does
-    not decode originals on its CPUs (shards stored resized, or decoding on the device)."""
+    not decode originals on its CPUs (`RankData.decodes_originals`)."""
     cfg = job.training
-    if not ctx.is_main or cfg.decode_on == "device" or (cfg.images_per_shard and shard_format(cfg).side):
+    if not ctx.is_main or not data.decodes_originals:
         return None
     positions = job.split.train[:PROBE_IMAGES]
 
     def fetch() -> list[bytes]:
         try:
-            images = ManifestImages(job.source, job.manifest, cfg).dataset(positions, None).fetch(range(len(positions)))
+            images = data.images.dataset(positions, None).fetch(range(len(positions)))
         except OSError as exc:  # the loaders meet the storage's trouble and say so; the verdict goes without
             log.debug("Could not fetch images to time their decoding: %s", exc)
             return []
-        return [data for data in images if data]
+        return [image for image in images if image]
 
     return DecodeProbe(fetch, cfg.image_size, train_transform(cfg.image_size))
 
@@ -481,29 +413,30 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
     every rank's row of it travels in the same all-reduce as the metrics.
     """
     started = time.monotonic()
-    sampler = rank.train_loader.sampler
-    assert isinstance(sampler, EpochSampler), "make_loaders' train loaders sample by epoch"
+    sampler = rank.data.train.sampler
+    assert isinstance(sampler, EpochSampler), "rank_data's train loaders sample by epoch"
     sampler.set_epoch(epoch)
     on_step = partial(between_steps, ctx, progress, rank.clock, rank.batch_size, started, epoch)
-    train = train_one_epoch(ddp_model, rank.train_loader, rank.state.optimizer, rank.state.scaler,
+    train = train_one_epoch(ddp_model, rank.data.train, rank.state.optimizer, rank.state.scaler,
                             rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock,
                             warmup=rank.warmup, frozen=rank.frozen)
     trained_at = time.monotonic()
     sync_buffers(rank.state.model)
-    val = validate(ctx, rank.state.model, rank.val_loader, rank.val_inputs, epoch)
+    val = validate(ctx, rank.state.model, rank.data.val, rank.val_inputs, epoch)
     sums = [*train.sums(), *val.sums()]
     rows = gang_rows(rank.clock.totals(), time.monotonic() - trained_at, trained_at - started, int(train.count),
                      ctx.rank, ctx.world_size)
     totals = all_reduce_sum([*sums, *rows], rank.device)
     record = epoch_record(epoch, totals[:len(sums)], rank.state.optimizer, time.monotonic() - started)
-    record["time"] = epoch_timing(split_rows(totals[len(sums):]), rank.input_advice, rank.decode_cost)
-    record["images_per_s"] = record["time"]["images_per_s"]
-    record["data_wait_pct"] = round(100 * record["time"]["shares"]["data"], 1)
+    timing = epoch_timing(split_rows(totals[len(sums):]), rank.input_advice, rank.decode_cost)
+    record["time"] = timing.model_dump()
+    record["images_per_s"] = timing.images_per_s
+    record["data_wait_pct"] = round(100 * timing.shares["data"], 1)
     record["unreadable"] = unreadable.pool(train.unreadable | val.unreadable, record["epoch"])  # first met this epoch
     return record, int(train.count)
 
 
-def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
+def train_classifier(ctx: RankContext, job: TrainJob) -> RankResult:
     """Per-rank entry point: train, validate, checkpoint; rank 0 keeps the best epoch's model.
 
     Every rank stops early together when a sweep prunes the run, or when too many images
@@ -514,15 +447,15 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     level = logging.INFO if ctx.is_main else logging.DEBUG
     rank = set_up_rank(ctx, job, log)
     model, state = rank.state.model, rank.state
-    output = job.output.storage_options()
+    output = rank.data.output_options
     checkpoint_url = child_url(job.output.url, "checkpoints", CHECKPOINT)
     fingerprint = job_fingerprint(job.manifest.classes, job.split.digest(job.manifest), job.model, job.training)
     start_epoch, history = state.resume(checkpoint_url, output, fingerprint, ctx.world_size,
                                         scales_lr(job.training), rank.device)
-    rank.warmup.done = start_epoch * len(rank.train_loader)  # a resumed run's warmup is behind it
+    rank.warmup.done = start_epoch * len(rank.data.train)  # a resumed run's warmup is behind it
     ddp_model = wrap_ddp(model, rank.device)
     time_gradient_sync(ddp_model, rank.clock)
-    kept = BestWeights(ctx, job, ctx.trial.selection if ctx.trial else Selection())
+    kept = BestWeights(ctx, job, ctx.trial.selection if ctx.trial else Selection(), output)
     kept.after_resume(model, history)
     unreadable = UnreadableTally(job.unreadable, job.manifest, rank.device, announce=ctx.is_main)
     unreadable.after_resume(history)
@@ -560,24 +493,24 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> dict[str, Any]:
     finally:
         progress.close()
     # Every rank agrees on pruned_at and stopped: all score, or none does.
-    comparison = (score_against_champion(ctx, job.champion, job.output,
-                                         ManifestImages(job.source, job.manifest, job.training), rank.device, kept.epoch)
+    comparison = (score_against_champion(ctx, job.champion, job.output.url, rank.data, rank.device, kept.epoch)
                   if job.champion and kept.epoch and not (pruned_at or stopped) else None)
-    return {
-        "rank": ctx.rank,
-        "worker_address": ctx.worker_address,
-        "split_digest": job.split.digest(job.manifest),
-        "local_train_samples": local_train_samples,
-        "checkpoint_s": checkpoint_s,
-        "history": history,
-        "best_epoch": kept.epoch,
-        "selected_by": kept.selection.describe(),
-        "pruned_at": pruned_at,
-        "attempts": attempts,
-        "unreadable": unreadable.summary(stopped),
-        "recipe": rank.recipe.describe(),
-        "comparison": comparison,
-    }
+    return RankResult(
+        rank=ctx.rank,
+        worker_address=ctx.worker_address,
+        split_digest=job.split.digest(job.manifest),
+        local_train_samples=local_train_samples,
+        checkpoint_s=checkpoint_s,
+        history=history,
+        best_epoch=kept.epoch,
+        selected_by=kept.selection.describe(),
+        pruned_at=pruned_at,
+        attempts=attempts,
+        unreadable=unreadable.summary(),
+        stopped=stopped,
+        recipe=rank.recipe,
+        comparison=comparison,
+    )
 
 
 def epoch_record(epoch: int, totals: list[float], optimizer, seconds: float) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.training.decode_cost import DecodeCost, decode_verdict
@@ -166,8 +167,53 @@ def input_advice(cfg: TrainingConfig, from_object_store: bool) -> str:
     return "; ".join(advice)
 
 
+class RankTime(BaseModel):
+    """One rank's time in an epoch: its step time, cut into PARTS (seconds each), then its
+    validation pass, its whole training pass, and the images it trained on."""
+
+    rank: int
+    step_s: float  # the sum of its PARTS
+    data: float
+    forward: float
+    backward: float
+    sync: float
+    optimizer: float
+    other: float
+    validation: float
+    train_wall_s: float
+    images: int
+
+
+class EpochTiming(BaseModel):
+    """Where the gang's time went in one epoch: each epoch record's `time`, and the run's summary's.
+
+    Attributes:
+        images_per_s: the gang's images over its slowest rank's training pass.
+        shares: per part of PARTS, its share of the ranks' summed step time.
+        per_rank: every rank's time, in rank order.
+        slowest_rank, slower_by: the rank whose own work (its step less the sync it waits in)
+            took longest, and how many times the median of the others' it took.
+        verdict: the one line a person can act on (docs/troubleshooting.md, "Where the time goes").
+        checkpoint_s: rank 0's seconds to checkpoint the epoch, in the run's summary only; None
+            elsewhere, and then left out of the record.
+    """
+
+    images_per_s: float
+    shares: dict[str, float]
+    per_rank: list[RankTime]
+    slowest_rank: int
+    slower_by: float
+    verdict: str
+    checkpoint_s: float | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unmeasured(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        record: dict[str, Any] = handler(self)
+        return record if self.checkpoint_s is not None else {k: v for k, v in record.items() if k != "checkpoint_s"}
+
+
 def epoch_timing(rows: list[list[float]], advice: str,
-                 decode: Callable[[], DecodeCost | None] | None = None) -> dict[str, Any]:
+                 decode: Callable[[], DecodeCost | None] | None = None) -> EpochTiming:
     """The gang's time for one epoch from every rank's row: shares, rate, slowest rank, verdict.
 
     Shares are of the ranks' summed step time; images per second is the gang's images over
@@ -175,7 +221,7 @@ def epoch_timing(rows: list[list[float]], advice: str,
     decoding this run's images costs (rank 0's probe), asked only for an input-bound verdict.
 
     >>> fast = [1.0, 2.0, 4.0, 0.5, 0.4, 0.1, 1.0, 8.0, 100.0]
-    >>> epoch_timing([fast, fast], "shards")["verdict"]
+    >>> epoch_timing([fast, fast], "shards").verdict
     'compute-bound: 80% of each step is forward, backward and optimizer; the input keeps up.'
     """
     ranks = [dict(zip(PARTS + EXTRA, row)) for row in rows]
@@ -189,18 +235,18 @@ def epoch_timing(rows: list[list[float]], advice: str,
     slower_by = own_work[slowest] / max(median, 1e-9)
     straggles = slower_by >= STRAGGLER and own_work[slowest] - median >= STRAGGLER_MIN_S
     wall = max(r["train_wall"] for r in ranks)
-    return {
-        "images_per_s": round(sum(r["images"] for r in ranks) / max(wall, 1e-9), 1),
-        "shares": {p: round(s, 3) for p, s in shares.items()},
-        "per_rank": [{"rank": i, "step_s": round(s, 3), **{p: round(r[p], 3) for p in PARTS},
-                      "validation": round(r["validation"], 3), "train_wall_s": round(r["train_wall"], 3),
-                      "images": int(r["images"])}
-                     for i, (s, r) in enumerate(zip(step_s, ranks))],
-        "slowest_rank": slowest,
-        "slower_by": round(slower_by, 2),
-        "verdict": verdict(shares, slowest, slower_by if straggles else None, ranks[slowest], advice, decode,
-                           sum(r[p] for r in ranks for p in COMPUTE) / max(sum(r["images"] for r in ranks), 1)),
-    }
+    return EpochTiming(
+        images_per_s=round(sum(r["images"] for r in ranks) / max(wall, 1e-9), 1),
+        shares={p: round(s, 3) for p, s in shares.items()},
+        per_rank=[RankTime(rank=i, step_s=round(s, 3), **{p: round(r[p], 3) for p in PARTS},
+                           validation=round(r["validation"], 3), train_wall_s=round(r["train_wall"], 3),
+                           images=int(r["images"]))
+                  for i, (s, r) in enumerate(zip(step_s, ranks))],
+        slowest_rank=slowest,
+        slower_by=round(slower_by, 2),
+        verdict=verdict(shares, slowest, slower_by if straggles else None, ranks[slowest], advice, decode,
+                        sum(r[p] for r in ranks for p in COMPUTE) / max(sum(r["images"] for r in ranks), 1)),
+    )
 
 
 def verdict(shares: dict[str, float], slowest: int, slower_by: float | None, slowest_parts: dict[str, float],

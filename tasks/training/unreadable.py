@@ -101,7 +101,6 @@ class UnreadableTally:
             "training), or raise data.max_unreadable_fraction to train on the rest."
         )
 
-    def summary(self, stopped: str | None) -> dict[str, Any]:
-        """What a rank returns: the counts, the first keys met in training, and why it stopped, if it did."""
-        return {"decode_check": self.limit.excluded, "in_training": len(self.keys),
-                "keys": self.keys[:REPORTED_KEYS], "stopped": stopped}
+    def summary(self) -> dict[str, Any]:
+        """What a rank returns: the counts, and the first keys met in training."""
+        return {"decode_check": self.limit.excluded, "in_training": len(self.keys), "keys": self.keys[:REPORTED_KEYS]}

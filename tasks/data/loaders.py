@@ -1,0 +1,142 @@
+"""A rank's data path, built in one place (docs/architecture.md, "The data path's modes").
+
+The recipe asks `rank_data` once per rank and gets everything it reads with: the train and
+val loaders, the manifest's images for the reads outside them (rank 0's decode probe, the
+champion comparison) and the storage options of the source and the output. Which mode the
+loaders read in is decided here alone, from the training config: one GET per image (the
+default), through the byte cache (training.cache_gb), from tar shards
+(training.images_per_shard), stored resized or as they were (training.shard_side), decoded
+on the CPU or handed over encoded (training.decode_on). So the recipe never learns the
+modes, and the storage options, which `Location.storage_options` builds afresh on every
+call, are derived once for the rank instead of at every read.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.byte_cache import ByteCache
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform
+from prefect_ddp.tasks.data.device_batches import encoded_collate
+from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
+from prefect_ddp.tasks.data.shard_writer import shard_format
+from prefect_ddp.tasks.data.splitting import Split
+from prefect_ddp.tasks.gang import RankContext
+from prefect_ddp.tasks.location import Location
+
+
+@dataclass(frozen=True)
+class ManifestImages:
+    """Datasets of a run's manifest with its recipe's fetch settings: the loaders', the decode
+    probe's and the champion comparison's, all reading with the rank's one set of source options."""
+
+    manifest: Manifest
+    training: TrainingConfig
+    options: dict[str, Any] = field(repr=False)  # the source's storage options: they hold its secret
+
+    def dataset(self, positions: list[int], transform: Callable | None, cache: ByteCache | None = None) -> S3ImageFolder:
+        """The images at `positions` of the manifest."""
+        cfg, m = self.training, self.manifest
+        return S3ImageFolder(
+            m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions], self.options,
+            transform, fetch_threads=cfg.fetches_in_flight(), fetch_timeout_s=cfg.fetch_timeout_s,
+            sizes=[m.sizes[i] for i in positions], cache=cache)
+
+
+@dataclass(frozen=True)
+class RankData:
+    """What a rank reads with, as `rank_data` built it."""
+
+    train: DataLoader
+    val: DataLoader
+    images: ManifestImages  # the manifest's images for the reads outside the loaders
+    output_options: dict[str, Any] = field(repr=False)  # the output's storage options: checkpoints, model.pt
+    # Whether the train loader decodes the stored images on the rank's CPUs: not when they reach
+    # it encoded (training.decode_on="device") or from shards stored resized. Only then is there
+    # a decoding cost for rank 0 to measure (prefect_ddp.tasks.training.decode_cost).
+    decodes_originals: bool
+
+    @property
+    def source_options(self) -> dict[str, Any]:
+        """The source's storage options, the same the images are read with."""
+        return self.images.options
+
+
+def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Manifest, split: Split,
+              cfg: TrainingConfig) -> RankData:
+    """What rank `ctx` reads with: train batches from a DistributedSampler (or tar shards), val
+    sharded rank::world_size, unpadded; built once per rank, its storage options with it.
+
+    DistributedSampler pads the val shard with repeats to even it out, which would count
+    some images twice; a plain stride covers every val image exactly once. With
+    training.images_per_shard the train set is read from the shards that the flow's
+    write-shards step wrote (below `output`); that dataset batches itself and gives every rank
+    the same number of steps (prefect_ddp.tasks.data.shard_reader).
+    """
+    images = ManifestImages(manifest, cfg, source.storage_options())
+    output_options = output.storage_options()
+    cache = ByteCache(int(cfg.cache_gb * 1e9)) if cfg.cache_gb else None
+    dataset = partial(images.dataset, cache=cache)
+
+    # decode_on="device": the loaders hand over encoded images (no transform); the rank
+    # decodes and transforms them (the recipe's batch_inputs).
+    on_device = cfg.decode_on == "device"
+    train_tf = None if on_device else train_transform(cfg.image_size)
+    val_tf = None if on_device else eval_transform(cfg.image_size)
+    collate: dict[str, Any] = {"collate_fn": encoded_collate} if on_device else {}
+    val_set = dataset(split.val, val_tf)
+    workers = loader_workers(cfg)
+    loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": ctx.device.startswith("cuda")}
+    if workers:
+        require_non_daemonic(workers)
+        loader_options |= {**forked_workers(), "persistent_workers": True}
+    val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
+    val_loader = FetchAheadLoader(val_set, val_shard, cfg.batch_size, **collate, **loader_options)
+    if cfg.images_per_shard:
+        fmt = shard_format(cfg)
+        folder, index = open_shards(output.url, output_options, manifest, split, fmt)
+        shards = ShardDataset(folder, index, output_options, train_tf, cfg.batch_size, ctx.rank,
+                              ctx.world_size, workers, split.seed, cfg.fetch_timeout_s)
+        train_loader: DataLoader = ShardLoader(shards, **loader_options)
+        stored_resized = bool(fmt.side)
+    else:
+        train_set = dataset(split.train, train_tf)
+        sampler: DistributedSampler[int] = DistributedSampler(
+            train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=split.seed
+        )
+        # A last batch of one image breaks BatchNorm in training mode; every rank's shard has
+        # the same length, so all ranks drop it together and keep the same number of steps.
+        drop_single = len(sampler) % cfg.batch_size == 1
+        train_loader = FetchAheadLoader(train_set, sampler, cfg.batch_size, drop_single, **collate, **loader_options)
+        stored_resized = False
+    return RankData(train_loader, val_loader, images, output_options,
+                    decodes_originals=not on_device and not stored_resized)
+
+
+def loader_workers(cfg: TrainingConfig) -> int:
+    """training.num_workers, or with none given, the rank's share of its host's cores less one.
+
+    The gang sets each rank's torch threads to that share (prefect_ddp.tasks.gang.plan.thread_shares).
+    """
+    return cfg.num_workers if cfg.num_workers is not None else max(0, torch.get_num_threads() - 1)
+
+
+def require_non_daemonic(num_workers: int) -> None:
+    """Fail with the fix, not multiprocessing's 'daemonic processes are not allowed to have children'."""
+    if multiprocessing.current_process().daemon:
+        raise RuntimeError(
+            f"training.num_workers={num_workers} needs DataLoader worker processes, but this Dask "
+            "worker is a daemonic process and cannot start any. Start the cluster's workers with "
+            "DASK_DISTRIBUTED__WORKER__DAEMON=False (clusters this project creates do), or set "
+            "training.num_workers=0."
+        )
