@@ -28,6 +28,7 @@ import io
 import json
 import tempfile
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from prefect_ddp.tasks.gang import RankContext, free_port
 from prefect_ddp.tasks.gang.process_group import process_group
 from prefect_ddp.tasks.training import optimization
 from prefect_ddp.tasks.training.model import build_model
+from prefect_ddp.tasks.training.rank_result import RankResult
 from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
 
 SIDE = 32
@@ -86,7 +88,7 @@ def rank(rank_: int, world_size: int, port: int, job: dict, setup: Callable[[], 
         results.put(result)
 
 
-def train(job: TrainJob, world_size: int, setup: Callable[[], None] | None = None) -> dict:
+def train(job: TrainJob, world_size: int, setup: Callable[[], None] | None = None) -> RankResult:
     """Rank 0's result of `train_classifier` on `world_size` spawned gloo ranks, each calling `setup` first."""
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -122,7 +124,7 @@ def pretrained_backbone(work: Path, epochs: int, world_size: int) -> str:
     write_digits(work / "pretrain", range(5))
     job = job_for(work / "pretrain", work / "pretrain-run", 0, ModelConfig(backbone="resnet18"), epochs, old=False)
     result = train(job, world_size)
-    print(json.dumps({"pretrained_on": "digits 0-4", "best_val_acc": max(h["val_acc"] for h in result["history"])}),
+    print(json.dumps({"pretrained_on": "digits 0-4", "best_val_acc": max(h["val_acc"] for h in result.history)}),
           flush=True)
     return str(work / "pretrain-run" / "model.pt")
 
@@ -154,10 +156,10 @@ def main() -> None:
                               ModelConfig(backbone="resnet18", weights=weights, freeze_backbone=frozen),
                               args.epochs, old)
                 result = train(job, args.world_size, old_recipe if old else None)
-                best = max(h["val_acc"] for h in result["history"])
+                best = max(h["val_acc"] for h in result.history)
                 rows.append({"backbone": "frozen" if frozen else "fine-tuned", "seed": seed,
                              "recipe": "old" if old else "new", "best_val_acc": round(best, 4),
-                             "batchnorm_changed": batchnorm_changed(job), "recipe_as_run": result["recipe"]})
+                             "batchnorm_changed": batchnorm_changed(job), "recipe_as_run": asdict(result.recipe)})
                 print(json.dumps(rows[-1]), flush=True)
     print("\n| backbone | seed | old best val acc | new best val acc | BatchNorm changed (old / new) |")
     print("|---|---|---|---|---|")

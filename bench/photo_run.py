@@ -59,7 +59,7 @@ def main() -> None:
         job = TrainJob(source=DataLocation(url=str(work / "images")), output=DataLocation(url=str(work / f"run-{mode}")),
                        manifest=manifest, split=split, model=ModelConfig(backbone="resnet18"), training=training)
         result = train(job, 2, full_decode if mode == "full" else None)
-        for epoch in result["history"]:
+        for epoch in result.history:
             print(json.dumps({"mode": mode, "epoch": epoch["epoch"], "images_per_s": epoch["images_per_s"],
                               "data_wait_pct": epoch["data_wait_pct"], "verdict": epoch["time"]["verdict"]}),
                   flush=True)

@@ -98,6 +98,6 @@ def test_a_validation_ten_times_the_hang_limit_completes_in_one_attempt(
     state = gang_flow(dask_cluster.scheduler_address, "train", job, hang_timeout_s=SHORT_HANG_S, return_state=True)
     results = state.result()
     assert [a.ended for a in results.attempts] == ["completed"]
-    (epoch,) = results[0]["history"]
+    (epoch,) = results[0].history
     assert epoch["val_samples"] == len(job["split"]["val"]) == 89
     assert min(r["validation"] for r in epoch["time"]["per_rank"]) >= 10 * SHORT_HANG_S, epoch["time"]["per_rank"]

@@ -43,6 +43,7 @@ from prefect_ddp.tasks.config import (
 from prefect_ddp.tasks.gang import free_port
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.results.promotion import Promotion, kept_location, promote, read_pointer
+from prefect_ddp.tasks.results.records import TrainingSummary
 from prefect_ddp.tasks.prediction.model_source import check_champion
 from prefect_ddp.tasks.results.registry import ALIAS, POINTER_TAG, ChampionCheck, Registration, why_unchecked
 from prefect_ddp.tasks.results.tracking_run import RUN_FILES, log_model, preprocessing, start_run
@@ -93,8 +94,8 @@ def promote_as(name: str, candidate_folder: Location, tmp_path: Path, summary: d
     folder = tmp_path / name
     shutil.copytree(candidate_folder.url, folder)
     registry = Registration(tracking=logged.tracking, name=kept.url.rsplit("/", 1)[-1], model=logged)
-    return promote.fn(summary | {"best_val_acc": metric}, Location(url=str(folder)), kept,
-                      {"name": name, "flow_run_id": name}, registry)
+    candidate = TrainingSummary.model_validate(summary | {"best_val_acc": metric})
+    return promote.fn(candidate, Location(url=str(folder)), kept, {"name": name, "flow_run_id": name}, registry)
 
 
 def run_of(client: MlflowClient, flow_run_id: str):
@@ -262,7 +263,8 @@ def test_a_retried_promote_finds_the_version_it_registered_rather_than_registeri
     run_folder = tmp_path / "retried-run"
     shutil.copytree(folder.url, run_folder)
     registry = Registration(tracking=logged.tracking, name="retried", model=logged)
-    args = (summary, Location(url=str(run_folder)), kept, {"name": "retried-run", "flow_run_id": "retried-run"}, registry)
+    args = (TrainingSummary.model_validate(summary), Location(url=str(run_folder)), kept,
+            {"name": "retried-run", "flow_run_id": "retried-run"}, registry)
     lock = Path(kept.url) / "latest.json.lock"
     lock.mkdir(parents=True)  # the pointer's lock cannot be opened: the attempt fails after registering
     with pytest.raises(IsADirectoryError):

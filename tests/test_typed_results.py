@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from prefect_ddp.tasks.results.records import TrainingSummary
 from prefect_ddp.tasks.training.step_times import PARTS, epoch_timing
 
 pytestmark = pytest.mark.unit
@@ -33,6 +34,19 @@ def test_no_rank_result_or_training_summary_is_read_by_string_key():
     # and `summary` of their own (object reads, batch predictions) and never see these.
     folders = [ROOT / "flows", *(ROOT / "tasks" / name for name in ("gang", "results", "sweeps", "training"))]
     assert key_reads(folders) == []
+
+
+def test_a_metrics_json_of_the_first_release_still_reads_as_a_training_summary():
+    """A kept model's metrics.json, or a resumed sweep's best trial's, may come from an earlier
+    release: flows.sweep.promote_best validates it, and failed on every field added since."""
+    first_release = {"world_size": 1, "ranks": [{"rank": 0, "worker_address": "tcp://127.0.0.1:1"}],
+                     "split_digests": ["d"], "train_size": 8, "val_size": 2,
+                     "history": [{"epoch": 1, "val_acc": 0.5, "val_loss": 0.7}], "best_epoch": 1,
+                     "best_val_acc": 0.5, "final_val_acc": 0.5, "final_val_loss": 0.7,
+                     "files": {"model.pt": "/out/model.pt"}}
+    summary = TrainingSummary.model_validate(first_release)
+    assert (summary.best_val_acc, summary.time, summary.recipe, summary.comparison, summary.attempts) == (
+        0.5, None, None, None, [])
 
 
 def test_the_search_finds_the_reads_it_forbids():

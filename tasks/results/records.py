@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from prefect_ddp.tasks.training.optimization import EffectiveRecipe
 from prefect_ddp.tasks.training.step_times import EpochTiming
@@ -45,13 +45,13 @@ class TrainingSummary(BaseModel):
         train_size, val_size: images in the training and validation sets.
         history: rank 0's record of every epoch (RankResult.history).
         best_epoch, best_val_acc: the epoch whose weights model.pt holds, and its val accuracy.
-        selected_by: how that epoch was chosen, in words.
+        selected_by: how that epoch was chosen, in words; None for a run recorded before.
         final_val_acc, final_val_loss: the last epoch's.
         time: where the last epoch's time went, with rank 0's checkpoint time when this
             attempt trained it; None for a run recorded before the accounting.
         pruned_at: the epoch after which a sweep's pruner stopped the run; None when it was not.
         attempts: every gang attempt; empty where the gang's attempts were not given.
-        unreadable: images left out as unreadable (RankResult.unreadable).
+        unreadable: images left out as unreadable (RankResult.unreadable); empty for a run recorded before.
         recipe: the recipe as it ran; None for a run recorded before.
         comparison: with the kept model, on the same images (RankResult.comparison).
         files: the run's files by name (model.pt, metrics.json, report.md, ...), each its URL.
@@ -65,13 +65,15 @@ class TrainingSummary(BaseModel):
     history: list[dict[str, Any]]
     best_epoch: int
     best_val_acc: float
-    selected_by: str
+    # Fields later releases added have defaults: a metrics.json an earlier release wrote (a
+    # kept model's, a resumed sweep's best trial) still reads.
+    selected_by: str | None = None
     final_val_acc: float
     final_val_loss: float
-    time: EpochTiming | None
-    pruned_at: int | None
-    attempts: list[AttemptRow]
-    unreadable: dict[str, Any]
-    recipe: EffectiveRecipe | None
-    comparison: dict[str, Any] | None
+    time: EpochTiming | None = None
+    pruned_at: int | None = None
+    attempts: list[AttemptRow] = Field(default_factory=list)
+    unreadable: dict[str, Any] = Field(default_factory=dict)
+    recipe: EffectiveRecipe | None = None
+    comparison: dict[str, Any] | None = None
     files: dict[str, str]
