@@ -92,7 +92,8 @@ def decode_upright(data: bytes, side: int | None) -> tuple[Image.Image, tuple[in
 
 def orientation(image: Image.Image) -> int:
     """The EXIF orientation tag of an opened JPEG (1, upright, when it has none), from its header alone."""
-    return image.getexif().get(ExifTags.Base.Orientation, 1)
+    tag: int = image.getexif().get(ExifTags.Base.Orientation, 1)
+    return tag
 
 
 class EncodedImage(NamedTuple):
@@ -147,7 +148,7 @@ def encoded_tensor(data: bytes | None) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def prepare(data: bytes | None, label: int, position: int, transform: Callable | None) -> Sample:
+def prepare(data: bytes | None, label: int, position: int, transform: Callable[..., Any] | None) -> Sample:
     """A fetched image as the loader hands it over: decoded (no smaller than the transform
     needs, `needed_side`) and transformed, or, with no transform, its bytes (none for an image
     that is gone) for a rank that decodes on its device.
@@ -164,7 +165,7 @@ def prepare(data: bytes | None, label: int, position: int, transform: Callable |
     return transform(image), label
 
 
-def blank_image(transform: Callable | None) -> torch.Tensor:
+def blank_image(transform: Callable[..., Any] | None) -> torch.Tensor:
     """A black image run through `transform`: the stand-in when no image of a batch could be read.
 
     Loaders pass their own transform, None where they hand over encoded images; those are
@@ -173,7 +174,8 @@ def blank_image(transform: Callable | None) -> torch.Tensor:
     if transform is None:
         raise ValueError("blank_image got transform=None: a loader that hands over encoded images (no "
                          "transform) has no unreadable image to stand in for; a stand-in needs a transform.")
-    return transform(Image.new("RGB", (BLANK_SIDE, BLANK_SIDE)))
+    blank: torch.Tensor = transform(Image.new("RGB", (BLANK_SIDE, BLANK_SIDE)))
+    return blank
 
 
 def _all_readable(samples: list[tuple[ImageT | None, int]]) -> TypeGuard[list[tuple[ImageT, int]]]:
@@ -206,12 +208,12 @@ class SizedTransform(v2.Compose):
     """torchvision's Compose that says the shorter side its input needs (`decode_side`), so
     that whoever decodes for it (`prepare`, batch-predict) decodes no larger (`open_rgb`)."""
 
-    def __init__(self, transforms: list[Callable], decode_side: int) -> None:
+    def __init__(self, transforms: list[Callable[..., Any]], decode_side: int) -> None:
         super().__init__(transforms)
         self.decode_side = decode_side
 
 
-def needed_side(transform: Callable | None) -> int | None:
+def needed_side(transform: Callable[..., Any] | None) -> int | None:
     """The shorter side `transform`'s input needs; None (decode fully) for a transform that does not say."""
     return transform.decode_side if isinstance(transform, SizedTransform) else None
 
@@ -301,7 +303,7 @@ class FetchTimeout(OSError):
     """
 
 
-class S3ImageFolder(Dataset):
+class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
     """(image tensor, label) pairs for the images at `keys` below `root`.
 
     Args:
@@ -327,7 +329,7 @@ class S3ImageFolder(Dataset):
 
     def __init__(
         self, root: str, keys: Sequence[str], labels: Sequence[int],
-        storage_options: dict[str, Any], transform: Callable | None, fetch_threads: int = 16,
+        storage_options: dict[str, Any], transform: Callable[..., Any] | None, fetch_threads: int = 16,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
         sizes: Sequence[int] | None = None, cache: ByteCache | None = None,
     ) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from PIL import Image
@@ -69,7 +69,8 @@ def decode_jpegs(device: torch.device, jpegs: list[torch.Tensor]) -> list[torch.
     if not jpegs:
         return []
     try:
-        return decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
+        images: list[torch.Tensor | None] = decode_jpeg(jpegs, mode=ImageReadMode.RGB, device=device)
+        return images
     except RuntimeError:  # torchvision's error for a truncated or corrupt JPEG fails the call: find which
         if len(jpegs) == 1:
             return [None]
@@ -130,7 +131,8 @@ class ToDevice:
     ((2, 3, 8, 8), [0, 1])
     """
 
-    def __init__(self, device: torch.device, channels_last: bool = False, transform: Callable | None = None) -> None:
+    def __init__(self, device: torch.device, channels_last: bool = False,
+                 transform: Callable[..., Any] | None = None) -> None:
         self.device = device
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.transform = transform

@@ -31,7 +31,7 @@ BATCHES_AT_ONCE = AHEAD + 1  # a loader process's batch and those it fetches ahe
 logger = logging.getLogger(__name__)
 
 
-class AheadBatch(list):
+class AheadBatch(list[int]):
     """A batch's indices, and those of the batches its loader process will be given next."""
 
     def __init__(self, indices: Sequence[int], following: tuple[tuple[int, ...], ...]) -> None:
@@ -61,7 +61,7 @@ class AheadBatches(Sampler[list[int]]):
         return len(self.batches)
 
 
-class FetchAheadLoader(DataLoader):
+class FetchAheadLoader(DataLoader[Any]):
     """A DataLoader over `sampler` in batches that fetch ahead (the dataset must use
     `FetchesAhead`). Its `sampler` is the one given, so `loader.sampler.set_epoch(epoch)`
     reaches a DistributedSampler as with a plain DataLoader."""
@@ -87,7 +87,7 @@ class FetchesAhead:
 
     def __init__(self) -> None:
         self._pool: tuple[int, ThreadPoolExecutor] | None = None
-        self._in_flight: dict[tuple[int, ...], Future] = {}
+        self._in_flight: dict[tuple[int, ...], Future[list[Any]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:  # threads and fetches stay in their process
         return {"_pool": None, "_in_flight": {}}

@@ -113,7 +113,7 @@ async def find_per_folder(
     return found
 
 
-def _listing_cache_key(context: TaskRunContext, parameters: dict) -> str:
+def _listing_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     # Keyed on where the data is, not on the credentials used to read it.
     location: Location = parameters["location"]
     where = f"{location.url}|{location.endpoint_url}|{location.region_name}"

@@ -44,7 +44,8 @@ class ManifestImages:
     training: TrainingConfig
     options: dict[str, Any] = field(repr=False)  # the source's storage options: they hold its secret
 
-    def dataset(self, positions: list[int], transform: Callable | None, cache: ByteCache | None = None) -> S3ImageFolder:
+    def dataset(self, positions: list[int], transform: Callable[..., Any] | None,
+                cache: ByteCache | None = None) -> S3ImageFolder:
         """The images at `positions` of the manifest."""
         cfg, m = self.training, self.manifest
         return S3ImageFolder(
@@ -57,8 +58,8 @@ class ManifestImages:
 class RankData:
     """What a rank reads with, as `rank_data` built it."""
 
-    train: DataLoader
-    val: DataLoader
+    train: DataLoader[Any]
+    val: DataLoader[Any]
     images: ManifestImages  # the manifest's images for the reads outside the loaders
     output_options: dict[str, Any] = field(repr=False)  # the output's storage options: checkpoints, model.pt
     # Whether the train loader decodes the stored images on the rank's CPUs: not when they reach
@@ -107,7 +108,7 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
         folder, index = open_shards(output.url, output_options, manifest, split, fmt)
         shards = ShardDataset(folder, index, output_options, train_tf, cfg.batch_size, ctx.rank,
                               ctx.world_size, workers, split.seed, cfg.fetch_timeout_s)
-        train_loader: DataLoader = ShardLoader(shards, **loader_options)
+        train_loader: DataLoader[Any] = ShardLoader(shards, **loader_options)
         stored_resized = bool(fmt.side)
     else:
         train_set = dataset(split.train, train_tf)

@@ -213,14 +213,15 @@ def _reader(fs: AbstractFileSystem, keep_fork_safe: bool) -> Callable[[str], Awa
     """How `_fetch_once` reads one path on `fs`'s loop: obstore or s3fs; None for a sync `fs`."""
     if not isinstance(fs, AsyncFileSystem):
         return None
+    cat_file: Callable[[str], Awaitable[bytes]] = fs._cat_file
     options_json = None if keep_fork_safe else _obstore_options(fs)
     if options_json is None:
-        return fs._cat_file
+        return cat_file
 
     async def read(path: str) -> bytes:
         bucket, _, key = fs._strip_protocol(path).partition("/")
         if not _obstore_can_name(key):
-            return await fs._cat_file(path)
+            return await cat_file(path)
         try:
             got = await obstore.get_async(_store(options_json, bucket), key)
             return bytes(await got.bytes_async())
@@ -313,7 +314,8 @@ def _fetch_once(
     batch_size: int, deadline: float | None,
 ) -> dict[str, bytes | Exception]:
     if read is not None:
-        return sync(fs.loop, _read_on_loop, read, paths, batch_size, deadline)
+        fetched: dict[str, bytes | Exception] = sync(fs.loop, _read_on_loop, read, paths, batch_size, deadline)
+        return fetched
     return _cat_in_threads(fs, paths, batch_size, deadline)
 
 

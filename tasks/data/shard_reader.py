@@ -138,7 +138,7 @@ def read_samples(data: bytes) -> Iterator[tuple[int, bytes, int]]:
             image = body
 
 
-class ShardDataset(IterableDataset):
+class ShardDataset(IterableDataset[tuple[torch.Tensor | EncodedBatch, torch.Tensor]]):
     """Batches of (images, labels) from shards: the same number of batches on every rank.
 
     Yields whole batches (use `ShardLoader`, or a DataLoader with batch_size=None), so
@@ -161,7 +161,7 @@ class ShardDataset(IterableDataset):
     """
 
     def __init__(
-        self, folder: str, index: ShardIndex, storage_options: dict[str, Any], transform: Callable | None,
+        self, folder: str, index: ShardIndex, storage_options: dict[str, Any], transform: Callable[..., Any] | None,
         batch_size: int, rank: int, world_size: int, loader_workers: int, seed: int = 0,
         fetch_timeout_s: float = 60,
     ) -> None:
@@ -292,7 +292,7 @@ class _EpochSampler(_InfiniteConstantSampler):
         self.dataset.set_epoch(epoch)
 
 
-class ShardLoader(DataLoader):
+class ShardLoader(DataLoader[tuple[torch.Tensor | EncodedBatch, torch.Tensor]]):
     """A DataLoader of a ShardDataset's batches whose `sampler.set_epoch` reaches the dataset.
 
     The training loop calls `loader.sampler.set_epoch(epoch)`, as DistributedSampler wants;

@@ -64,7 +64,8 @@ def write_bytes(url: str, data: bytes, storage_options: dict[str, Any]) -> None:
 
 def read_bytes(url: str, storage_options: dict[str, Any]) -> bytes:
     fs, path = filesystem(url, storage_options)
-    return fs.cat_file(path)
+    data: bytes = fs.cat_file(path)
+    return data
 
 
 def write_json(url: str, obj: Any, storage_options: dict[str, Any]) -> None:
@@ -88,7 +89,8 @@ def load_torch(url: str, storage_options: dict[str, Any]) -> Any:
 
 def exists(url: str, storage_options: dict[str, Any]) -> bool:
     fs, path = filesystem(url, storage_options)
-    return fs.exists(path)
+    found: bool = fs.exists(path)
+    return found
 
 
 def remove_tree(url: str, storage_options: dict[str, Any]) -> None:

@@ -64,7 +64,7 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], at
             "Gang attempt %d: %d ranks on %s, backend %s, master %s:%d",
             attempt + 1, len(contexts), addresses, contexts[0].backend, contexts[0].master_addr, port,
         )
-        futures: list[PrefectDaskFuture] = []
+        futures: list[PrefectDaskFuture[Any]] = []
         topic = contexts[0].progress_topic
         assert topic is not None  # every context got stop_flag=flag.name, and with it a topic
         hang = HangWatch(client, topic, {c.rank: c.worker_address for c in contexts},
@@ -101,7 +101,7 @@ def _prepare(client: distributed.Client, addresses: list[str],
     return probes, threads, port
 
 
-def _submit(runner: DaskTaskRunner, spec: GangSpec, ctx: RankContext, threads: int) -> PrefectDaskFuture:
+def _submit(runner: DaskTaskRunner, spec: GangSpec, ctx: RankContext, threads: int) -> PrefectDaskFuture[Any]:
     # Pinned with no escape: Dask must never run a rank elsewhere, alone, into a
     # rendezvous that the other ranks have already left.
     with dask.annotate(workers=[ctx.worker_address], allow_other_workers=False):

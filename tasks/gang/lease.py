@@ -111,7 +111,8 @@ def _tidy(client: distributed.Client) -> dict[str, str]:
                 del variables[name]
         return held
 
-    return client.run_on_scheduler(on_scheduler, LOCK_PREFIX, HOLDER_PREFIX)
+    holders: dict[str, str] = client.run_on_scheduler(on_scheduler, LOCK_PREFIX, HOLDER_PREFIX)
+    return holders
 
 
 def _held_by(client: distributed.Client, workers: list[str]) -> str:

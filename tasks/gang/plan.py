@@ -30,7 +30,8 @@ def cluster_workers(client: distributed.Client) -> list[str]:
     supervisor took live workers for gone. `scheduler_info()` also showed only 5 workers
     by default on distributed 2025.4 to 2026.6 (dask/distributed#9045).
     """
-    return client.run_on_scheduler(_worker_addresses)
+    addresses: list[str] = client.run_on_scheduler(_worker_addresses)
+    return addresses
 
 
 def _worker_addresses(dask_scheduler: Any = None) -> list[str]:
@@ -110,7 +111,8 @@ def free_port() -> int:
         except OSError:  # an IPv6-only host
             server = socket.create_server(("::", 0), family=socket.AF_INET6)
     with server:
-        return server.getsockname()[1]
+        port: int = server.getsockname()[1]
+        return port
 
 
 def host_of(address: str) -> str:

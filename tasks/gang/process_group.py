@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,8 @@ def interface_holding(address: str) -> str | None:
     """The name of this machine's network interface that has `address`, if one has it."""
     import psutil
 
-    for name, addresses in psutil.net_if_addrs().items():
+    interfaces: dict[str, list[Any]] = psutil.net_if_addrs()
+    for name, addresses in interfaces.items():
         if any(entry.address.split("%")[0] == address for entry in addresses):
             return name
     return None

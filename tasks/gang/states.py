@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect.client.orchestration import get_client
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.objects import TaskRun
 from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId
 from prefect.states import Crashed
 from prefect_dask.task_runners import PrefectDaskFuture
@@ -24,7 +25,8 @@ CRASH_MESSAGE = ("Stopped by the gang supervisor: another rank or its worker fai
                  "or the flow run was cancelled.")
 
 
-def settled_task_runs(api: Any, futures: list[PrefectDaskFuture], wait_s: float = RECORDING_WAIT_S) -> list[Any]:
+def settled_task_runs(api: SyncPrefectClient, futures: list[PrefectDaskFuture[Any]],
+                      wait_s: float = RECORDING_WAIT_S) -> list[TaskRun]:
     """The ranks' task runs once the server has recorded each, and the final state of each
     rank that ended by itself; or as they are after `wait_s`.
 
@@ -43,7 +45,7 @@ def settled_task_runs(api: Any, futures: list[PrefectDaskFuture], wait_s: float 
         time.sleep(0.5)
 
 
-def crash_unfinished_task_runs(futures: list[PrefectDaskFuture], message: str = CRASH_MESSAGE) -> None:
+def crash_unfinished_task_runs(futures: list[PrefectDaskFuture[Any]], message: str = CRASH_MESSAGE) -> None:
     """Give every future's task run a final state (Crashed with `message` where it has none);
     never raise over the error that the caller is reporting. Decode-check uses it too, for
     chunks whose workers all died."""

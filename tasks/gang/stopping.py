@@ -55,7 +55,8 @@ def stop_requested(name: str | None, max_age_s: float = READ_EVERY_S) -> bool:
 
 def _read(name: str, client: distributed.Client) -> bool:
     try:
-        return distributed.Event(name, client=client).is_set()
+        is_set: bool = distributed.Event(name, client=client).is_set()
+        return is_set
     except (OSError, TimeoutError) as exc:
         run_logger().debug("Could not read the gang's stop flag %s: %r", name, exc)
         return False

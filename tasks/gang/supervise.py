@@ -16,6 +16,7 @@ from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import distributed
 from prefect_dask.task_runners import PrefectDaskFuture
@@ -70,7 +71,7 @@ class Deadline:
 
 
 def wait_for(
-    client: distributed.Client, futures: list[distributed.Future], timeout_s: float,
+    client: distributed.Client, futures: list[distributed.Future[Any]], timeout_s: float,
     return_when: str = "ALL_COMPLETED",
 ) -> None:
     """distributed.wait on this client (not the process's default one), without raising at
@@ -83,7 +84,7 @@ def wait_for(
 
 
 def supervise(
-    client: distributed.Client, futures: list[PrefectDaskFuture],
+    client: distributed.Client, futures: list[PrefectDaskFuture[Any]],
     contexts: list[RankContext], deadline: Deadline, hang: HangWatch | None = None, poll_s: float = 1.0,
 ) -> None:
     """Return once every rank completed; raise GangError at the first sign of trouble
@@ -118,7 +119,7 @@ def supervise(
             )
 
 
-def _departed(client: distributed.Client, pending: dict[distributed.Future, RankContext]) -> list[RankContext]:
+def _departed(client: distributed.Client, pending: dict[distributed.Future[Any], RankContext]) -> list[RankContext]:
     """The unfinished ranks whose worker left the cluster: they will never finish.
 
     A departure is confirmed by a second read of the worker set, a moment later: a worker
@@ -133,7 +134,7 @@ def _departed(client: distributed.Client, pending: dict[distributed.Future, Rank
     return gone
 
 
-def _collect_failures(pending: dict[distributed.Future, RankContext]) -> list[str]:
+def _collect_failures(pending: dict[distributed.Future[Any], RankContext]) -> list[str]:
     """Take the finished ranks out of `pending`; returns why each one that did not complete failed."""
     failures = []
     for dask_future in [f for f in pending if f.done()]:
@@ -165,7 +166,7 @@ def logged_failure(step: str) -> Iterator[None]:
 
 
 def stop(
-    client: distributed.Client, flag: StopFlag, futures: list[PrefectDaskFuture],
+    client: distributed.Client, flag: StopFlag, futures: list[PrefectDaskFuture[Any]],
     contexts: list[RankContext], hung: bool = False,
 ) -> None:
     """Stop every rank, give each task run a final state, and restart stuck workers.
@@ -183,7 +184,7 @@ def stop(
 
 
 def _ask_to_stop(
-    client: distributed.Client, flag: StopFlag, futures: list[PrefectDaskFuture], contexts: list[RankContext],
+    client: distributed.Client, flag: StopFlag, futures: list[PrefectDaskFuture[Any]], contexts: list[RankContext],
     hung: bool,
 ) -> list[str]:
     """Set the flag, give the ranks a grace period, cancel them all; the workers of those still running."""
