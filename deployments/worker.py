@@ -17,10 +17,13 @@ from, as that command: runs use the warm cluster only where they run in the fold
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import signal
 import subprocess
 import sys
 from contextlib import ExitStack
+from functools import partial
 from types import FrameType
 
 from prefect_ddp.blocks.cluster import DaskCluster
@@ -29,6 +32,10 @@ from prefect_ddp.blocks.warm_cluster import warm_cluster
 from prefect_ddp.tasks.config import ClusterConfig
 
 STOP_TIMEOUT_S = 30
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Looked up here, not in the forked child: with the warm cluster's threads about, the child
+# may only make the call itself (a lookup could wait on a lock some thread held at the fork).
+PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -50,9 +57,25 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def die_with_parent(parent: int) -> None:
+    """In the child, before it runs: the kernel kills it when the thread that started it dies
+    (this process's main thread, so: when this process dies; Linux only).
+
+    `prefect worker start` takes SIGTERM as a request to finish its flow runs and can stay up
+    long after it (seen: over ten minutes, its server gone); a parent killed meanwhile, as a
+    supervisor escalates to SIGKILL, used to leave it running on its own, polling for work.
+    """
+    if PRCTL is not None:
+        PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # it died before the call
+            os._exit(1)
+
+
 def run_prefect_worker(args: list[str]) -> int:
-    """`prefect worker start ARGS` as a child, which inherits the warm cluster's ticket; its exit code."""
-    process = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", *args])
+    """`prefect worker start ARGS` as a child, which inherits the warm cluster's ticket and dies
+    with this process; its exit code."""
+    process = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", *args],
+                               preexec_fn=partial(die_with_parent, os.getpid()))
     try:
         return process.wait()
     finally:
