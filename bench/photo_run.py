@@ -1,6 +1,6 @@
 """A training run on camera originals (issue 31): where each step's time goes, read three ways.
 
-    .venv/bin/python -m bench.photo_run [--photos 40] [--epochs 3]
+    .venv/bin/python -m bench.photo_run [--photos 40] [--epochs 3] [--modes full,reduced,cached,shards]
 
 12-MP JPEGs (4032x3024, `bench.photos.photo`) in two class folders on local disk; resnet18
 at image_size 64 on 2 real gloo ranks (the project's `train_classifier`), batch 8, one
@@ -9,6 +9,8 @@ loader worker per rank, read:
 - full: per image, every original decoded in full, as before reduced-size decoding
   (`needed_side` made to ask for no size in each rank);
 - reduced: per image, as now (libjpeg's reduced-size decode, `open_rgb`);
+- cached: per image as `reduced`, through the byte cache (`training.cache_gb`, a folder of
+  the run's own), which keeps each photo as a copy resized to the side the crop needs;
 - shards: from shards written pre-resized (`training.images_per_shard`, `shard_side` empty:
   1.5 x image_size), written before the run as the flow's write-shards step would.
 
@@ -44,15 +46,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--photos", type=int, default=40)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--modes", default="full,reduced,cached,shards", help="which reads, comma-separated")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="photo-run-"))
     manifest = write_set(work / "images", 4032, 3024, args.photos)
     split = stratified_split(manifest, 0.2, 0)
     print(f"{len(split.train)} training and {len(split.val)} validation 12-MP photos; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
-    for mode in ("full", "reduced", "shards"):
+    os.environ["PREFECT_DDP_CACHE_DIR"] = str(work / "cache")  # the spawned ranks inherit it
+    for mode in args.modes.split(","):
         training = TrainingConfig(epochs=args.epochs, batch_size=8, image_size=64, num_workers=1,
-                                  images_per_shard=8 if mode == "shards" else None)
+                                  images_per_shard=8 if mode == "shards" else None,
+                                  cache_gb=1 if mode == "cached" else 0)
         if mode == "shards":
             write_shards(manifest, split.train, {}, str(work), {}, shard_format(training), split.digest(manifest),
                          split.seed)

@@ -49,10 +49,11 @@ from PIL import Image
 
 from bench.outside import install_beside
 from prefect_ddp.tasks.config import TrainingConfig
-from prefect_ddp.tasks.data.dataset import open_rgb, prepare, train_transform
+from prefect_ddp.tasks.data.dataset import prepare, train_transform
+from prefect_ddp.tasks.data.decoding import open_rgb, stored_resized
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, read_samples
-from prefect_ddp.tasks.data.shard_writer import ShardFormat, shard_format, stored_resized, write_shards
+from prefect_ddp.tasks.data.shard_writer import shard_format, write_shards
 
 # (name, width, height, images): about 5 s of full decoding per set on one core, several shards each.
 BATCH = 32
@@ -116,7 +117,7 @@ def children_cpu_s() -> float:
 
 def litdata_item(path: str, side: int) -> dict:
     """One photo as LitData's optimize() stores it here: resized as the shard writer does, with its class."""
-    stored = stored_resized(Path(path).read_bytes(), ShardFormat(images_per_shard=1, side=side))
+    stored = stored_resized(Path(path).read_bytes(), side)
     return {"image": stored.data, "label": "ab".index(Path(path).parent.name)}
 
 

@@ -184,7 +184,8 @@ class TrainingConfig(_Strict):
     cache_gb: float = Field(
         0, ge=0, le=100_000,
         description="Keep fetched images on each worker host's local disk, up to this many GB per "
-        "host, so later epochs read them from there instead of S3 (folder: $PREFECT_DDP_CACHE_DIR, "
+        "host, so later epochs read them from there instead of S3; images larger than training needs "
+        "(camera photos) are kept resized to the side the crop needs (folder: $PREFECT_DDP_CACHE_DIR, "
         "else ~/.cache/prefect-ddp/images, the user's own). 0 turns it off.",
     )
     images_per_shard: int | None = Field(

@@ -30,7 +30,8 @@ from prefect_ddp.tasks.config import (
     OutputConfig,
     TrainingConfig,
 )
-from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, open_rgb
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
+from prefect_ddp.tasks.data.decoding import open_rgb
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.validation import (
     DecodeResult,

@@ -138,6 +138,17 @@ def test_an_entry_cut_short_is_a_miss(tmp_path):
     assert cache.get("s3://b/a.jpg", 4) is None
 
 
+@pytest.mark.unit
+def test_a_copy_is_kept_beside_the_original_and_a_copy_cut_short_is_a_miss(tmp_path):
+    cache = ByteCache(BUDGET, tmp_path)
+    assert cache.put("s3://b/a.jpg", 4, b"full") and cache.put("s3://b/a.jpg", 4, b"copy!", variant="resized to 8")
+    assert cache.get("s3://b/a.jpg", 4) == b"full" and cache.get("s3://b/a.jpg", 4, variant="resized to 8") == b"copy!"
+    assert cache.get("s3://b/a.jpg", 4, variant="resized to 9") is None
+    copy = next(entry for entry in tmp_path.glob("*/*") if entry.read_bytes().endswith(b"copy!"))
+    copy.write_bytes(copy.read_bytes()[:-1])
+    assert cache.get("s3://b/a.jpg", 4, variant="resized to 8") is None
+
+
 @contextmanager
 def tmpfs(folder: Path, options: str) -> Iterator[Path]:
     """A real tmpfs mounted at `folder` (root only), unmounted on the way out."""

@@ -16,7 +16,8 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from prefect_ddp.tasks.config import TrainingConfig
-from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, open_rgb
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
+from prefect_ddp.tasks.data.decoding import open_rgb
 from prefect_ddp.tasks.data.device_batches import (
     EncodedBatch,
     ToDevice,

@@ -22,10 +22,11 @@ from prefect_ddp.tasks.data.dataset import (
     SizedTransform,
     decode_side,
     eval_transform,
-    open_rgb,
     prepare,
     train_transform,
 )
+from prefect_ddp.tasks.data.byte_cache import ByteCache
+from prefect_ddp.tasks.data.decoding import open_rgb, stored_resized
 from prefect_ddp.tasks.data.device_batches import decode_on
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import read_samples
@@ -33,7 +34,6 @@ from prefect_ddp.tasks.data.shard_writer import (
     ShardFormat,
     shard_format,
     shards_markdown,
-    stored_resized,
     write_shards,
 )
 from prefect_ddp.tasks.data.validation import decode_check
@@ -83,6 +83,11 @@ def test_every_decode_turns_a_tagged_photo_upright_the_same_way(tag, tmp_path):
     assert decode_check(data) == (WIDTH, HEIGHT)  # decode-check's sizes: the stored size, upright
     trained = S3ImageFolder(str(tmp_path / "photos"), ["cat/1.jpg"], [0], {}, as_tensor)[0][0]
     assert trained.shape == (3, HEIGHT, WIDTH) and red_top_left(trained)
+    as_small = SizedTransform([v2.PILToTensor()], decode_side=16)
+    for _ in ("kept", "read back"):  # the byte cache's resized copy: made from the fetch, then read from the cache
+        cached = S3ImageFolder(str(tmp_path / "photos"), ["cat/1.jpg"], [0], {}, as_small, sizes=[len(data)],
+                               cache=ByteCache(10**6, tmp_path / "cache"))[0][0]
+        assert cached.shape == (3, 16, 24) and red_top_left(cached)
     on_device = decode_on(torch.device("cpu"), [torch.frombuffer(bytearray(data), dtype=torch.uint8)])[0]
     assert on_device.shape == (3, HEIGHT, WIDTH) and red_top_left(on_device)
     predicted, unreadable = fetch_images(DataLocation(url=str(tmp_path / "photos")), ["cat/1.jpg"], as_tensor, 30)
@@ -134,6 +139,32 @@ def test_a_reduced_size_decode_gives_the_shapes_and_values_of_a_full_one(image_s
         assert lowest - 1e-5 <= small.min() and small.max() <= highest + 1e-5
     evaluated = eval_transform(image_size)  # deterministic: the same centre crop, within DCT scaling's error
     assert (prepare(data, 0, 0, evaluated)[0] - evaluated(open_rgb(data))).abs().mean() < 0.02
+
+
+def test_the_byte_cache_keeps_a_photo_resized_to_the_side_its_transform_needs(tmp_path):
+    photos, cache = tmp_path / "photos", tmp_path / "cache"
+    (photos / "cat").mkdir(parents=True)
+    originals = {"cat/big.jpg": photo_jpeg(2400, 1800), "cat/small.jpg": photo_jpeg(120, 90)}
+    originals["cat/cut.jpg"] = originals["cat/big.jpg"][:5000]  # does not decode
+    for key, data in originals.items():
+        (photos / key).write_bytes(data)
+    keys = list(originals)
+
+    def dataset(transform):
+        return S3ImageFolder(str(photos), keys, [0] * len(keys), {}, transform,
+                             sizes=[len(originals[key]) for key in keys], cache=ByteCache(10**8, cache))
+
+    big, small, cut = dataset(train_transform(64)).fetch([0, 1, 2])
+    assert min(open_rgb(big).size) == decode_side(64) and open_rgb(big).size[0] > open_rgb(big).size[1]
+    assert small == originals["cat/small.jpg"] and cut == originals["cat/cut.jpg"]  # not resized; unreadable as before
+    assert 0 < ByteCache(10**8, cache).bytes_on_disk() < len(originals["cat/small.jpg"]) + 20_000  # no original kept
+    for key in keys:
+        (photos / key).unlink()
+    assert dataset(train_transform(64)).fetch([0, 1]) == [big, small]  # a later epoch or run: from the cache
+    image, label = dataset(train_transform(64))[0]
+    assert image.shape == (3, 64, 64) and label == 0
+    assert dataset(eval_transform(224)).fetch([0]) == [None]  # another side is another entry: fetched, here gone
+    assert dataset(None).fetch([1]) == [None]  # bytes for decoding on the device are the originals'
 
 
 def test_small_images_and_other_formats_decode_fully():
@@ -212,7 +243,7 @@ def test_the_shards_artifact_says_what_was_stored_and_costs_only_what_was_resize
 def test_a_panorama_too_wide_for_a_jpeg_is_stored_as_it_is():
     buffer = io.BytesIO()
     Image.new("RGB", (140_000, 8), (9, 9, 9)).save(buffer, format="PNG")  # at side 4: 70,000 px wide
-    stored = stored_resized(buffer.getvalue(), ShardFormat(images_per_shard=1, side=4))
+    stored = stored_resized(buffer.getvalue(), 4)
     assert stored.data == buffer.getvalue() and not stored.resized
 
 

@@ -19,6 +19,10 @@ a folder on local disk that every rank and loader worker on the host shares.
   exclusive `flock`, so no two of them can take the same room; reads take no lock. It
   fills up and then stops adding (no eviction: a training set that does not fit is read
   from S3 in the part that did not fit).
+- Copies instead of originals: a caller may keep a copy it made of an object (`variant`
+  names how: a camera original resized to the side training needs, `S3ImageFolder`) under
+  the object's key and the variant's name. Such an entry carries its own length in front,
+  as its size is not the object's, so an entry cut short is still a miss.
 - Never a failure: any error of the cache (a read-only folder, a full disk, a permission
   error) is a miss. `put` then returns False, leaves no temporary file behind and logs one
   warning per process. Entries are written to a temporary file renamed into place, so a
@@ -46,6 +50,7 @@ FOLDER_ENV = "PREFECT_DDP_CACHE_DIR"
 # (entries live one folder down), so counting the entries never counts it.
 LEDGER = "used-bytes"
 LEDGER_DIGITS = 20  # fixed width: one pwrite replaces the whole number
+LENGTH_BYTES = 8  # in front of a variant's entry: its own length
 
 logger = logging.getLogger(__name__)
 _warned: set[tuple[Path, str]] = set()  # (folder, kind of trouble) already logged by this process
@@ -92,12 +97,13 @@ class ByteCache:
         endpoint = storage_options.get("endpoint_url") or client_kwargs.get("endpoint_url") or ""
         return ByteCache(self.max_bytes, self.folder, endpoint)
 
-    def get(self, url: str, size: int | None, etag: str | None = None) -> bytes | None:
-        """The kept bytes, or None where they are not kept or cannot be read: a miss, never an error."""
+    def get(self, url: str, size: int | None, etag: str | None = None, variant: str = "") -> bytes | None:
+        """The kept bytes (of the `variant` copy, where one is named), or None where they are not
+        kept or cannot be read: a miss, never an error."""
         if not self._usable():
             return None
         try:
-            data = self._path(url, size, etag).read_bytes()
+            data = self._path(url, size, etag, variant).read_bytes()
         except FileNotFoundError:
             return None
         except OSError as error:
@@ -105,17 +111,22 @@ class ByteCache:
                             f"are fetched from storage instead. Make the folder readable, or set {FOLDER_ENV} "
                             "to another folder of your own.")
             return None
+        if variant:
+            return _unframed(data)
         return data if size is None or len(data) == size else None
 
-    def put(self, url: str, size: int | None, data: bytes, etag: str | None = None) -> bool:
+    def put(self, url: str, size: int | None, data: bytes, etag: str | None = None, variant: str = "") -> bool:
         """Keep `data` unless that would pass the budget or the cache cannot be written;
         returns whether it is kept. Bytes of another size than `size` are not kept: the
-        object changed after it was listed, and the key would name the old one."""
-        if not self._usable() or (size is not None and len(data) != size):
+        object changed after it was listed, and the key would name the old one. With a
+        `variant`, `data` is that copy of the object and `size` still the object's: the
+        caller checked the object it copied against it."""
+        if not self._usable() or (not variant and size is not None and len(data) != size):
             return False
+        entry = _framed(data) if variant else data
         try:
             with self._ledger() as ledger:
-                return self._add(ledger, self._path(url, size, etag), data)
+                return self._add(ledger, self._path(url, size, etag, variant), entry)
         except OSError as error:
             self._warn_once("write", f"Could not add images to the cache in {self.folder} ({error}); images "
                             "not cached are fetched from storage every epoch. Free space there or make it "
@@ -131,8 +142,9 @@ class ByteCache:
         return sum(entry.stat().st_size for sub in os.scandir(self.folder) if sub.is_dir()
                    for entry in os.scandir(sub.path) if entry.is_file())
 
-    def _path(self, url: str, size: int | None, etag: str | None) -> Path:
-        digest = hashlib.sha256(json.dumps([self.endpoint, url, size, etag]).encode()).hexdigest()
+    def _path(self, url: str, size: int | None, etag: str | None, variant: str) -> Path:
+        key: list[Any] = [self.endpoint, url, size, etag, *([variant] if variant else [])]  # originals keyed as before
+        digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()
         return self.folder / digest[:2] / digest
 
     def _usable(self) -> bool:
@@ -191,6 +203,16 @@ class ByteCache:
         if (self.folder, kind) not in _warned:
             _warned.add((self.folder, kind))
             logger.warning(message)
+
+
+def _framed(data: bytes) -> bytes:
+    return len(data).to_bytes(LENGTH_BYTES, "big") + data
+
+
+def _unframed(entry: bytes) -> bytes | None:
+    """A variant's bytes; None for an entry cut short (or of another shape)."""
+    length = int.from_bytes(entry[:LENGTH_BYTES], "big")
+    return entry[LENGTH_BYTES:] if len(entry) == LENGTH_BYTES + length else None
 
 
 def _set_total(ledger: int, total: int) -> None:

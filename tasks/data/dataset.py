@@ -20,7 +20,6 @@ shrinks to the one image BatchNorm cannot train on, or to none. Other fetch fail
 
 from __future__ import annotations
 
-import io
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -28,15 +27,15 @@ from concurrent.futures import thread as executor_threads
 from functools import partial
 from typing import Any, NamedTuple, TypeGuard, TypeVar
 
-import numpy as np
 import torch
 from fsspec import AbstractFileSystem
-from PIL import ExifTags, Image, ImageOps
+from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
+from prefect_ddp.tasks.data.decoding import RESIZED_QUALITY, open_rgb, stored_resized
 from prefect_ddp.tasks.data.fetch_ahead import BATCHES_AT_ONCE, FetchesAhead
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import ProcessFilesystem
@@ -50,51 +49,6 @@ SHOWN_KEYS = 3
 # torchvision's ImageNet statistics: the pretrained backbones expect inputs normalised by them.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-def open_rgb(data: bytes, side: int | None = None) -> Image.Image:
-    """Decode an image fully (verify() alone misses truncated JPEGs) into 8-bit RGB, upright.
-
-    `side`: the shorter side the caller needs (`decode_side`). A JPEG at least twice as
-    large is decoded in libjpeg's reduced-size mode (DCT scaling by 1/2, 1/4 or 1/8, PIL's
-    `draft`) to the smallest scale whose sides both stay at least `side`: a 12-MP photo
-    for a 224-px crop decodes at 1/8 in about a third of the time. libjpeg still reads
-    every byte, so a truncated file fails as in a full decode. Other formats decode fully.
-
-    Upright: the EXIF orientation tag that phone cameras set on sideways-stored photos is
-    applied (PIL's `exif_transpose`), so a portrait photo trains as any viewer shows it.
-
-    Buckets mix modes: grayscale (L), RGBA, CMYK and palette (P) convert as torchvision's
-    ImageFolder does. 16-bit grayscale (I;16, from PNG or TIFF) is scaled to its high
-    byte first: PIL's convert("RGB") clips it, turning everything above 255 of 65535 white.
-
-    >>> buffer = io.BytesIO()
-    >>> Image.fromarray(np.array([[0, 32768, 65535]], dtype=np.uint16)).save(buffer, "PNG")
-    >>> open_rgb(buffer.getvalue()).getpixel((1, 0))
-    (128, 128, 128)
-    """
-    return decode_upright(data, side)[0]
-
-
-def decode_upright(data: bytes, side: int | None) -> tuple[Image.Image, tuple[int, int]]:
-    """`open_rgb`'s image, with the (width, height) of the whole stored image as it is turned upright."""
-    with Image.open(io.BytesIO(data)) as image:
-        stored = image.size
-        if side:
-            image.draft("RGB", (side, side))
-        image.load()
-        loaded = image.size
-        ImageOps.exif_transpose(image, in_place=True)  # (a TIFF's reader turns it on load: nothing left here)
-        size = (stored[1], stored[0]) if image.size != loaded else stored
-        if image.mode.startswith("I;16"):
-            return Image.fromarray((np.asarray(image) >> 8).astype(np.uint8)).convert("RGB"), size
-        return image.convert("RGB"), size
-
-
-def orientation(image: Image.Image) -> int:
-    """The EXIF orientation tag of an opened JPEG (1, upright, when it has none), from its header alone."""
-    tag: int = image.getexif().get(ExifTags.Base.Orientation, 1)
-    return tag
-
 
 class EncodedImage(NamedTuple):
     """An image's bytes as a uint8 tensor, for a rank that decodes on its device, with its
@@ -319,7 +273,12 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
             decode does not fail it: its place holds a stand-in (module docstring).
         sizes: each image's size from the manifest, part of its key in `cache`.
         cache: keeps fetched bytes on local disk, so later epochs read them from there;
-            its entries are keyed on the endpoint `storage_options` name as well.
+            its entries are keyed on the endpoint `storage_options` name as well. Where
+            `transform` names the side it needs (`needed_side`), an image larger than that
+            is kept as a copy resized to it (`stored_resized`, as pre-resized shards store
+            it), not as the original: later epochs then decode a small JPEG instead of a
+            camera original (~2 ms instead of ~50-200), and a 12-MP photo takes ~20 KB of
+            the cache instead of ~5 MB. Every epoch, the first too, trains on that copy.
 
     >>> from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
     >>> dataset = S3ImageFolder("s3://bucket/flowers", ["daisy/1.jpg"], [0], {}, eval_transform(224))
@@ -351,6 +310,7 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         self.fetch_timeout_s = fetch_timeout_s
         self.sizes = list(sizes) if sizes is not None else [None] * len(self.keys)
         self.cache = cache.for_storage(self.storage_options) if cache else None
+        self.copy_side = needed_side(transform) if cache else None
         self._files = ProcessFilesystem(self.root, self.storage_options)
         self._ahead = FetchesAhead()
 
@@ -366,13 +326,32 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         where it has them, else one GET each."""
         if self.cache is None:
             return self._get(indices)
-        found = {i: self.cache.get(self._url(i), self.sizes[i]) for i in indices}
+        found = {i: self.cache.get(self._url(i), self.sizes[i], variant=self._variant) for i in indices}
         uncached = list(dict.fromkeys(i for i, data in found.items() if data is None))
         for i, data in zip(uncached, self._get(uncached) if uncached else []):
-            if data is not None:
-                self.cache.put(self._url(i), self.sizes[i], data)
-            found[i] = data
+            found[i] = self._kept(self.cache, i, data)
         return [found[i] for i in indices]
+
+    @property
+    def _variant(self) -> str:
+        """How the cache's entries of this dataset were made from the objects: "" for the bytes as fetched."""
+        return f"resized to {self.copy_side} as JPEG {RESIZED_QUALITY}" if self.copy_side else ""
+
+    def _kept(self, cache: ByteCache, index: int, data: bytes | None) -> bytes | None:
+        """`data`, fetched, kept in `cache`; what the batch decodes (a resized copy where one is
+        made: every epoch trains on the same image, whether fetched or read from the cache).
+
+        An image that changed since it was listed (another size) is neither kept nor copied,
+        and one that does not decode is not kept: the batch meets it as it is, unreadable."""
+        if data is None or (self.sizes[index] is not None and len(data) != self.sizes[index]):
+            return data
+        if self.copy_side is not None:
+            copy = stored_resized(data, self.copy_side).data
+            if copy is None:
+                return data
+            data = copy
+        cache.put(self._url(index), self.sizes[index], data, variant=self._variant)
+        return data
 
     def _url(self, index: int) -> str:
         return f"{self.root}/{self.keys[index]}"

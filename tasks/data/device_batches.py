@@ -7,7 +7,7 @@ about a second), so `training.decode_on="device"` moves the decode there instead
 loader hands over each image's encoded bytes and the rank decodes the batch's JPEGs in one
 call to torchvision's nvjpeg decoder (`torchvision.io.decode_jpeg(..., device="cuda")`),
 then augments on the GPU with the same torchvision transforms. Images that are not JPEGs
-(PNG, 16-bit, CMYK) are still decoded on the CPU by `prefect_ddp.tasks.data.dataset.open_rgb`.
+(PNG, 16-bit, CMYK) are still decoded on the CPU by `prefect_ddp.tasks.data.decoding.open_rgb`.
 nvjpeg ignores EXIF orientation, so each JPEG's tag is read on the CPU (from its header) and
 applied to the decoded tensor (`upright`), as `open_rgb` applies it on the CPU path.
 
@@ -36,10 +36,10 @@ from prefect_ddp.tasks.data.dataset import (
     EncodedImage,
     blank_image,
     decoded,
-    orientation,
     unreadable_label,
     with_stand_ins,
 )
+from prefect_ddp.tasks.data.decoding import orientation
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 

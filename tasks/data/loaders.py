@@ -64,7 +64,8 @@ class RankData:
     output_options: dict[str, Any] = field(repr=False)  # the output's storage options: checkpoints, model.pt
     # Whether the train loader decodes the stored images on the rank's CPUs: not when they reach
     # it encoded (training.decode_on="device") or from shards stored resized. Only then is there
-    # a decoding cost for rank 0 to measure (prefect_ddp.tasks.training.decode_cost).
+    # a decoding cost for rank 0 to measure (prefect_ddp.tasks.training.decode_cost). Through the
+    # byte cache it decodes them in the first epoch, and from then on the resized copies it keeps.
     decodes_originals: bool
 
     @property

@@ -40,13 +40,11 @@ import io
 import os
 import random
 import tarfile
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
-from PIL import Image
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -55,11 +53,8 @@ from prefect_dask import DaskTaskRunner
 from pydantic import BaseModel
 
 from prefect_ddp.tasks.config import TrainingConfig
-from prefect_ddp.tasks.data.dataset import (
-    S3ImageFolder,
-    decode_side,
-    open_rgb,
-)
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, decode_side
+from prefect_ddp.tasks.data.decoding import RESIZED_QUALITY, Stored, stored_resized
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.data.storage import (
@@ -77,7 +72,6 @@ SHARDS_FOLDER = "shards"
 INDEX = "index.json"
 LABEL_SUFFIX = "cls"
 RESIZED_SUFFIX = "jpg"
-JPEG_MAX_SIDE = 65500  # libjpeg's largest width or height
 
 
 class ShardFormat(BaseModel):
@@ -85,7 +79,7 @@ class ShardFormat(BaseModel):
 
     images_per_shard: int
     side: int | None = None  # the shorter side images larger than it are resized to; None: stored as they are
-    quality: int = 90  # of the JPEGs resized images are stored as
+    quality: int = RESIZED_QUALITY  # of the JPEGs resized images are stored as
 
     def key_rows(self) -> list[str]:
         resized = [f"side {self.side} quality {self.quality}"] if self.side else []
@@ -316,7 +310,7 @@ def pack(source: S3ImageFolder, chunk: ShardChunk, fmt: ShardFormat) -> tuple[by
     stored = [Stored(data) for data in fetched]
     if fmt.side:
         with ThreadPoolExecutor(max_workers=os.cpu_count()) as threads:
-            stored = list(threads.map(partial(stored_resized, fmt=fmt), fetched))
+            stored = list(threads.map(partial(stored_resized, side=fmt.side, quality=fmt.quality), fetched))
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for i, image in zip(indices, stored):
@@ -327,43 +321,6 @@ def pack(source: S3ImageFolder, chunk: ShardChunk, fmt: ShardFormat) -> tuple[by
     return data, ShardWritten(name=chunk.name, images=len(indices), bytes=len(data),
                               source_bytes=sum(len(image or b"") for image in fetched),
                               resized=sum(image.resized for image in stored), cpu_s=sum(image.cpu_s for image in stored))
-
-
-class Stored(NamedTuple):
-    """An image as a shard stores it: its bytes (None: gone or undecodable), whether resized, the CPU time that took."""
-
-    data: bytes | None
-    resized: bool = False
-    cpu_s: float = 0.0
-
-
-def stored_resized(data: bytes | None, fmt: ShardFormat) -> Stored:
-    """An image larger than `fmt.side` on its shorter side as a JPEG at that side, upright
-    (`open_rgb`); one no larger as it is; None for one that is gone or does not decode.
-    ValueError for a format with no side (its images are stored as they are)."""
-    side = fmt.side
-    if side is None:  # checked before the decoder's errors are caught: it is no image's fault
-        raise ValueError(f"stored_resized got a format with side=None ({fmt!r}): images stored as they are "
-                         "are not resized; give a format with a side.")
-    started = time.thread_time()
-    if data is None:
-        return Stored(None, cpu_s=time.thread_time() - started)
-    try:
-        with Image.open(io.BytesIO(data)) as header:
-            if min(header.size) <= side:
-                return Stored(data)
-        image = open_rgb(data, side)
-    except Exception:  # any decoder error means unreadable, as decode-check takes it
-        return Stored(None, cpu_s=time.thread_time() - started)
-    scale = side / min(image.size)
-    if scale < 1:  # a reduced-size decode stops at or above the side: what is left is resized here
-        image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))),
-                             Image.Resampling.LANCZOS)
-    if max(image.size) > JPEG_MAX_SIDE:  # a panorama JPEG cannot hold even resized: stored as it is
-        return Stored(data, cpu_s=time.thread_time() - started)
-    buffer = io.BytesIO()
-    image.save(buffer, format="JPEG", quality=fmt.quality)
-    return Stored(buffer.getvalue(), True, time.thread_time() - started)
 
 
 def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -24,7 +24,8 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_ddp.tasks.config import DataConfig
 from prefect_ddp.tasks.data.check_memory import CheckMemory, DecodeResult
-from prefect_ddp.tasks.data.dataset import SHOWN_KEYS, FetchTimeout, decode_upright
+from prefect_ddp.tasks.data.dataset import SHOWN_KEYS, FetchTimeout
+from prefect_ddp.tasks.data.decoding import decode_upright
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import filesystem

@@ -39,8 +39,8 @@ from prefect_ddp.tasks.data.dataset import (
     FETCH_ATTEMPTS,
     eval_transform,
     needed_side,
-    open_rgb,
 )
+from prefect_ddp.tasks.data.decoding import open_rgb
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import exists, filesystem, load_torch, read_bytes, read_json, write_bytes
 from prefect_ddp.tasks.data.validation import raise_fetch_failures, raise_if_lost

@@ -7,7 +7,7 @@ to decode and augment even at reduced size, a copy stored at 1.5x the crop ~2 ms
 epoch whose steps wait on data (`DecodeProbe`: a compute-bound run never pays for it, and a
 storage fault at the start is the loaders' to report), the training transform on a few of
 its own images as the run reads them, and on the same images as pre-resized shards would
-store them (`prefect_ddp.tasks.data.shard_writer.stored_resized`).
+store them (`prefect_ddp.tasks.data.decoding.stored_resized`).
 With the step times' compute per image, that says how many cores a rank needs to keep its
 device busy either way (`decode_verdict`).
 """
@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from prefect_ddp.tasks.data.dataset import decode_side, prepare
-from prefect_ddp.tasks.data.shard_writer import ShardFormat, stored_resized
+from prefect_ddp.tasks.data.decoding import stored_resized
 
 PROBE_IMAGES = 3
 # Decoding originals counts as what bounds the input when it costs this many times a pre-resized copy
@@ -71,7 +71,7 @@ def probe_decode(images: list[bytes], image_size: int, transform: Callable) -> D
     readable = [data for data in images if prepare(data, 0, 0, transform)[0] is not None]
     if not readable:
         return None
-    resized = [stored_resized(data, ShardFormat(images_per_shard=1, side=side)).data or data for data in readable]
+    resized = [stored_resized(data, side).data or data for data in readable]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -108,5 +108,6 @@ def decode_verdict(cost: DecodeCost, data_share: float, compute_s_per_image: flo
         f"augment, copies stored at {cost.side} px about {cost.resized_s * 1e3:.0f} ms. At this model's "
         f"{compute_s_per_image * 1e3:.0f} ms of compute per image, a rank needs about {cores(cost.original_s)} "
         f"decoding originals, {cores(cost.resized_s)} reading pre-resized shards "
-        "(training.images_per_shard; training.shard_side sets their size)."
+        "(training.images_per_shard; training.shard_side sets their size) or, from the second epoch on, "
+        "the resized copies the byte cache keeps (training.cache_gb)."
     )
