@@ -174,7 +174,7 @@ def test_a_gang_waits_for_free_workers_then_names_who_holds_them(dask_cluster):
         state = gang_flow(dask_cluster.scheduler_address, "report", {}, world_size=1, lease_timeout_s=2,
                           return_state=True)
         with pytest.raises(GangError, match=r"needs 1 free workers, but after waiting 2s fewer of the cluster's 2 are free\. "
-                                            r"Held: tcp://\S+ by flow run \S+ \(.+\); tcp://\S+ by flow run"):
+                                            r"Held: tcp://\S+ by flow run \S+ \(.+\) \(since \d\d:\d\d:\d\d UTC\); tcp://\S+ by flow run"):
             state.result()
         assert time.monotonic() - started >= 2
         with get_client(sync_client=True) as api:  # the wait was said as it began

@@ -30,6 +30,7 @@ from prefect_ddp.tasks.gang import GangError, cluster_workers
 from prefect_ddp.tasks.gang.lease import PREFIX, leased_workers
 from tests.support.external_dask import REPO
 
+SINCE = r"\(since \d\d:\d\d:\d\d UTC\)"  # when the holder took the worker, as the message says it
 # A gang's flow process that dies in its block, its lease and holder still in the scheduler.
 DIES_HOLDING = """
 import os, sys
@@ -118,7 +119,7 @@ def test_gangs_leave_nothing_in_the_scheduler_after_many_leases_a_wait_in_vain_a
         with leased_workers(client, world_size=1 + number % 2, holder=f"gang {number}", timeout_s=5) as leased:
             assert len(leased) == 1 + number % 2
     with leased_workers(client, world_size=2, holder="gang A", timeout_s=5) as held:
-        with pytest.raises(GangError, match=rf"Held: {re.escape(held[0])} by gang A; {re.escape(held[1])} by gang A\. "):
+        with pytest.raises(GangError, match=rf"Held: {re.escape(held[0])} by gang A {SINCE}; {re.escape(held[1])} by gang A {SINCE}\. "):
             with leased_workers(client, world_size=1, holder="gang B", timeout_s=0.1):
                 pass
     restarted = replace_worker(client, held[0])
@@ -168,7 +169,7 @@ def test_a_lease_whose_process_died_is_given_back_by_the_lease_timeout_and_then_
             env=os.environ | {"PYTHONPATH": str(REPO), "DASK_DISTRIBUTED__SCHEDULER__LOCKS__LEASE_TIMEOUT": "3s"},
         )
         assert dead.returncode == 3, dead.stderr
-        with pytest.raises(GangError, match=rf"Held: {re.escape(worker)} by a gang whose process died\. "):
+        with pytest.raises(GangError, match=rf"Held: {re.escape(worker)} by a gang whose process died {SINCE}\. "):
             with leased_workers(client, world_size=1, holder="the next gang", timeout_s=0.1):
                 pass
         with leased_workers(client, world_size=1, holder="the next gang", timeout_s=30) as leased:

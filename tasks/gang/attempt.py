@@ -49,6 +49,7 @@ class GangSpec:
     shared_output: bool = False
     hang_timeout_s: float | None = None  # None: follows the run (tasks/gang/progress.py)
     hang_floor_s: float = 0.0  # the least silence a gang of live workers is allowed
+    holder: str = "a gang"  # who the gang runs for, as its leases and its ranks say it (run.lease_holder)
     warned: set[str] = field(default_factory=set)  # worker-setup warnings already logged
 
 
@@ -107,5 +108,6 @@ def _submit(runner: DaskTaskRunner, spec: GangSpec, ctx: RankContext, threads: i
     with dask.annotate(workers=[ctx.worker_address], allow_other_workers=False):
         return runner.submit(
             run_rank.with_options(task_run_name=f"rank-{ctx.rank}"),
-            parameters={"train_fn": spec.train_fn, "config": spec.config, "ctx": ctx, "threads": threads},
+            parameters={"train_fn": spec.train_fn, "config": spec.config, "ctx": ctx, "threads": threads,
+                        "holder": spec.holder},
         )

@@ -23,11 +23,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timezone
 
 import distributed
 
 from prefect_ddp.tasks.gang.errors import GangError
 from prefect_ddp.tasks.gang.plan import by_host, cluster_workers
+from prefect_ddp.tasks.gang.stale import end_stale_ranks
 from prefect_ddp.tasks.reporting import run_logger
 
 PREFIX = "prefect-ddp-worker-lease"
@@ -115,19 +117,25 @@ def _tidy(client: distributed.Client) -> dict[str, str]:
     return holders
 
 
-def _held_by(client: distributed.Client, workers: list[str]) -> str:
+def _held_by(client: distributed.Client, workers: list[str], stuck: dict[str, str]) -> str:
+    """Who holds each of `workers` that is not free, and since when; `stuck`: {address: why} of
+    those no gang holds that still run a stale rank (`end_stale_ranks`)."""
     try:
         holders = _tidy(client)
     except Exception as exc:  # the message of the gang's own error must still come through
         return f"unknown (the scheduler did not say: {exc!r})"
-    return "; ".join(f"{address} by {holders[address]}" for address in workers if address in holders) or "none now"
+    held = {address: f"by {holders[address]}" for address in workers if address in holders}
+    held |= {address: why for address, why in stuck.items() if address in workers and address not in held}
+    return "; ".join(f"{address} {why}" for address, why in held.items()) or "none now"
 
 
 def _wait_for_free(client: distributed.Client, world_size: int | None,
                    timeout_s: float) -> list[tuple[str, distributed.Lock]]:
-    """`world_size` workers (default: all), taken together once that many are free."""
+    """`world_size` workers (default: all), taken together once that many are free, and none
+    of them still running a rank of an earlier gang (`end_stale_ranks`)."""
     deadline = time.monotonic() + timeout_s
     waited = False
+    stuck: dict[str, str] = {}  # workers whose stale rank could not be ended: never taken
     while True:
         workers = by_host(cluster_workers(client))
         wanted = world_size or len(workers)
@@ -136,18 +144,22 @@ def _wait_for_free(client: distributed.Client, world_size: int | None,
                 f"world_size={wanted} needs {wanted} Dask workers (one rank each) but the "
                 f"cluster has {len(workers)}: {workers}. Lower world_size or add workers."
             )
-        taken = _try_take(workers, wanted)
+        taken = _try_take([address for address in workers if address not in stuck], wanted)
         if taken is not None:
-            return taken
+            unusable = end_stale_ranks(client, [address for address, _ in taken])
+            if not unusable:
+                return taken
+            _give_back(client, taken)  # and take afresh: restarted workers are back at new addresses
+            stuck |= {address: why for address, why in unusable.items() if why != "restarted"}
         if not waited:
             run_logger().info("Waiting up to %.0f s for %d free worker(s) of the cluster's %d. Held: %s.",
-                              timeout_s, wanted, len(workers), _held_by(client, workers))
+                              timeout_s, wanted, len(workers), _held_by(client, workers, stuck))
             waited = True
         if time.monotonic() > deadline:
             raise GangError(
                 f"world_size={wanted} needs {wanted} free workers, but after waiting "
                 f"{timeout_s:.0f}s fewer of the cluster's {len(workers)} are free. Held: "
-                f"{_held_by(client, workers)}. Wait for those runs, add workers, lower "
+                f"{_held_by(client, workers, stuck)}. Wait for those runs, add workers, lower "
                 "world_size, or raise the lease timeout."
             )
         time.sleep(POLL_S)
@@ -185,8 +197,9 @@ def leased_workers(client: distributed.Client, world_size: int | None, holder: s
     with client.as_current():
         try:
             taken = _wait_for_free(client, world_size, timeout_s)
+            since = datetime.now(timezone.utc).strftime("%H:%M:%S UTC")
             for address, _ in taken:  # once all are taken: a take given back sets no holder
-                _holder(address, client).set(holder)
+                _holder(address, client).set(f"{holder} (since {since})")
             yield [address for address, _ in taken]
         finally:
             _give_back(client, taken)

@@ -22,6 +22,7 @@ from prefect_ddp.tasks.gang.errors import GangStopped
 from prefect_ddp.tasks.gang.plan import host_of
 from prefect_ddp.tasks.gang.process_group import process_group
 from prefect_ddp.tasks.gang.progress import forget_progress, send_progress
+from prefect_ddp.tasks.gang.stale import running
 from prefect_ddp.tasks.gang.stopping import stop_requested
 
 R = TypeVar("R")
@@ -50,8 +51,17 @@ def leave_worker_thread_pool() -> None:
 
 
 @task(name="ddp-rank", retries=0, cache_policy=NO_CACHE, persist_result=False)
-def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankContext, threads: int) -> R | State:
-    """One rank: join the process group, run the training function, always leave the group."""
+def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankContext, threads: int,
+             holder: str = "a gang") -> R | State:
+    """One rank: join the process group, run the training function, always leave the group.
+
+    While it runs, its worker process knows it (`stale.running`): a later gang that finds it
+    there, its own gang gone, stops it before starting a rank beside it."""
+    with running(ctx.worker_address, ctx.rank, holder, ctx.stop_flag):
+        return _run_rank(train_fn, config, ctx, threads)
+
+
+def _run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankContext, threads: int) -> R | State:
     leave_worker_thread_pool()
     limit_threads(ctx, threads)
     send_progress(ctx.progress_topic, ctx.rank, "rendezvous")

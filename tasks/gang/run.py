@@ -146,7 +146,7 @@ def run_gang(
     spec = GangSpec(train_fn, config, output_url, group_timeout_s, trial, Deadline.after(timeout),
                     needs_child_processes, shared_output,
                     hang_timeout_s=hang_timeout.total_seconds() if hang_timeout is not None else None,
-                    hang_floor_s=floor_s)
+                    hang_floor_s=floor_s, holder=lease_holder())
     attempts: list[GangAttempt] = []
     try:
         return GangResults(_until_one_completes(runner, spec, world_size, max_restarts, lease_timeout, attempts), attempts)
@@ -164,7 +164,7 @@ def _until_one_completes(
     client = runner.client
     for number in range(1, max_restarts + 2):
         refuse_when_stopped(f"attempt {number} was not formed")
-        with leased_workers(client, world_size, lease_holder(), lease_timeout.total_seconds()) as addresses:
+        with leased_workers(client, world_size, spec.holder, lease_timeout.total_seconds()) as addresses:
             try:
                 return _recorded_attempt(runner, spec, addresses, number, attempts)
             except GangError as failure:

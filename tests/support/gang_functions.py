@@ -3,6 +3,7 @@ own so workers can import them, and a flow process started by a test can run the
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -90,6 +91,14 @@ def loop_until_stopped(ctx: RankContext, config: dict) -> NoReturn:
         raise
 
 
+def asleep_in_c(ctx: RankContext, config: dict) -> dict:
+    """Leave a `running-RANK` mark in `config["marks"]`, then sleep in C (libc's sleep) for
+    `config["seconds"]`: no flag, signal or exception can reach the rank until it wakes."""
+    (Path(config["marks"]) / f"running-{ctx.rank}").write_text(flow_run.get_id() or "")
+    ctypes.CDLL(None).sleep(int(config["seconds"]))
+    return report_rank(ctx, config)
+
+
 def call_check_stop(ctx: RankContext, seconds: float) -> dict:
     """Call `ctx.check_stop()` as fast as possible for `seconds`, or until it raises."""
     calls, started = 0, time.monotonic()
@@ -161,7 +170,7 @@ def train_job(ctx: RankContext, config: dict) -> dict:
 
 
 RANK_FUNCTIONS = {"report": report_rank, "train": train_job, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
-                  "sleep": sleep_past_the_deadline, "hold": hold_worker, "loop": loop_until_stopped}
+                  "sleep": sleep_past_the_deadline, "asleep_in_c": asleep_in_c, "hold": hold_worker, "loop": loop_until_stopped}
 
 
 @flow(name="gang-test")

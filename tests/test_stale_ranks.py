@@ -1,0 +1,96 @@
+"""Ranks whose gang is gone (its flow process killed) are ended before the next gang takes their workers.
+
+The killed gang's ranks run on the session's cluster, as on an external one: nothing stops
+them but the next gang, which finds them there once the scheduler has given their leases
+back (its lease timeout, 3 s here), as `tasks/gang/stale.py` describes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import distributed
+import pytest
+from prefect.client.orchestration import get_client
+
+from prefect_ddp.tasks.gang import GangError, cluster_workers, stale
+from prefect_ddp.tasks.gang.lease import leased_workers
+from tests.support.api_helpers import all_logs
+from tests.support.gang_functions import gang_flow
+
+REPO = Path(__file__).resolve().parent.parent
+FLOW_PROCESS = """
+import json, sys
+from tests.support.gang_functions import gang_flow
+gang_flow(**json.loads(sys.argv[1]))
+"""
+RANKS_START_S = 120
+
+
+def workers_of(address: str) -> set[str]:
+    with distributed.Client(address) as client:
+        return set(client.scheduler_info(n_workers=-1)["workers"])
+
+
+def killed_while_training(address: str, fn_name: str, config: dict, marks: Path) -> None:
+    """A flow process whose gang runs `fn_name`, SIGKILLed once both ranks run: its ranks run on."""
+    env = os.environ | {"DASK_DISTRIBUTED__SCHEDULER__LOCKS__LEASE_TIMEOUT": "3s"}
+    process = subprocess.Popen([sys.executable, "-c", FLOW_PROCESS,
+                                json.dumps({"address": address, "fn_name": fn_name, "config": config})],
+                               cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + RANKS_START_S
+        while len(list(marks.glob("running-*"))) < 2:
+            assert process.poll() is None, f"the flow process exited {process.returncode}"
+            assert time.monotonic() < deadline, "the killed gang's ranks never started"
+            time.sleep(0.2)
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def stale_warnings(flow_run_id) -> list[str]:
+    with get_client(sync_client=True) as api:
+        return [log.message for log in all_logs(api, flow_run_id, "earlier gang") if "earlier gang" in log.message]
+
+
+@pytest.mark.parametrize("fn_name, restarted", [
+    ("loop", False),  # leaves on its own gang's flag, which the next gang sets
+    ("asleep_in_c", True),  # ignores every flag: its worker is restarted
+])
+def test_the_next_gang_ends_the_ranks_of_a_killed_flow_process_and_starts(dask_cluster, tmp_path, fn_name, restarted):
+    address = dask_cluster.scheduler_address
+    before = workers_of(address)
+    killed_while_training(address, fn_name, {"marks": str(tmp_path), "seconds": 600}, tmp_path)
+    state = gang_flow(address, "report", {}, lease_timeout_s=300, return_state=True)
+    results = state.result()  # before the fix: "already belongs to a process group" on both ranks
+    assert [r["rank_sum"] for r in results] == [1.0, 1.0]
+    assert (workers_of(address) != before) == restarted  # a rank that left on its flag keeps its worker
+    if not restarted:
+        left = sorted(p.read_text() for p in tmp_path.glob("left-*"))
+        # Each left its loop: on the flag, or on the peer that left first closing their connection.
+        assert len(left) == 2 and "GangStopped" in left, left
+    [warning, *_] = stale_warnings(state.state_details.flow_run_id)
+    assert re.search(r"tcp://\S+: rank [01] of flow run \S+ \(.+\), running since \d\d:\d\d:\d\d UTC", warning), warning
+
+
+def test_a_stale_rank_on_a_worker_that_cannot_restart_is_never_taken_and_the_wait_names_it(monkeypatch):
+    monkeypatch.setattr(stale, "GRACE_S", 1.0)
+    with (distributed.LocalCluster(n_workers=1, processes=False, protocol="tcp", dashboard_address=":0") as cluster,
+          distributed.Client(cluster) as client):
+        (worker,) = cluster_workers(client)
+        # In-process workers have no nanny: this test's own thread stands for the rank left running there.
+        with stale.running(worker, 0, "flow run old-gang (1234)", None):
+            with pytest.raises(GangError, match=rf"Held: {re.escape(worker)} still runs rank 0 of flow run old-gang "
+                                                r"\(1234\), running since \d\d:\d\d:\d\d UTC, which did not stop, and "
+                                                r"could not be restarted \(a worker without a nanny\): restart it by hand\."):
+                with leased_workers(client, world_size=1, holder="the next gang", timeout_s=2):
+                    pass
+        with leased_workers(client, world_size=1, holder="the next gang", timeout_s=30) as leased:
+            assert leased == [worker]  # once the rank has ended, the worker is taken as any other
