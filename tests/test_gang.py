@@ -108,9 +108,9 @@ def test_the_timeout_covers_all_attempts_and_stops_the_ranks_without_re_forming(
     (attempt,) = timeout.value.attempts  # the decision: one attempt, not three
     assert "did not finish within its timeout" in attempt.ended
     # One timeout, one grace period for the ranks to stop, the stuck workers' restart and
-    # the flow around it: bounded, with room for a loaded machine (33 s seen under load, 20 s
-    # quiet); a 600 s sleep left running, or three attempts' worth, would pass it.
-    assert elapsed < 2 + FAILURE_GRACE_S + 45, elapsed
+    # the flow around it: bounded, with room for a loaded machine (20 s quiet, 33 and 42 s seen
+    # under load); a 600 s sleep left running, or three attempts' worth, would pass it.
+    assert elapsed < 2 + FAILURE_GRACE_S + 150, elapsed
     runs = rank_task_runs(state.state_details.flow_run_id, 2)
     assert [r.state.type.value for r in runs] == ["CRASHED", "CRASHED"]
     assert_no_task_run_left_running(state.state_details.flow_run_id)

@@ -114,9 +114,10 @@ def test_a_signal_to_the_flow_process_stops_its_ranks_on_an_external_cluster(
         stopped_in = time.monotonic() - sent
     finally:
         process.kill()
-    # Within the grace a process runner gives before SIGKILL (30 s), and without the
-    # supervisor's own grace period: the ranks left on the flag, not by a restart.
-    assert stopped_in < FAILURE_GRACE_S, f"{stopped_in:.1f}s\n{output[-3000:]}"
+    # Within the grace a process runner gives before SIGKILL (30 s). That the ranks left on the
+    # flag, not by the supervisor's restart after its grace, assert_workers_free checks below
+    # (the same workers, none restarted): the decision, not the seconds, on a busy machine.
+    assert stopped_in < 30, f"{stopped_in:.1f}s\n{output[-3000:]}"
     assert len(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == 2  # (still training before the fix)
     run = read_flow_run(flow_run_id)
     assert run.state.type.value == "CRASHED" and run.state.message == crash_message
@@ -344,7 +345,7 @@ def test_cancelling_a_deployment_run_stops_its_ranks(deployments, dask_cluster, 
         api.set_flow_run_state(run.id, Cancelling(message="Cancelled from the UI (test)"))
     # The worker hears of the Cancelling state within seconds (an event, or its own poll), then the
     # flow stops its ranks within FAILURE_GRACE_S: a generous deadline over both, on a busy machine.
-    wait_for_flow_run_state(run.id, "CANCELLED", timeout_s=FAILURE_GRACE_S + 40)
+    wait_for_flow_run_state(run.id, "CANCELLED", timeout_s=FAILURE_GRACE_S + 120)
     assert len(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == 2
     assert_ranks_cancelled(run.id)
     assert_workers_free(address, before)

@@ -21,7 +21,7 @@ from prefect.client.orchestration import get_client
 
 from prefect_ddp.tasks.gang import GangError, cluster_workers, stale
 from prefect_ddp.tasks.gang.lease import leased_workers
-from tests.support.api_helpers import all_logs
+from tests.support.api_helpers import all_logs, rank_task_runs
 from tests.support.gang_functions import gang_flow
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,6 +76,10 @@ def test_the_next_gang_ends_the_ranks_of_a_killed_flow_process_and_starts(dask_c
         left = sorted(p.read_text() for p in tmp_path.glob("left-*"))
         # Each left its loop: on the flag, or on the peer that left first closing their connection.
         assert len(left) == 2 and "GangStopped" in left, left
+    # The killed run's rank task runs end too: Cancelled on the flag, Crashed with their worker.
+    killed_run = (tmp_path / "running-0").read_text()
+    ranks = rank_task_runs(killed_run, 2)
+    assert {r.state.type.value for r in ranks} == {"CRASHED" if restarted else "CANCELLED"}, ranks
     [warning, *_] = stale_warnings(state.state_details.flow_run_id)
     assert re.search(r"tcp://\S+: rank [01] of flow run \S+ \(.+\), running since \d\d:\d\d:\d\d UTC", warning), warning
 

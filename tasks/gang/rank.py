@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import distributed
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
 from prefect.states import Cancelled, State
 
 from prefect_ddp.tasks.gang.context import RankContext
@@ -57,7 +58,7 @@ def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankCo
 
     While it runs, its worker process knows it (`stale.running`): a later gang that finds it
     there, its own gang gone, stops it before starting a rank beside it."""
-    with running(ctx.worker_address, ctx.rank, holder, ctx.stop_flag):
+    with running(ctx.worker_address, ctx.rank, holder, ctx.stop_flag, task_run.get_id()):
         return _run_rank(train_fn, config, ctx, threads)
 
 

@@ -32,6 +32,7 @@ import distributed
 
 from prefect_ddp.tasks.gang.plan import cluster_workers
 from prefect_ddp.tasks.gang.progress import remove_unresponsive
+from prefect_ddp.tasks.gang.states import crash_task_runs
 from prefect_ddp.tasks.reporting import run_logger
 
 # How long a stale rank has to leave on its flag before its worker is restarted: the same
@@ -49,6 +50,7 @@ class RunningRank:
     holder: str  # the gang's lease holder: "flow run NAME (ID)"
     stop_flag: str | None
     since: float  # time.time() when it started
+    task_run_id: str | None = None  # its Prefect task run, given a final state if its worker is restarted
 
     def describe(self) -> str:
         started = datetime.fromtimestamp(self.since, timezone.utc).strftime("%H:%M:%S UTC")
@@ -62,10 +64,11 @@ _running_lock = threading.Lock()
 
 
 @contextmanager
-def running(worker_address: str, rank: int, holder: str, stop_flag: str | None) -> Iterator[None]:
+def running(worker_address: str, rank: int, holder: str, stop_flag: str | None,
+            task_run_id: str | None = None) -> Iterator[None]:
     """Mark the worker at `worker_address` as running the rank for the block."""
     with _running_lock:
-        _running[worker_address] = RunningRank(rank, holder, stop_flag, time.time())
+        _running[worker_address] = RunningRank(rank, holder, stop_flag, time.time(), task_run_id)
     try:
         yield
     finally:
@@ -126,6 +129,10 @@ def _restart(client: distributed.Client, stale: dict[str, RunningRank]) -> dict[
     client.run_on_scheduler(remove_unresponsive, addresses)
     present = set(cluster_workers(client))
     still = stale_ranks(client, [a for a in addresses if a in present])
+    # A rank ended with its worker reports nothing more: its task run would stay Running.
+    crash_task_runs([rank.task_run_id for a, rank in stale.items() if a not in still and rank.task_run_id],
+                    "Ended by a later gang that needed its worker: this rank's own gang was gone (its flow "
+                    "process died) or it ignored the stop, so its worker was restarted.")
     return {a: ("restarted" if a not in still else
                 f"still runs {still[a].describe()}, which did not stop, and could not be restarted (a worker "
                 "without a nanny): restart it by hand")

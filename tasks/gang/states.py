@@ -60,6 +60,23 @@ def crash_unfinished_task_runs(futures: list[PrefectDaskFuture[Any]], message: s
         run_logger().exception("Could not read the task runs to give them a final state")
 
 
+def crash_task_runs(task_run_ids: list[str], message: str) -> None:
+    """Crash each of these task runs that has no final state; never raise (the caller goes on).
+
+    For ranks whose own gang is gone, ended by a later gang (prefect_ddp.tasks.gang.stale):
+    no future of theirs is left to settle."""
+    if not task_run_ids:
+        return
+    try:
+        with get_client(sync_client=True) as api:
+            runs = api.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=task_run_ids)))
+            for task_run in runs:
+                if task_run.state is None or not task_run.state.is_final():
+                    _crash(api, task_run.id, message)
+    except Exception:
+        run_logger().exception("Could not give the task runs %s a final state", task_run_ids)
+
+
 def _crash(api: Any, task_run_id: Any, message: str) -> None:
     try:
         api.set_task_run_state(task_run_id, Crashed(message=message), force=True)
