@@ -147,6 +147,10 @@ def test_a_copy_is_kept_beside_the_original_and_a_copy_cut_short_is_a_miss(tmp_p
     copy = next(entry for entry in tmp_path.glob("*/*") if entry.read_bytes().endswith(b"copy!"))
     copy.write_bytes(copy.read_bytes()[:-1])
     assert cache.get("s3://b/a.jpg", 4, variant="resized to 8") is None
+    assert cache.put("s3://b/a.jpg", 4, b"copy!", variant="resized to 8")  # written again, counted once
+    assert cache.get("s3://b/a.jpg", 4, variant="resized to 8") == b"copy!"
+    with open(tmp_path / LEDGER) as ledger:  # high by the byte the cut took, never low (the module's rule)
+        assert int(ledger.read()) == cache.bytes_on_disk() + 1
 
 
 @contextmanager

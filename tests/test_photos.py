@@ -157,14 +157,30 @@ def test_the_byte_cache_keeps_a_photo_resized_to_the_side_its_transform_needs(tm
     big, small, cut = dataset(train_transform(64)).fetch([0, 1, 2])
     assert min(open_rgb(big).size) == decode_side(64) and open_rgb(big).size[0] > open_rgb(big).size[1]
     assert small == originals["cat/small.jpg"] and cut == originals["cat/cut.jpg"]  # not resized; unreadable as before
-    assert 0 < ByteCache(10**8, cache).bytes_on_disk() < len(originals["cat/small.jpg"]) + 20_000  # no original kept
+    kept = ByteCache(10**8, cache).bytes_on_disk()
+    assert 0 < kept < len(small) + len(cut) + 20_000  # the big original is not kept, its copy is
     for key in keys:
         (photos / key).unlink()
-    assert dataset(train_transform(64)).fetch([0, 1]) == [big, small]  # a later epoch or run: from the cache
+    assert dataset(train_transform(64)).fetch([0, 1, 2]) == [big, small, cut]  # a later epoch or run: from the cache
     image, label = dataset(train_transform(64))[0]
     assert image.shape == (3, 64, 64) and label == 0
     assert dataset(eval_transform(224)).fetch([0]) == [None]  # another side is another entry: fetched, here gone
     assert dataset(None).fetch([1]) == [None]  # bytes for decoding on the device are the originals'
+
+
+def test_a_cache_that_cannot_keep_copies_is_not_paid_for_every_epoch(tmp_path):
+    photos = tmp_path / "photos"
+    (photos / "cat").mkdir(parents=True)
+    originals = [photo_jpeg(2400, 1800), photo_jpeg(2000, 1500)]
+    for i, data in enumerate(originals):
+        (photos / "cat" / f"{i}.jpg").write_bytes(data)
+    full = ByteCache(100, tmp_path / "cache")  # room for no copy
+    dataset = S3ImageFolder(str(photos), ["cat/0.jpg", "cat/1.jpg"], [0, 0], {}, train_transform(64),
+                            sizes=[len(data) for data in originals], cache=full)
+    first, second = dataset.fetch([0, 1])
+    assert min(open_rgb(first).size) == decode_side(64)  # made, then found to be unkeepable
+    assert second == originals[1]  # not made again: decoded at reduced size, as without the cache
+    assert dataset[1][0].shape == (3, 64, 64)
 
 
 def test_small_images_and_other_formats_decode_fully():

@@ -7,11 +7,13 @@ back (its lease timeout, 3 s here), as `tasks/gang/stale.py` describes.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,3 +100,36 @@ def test_a_stale_rank_on_a_worker_that_cannot_restart_is_never_taken_and_the_wai
                     pass
         with leased_workers(client, world_size=1, holder="the next gang", timeout_s=30) as leased:
             assert leased == [worker]  # once the rank has ended, the worker is taken as any other
+        # One that leaves after its grace, within the same wait, frees its worker for that wait.
+        leaves = threading.Thread(target=stay_running, args=(worker, 3.0))
+        leaves.start()
+        try:
+            with leased_workers(client, world_size=1, holder="the next gang", timeout_s=60) as leased:
+                assert leased == [worker]
+        finally:
+            leaves.join()
+
+
+def stay_running(worker: str, seconds: float) -> None:
+    with stale.running(worker, 0, "flow run slow-to-leave (5678)", None):
+        time.sleep(seconds)
+
+
+def start_rank_asleep_in_c(dask_worker: distributed.Worker) -> None:
+    """Run on a worker: a thread marked as a rank, asleep in C, as one of a gang whose process died."""
+    def rank() -> None:
+        with stale.running(dask_worker.address, 0, "flow run asleep (9999)", None):
+            ctypes.CDLL(None).sleep(600)
+
+    threading.Thread(target=rank, daemon=True).start()
+
+
+def test_a_worker_restarted_for_its_stale_rank_is_taken_at_once_even_past_a_short_lease_timeout(monkeypatch):
+    monkeypatch.setattr(stale, "GRACE_S", 1.0)
+    with (distributed.LocalCluster(n_workers=1, processes=True, protocol="tcp", dashboard_address=":0") as cluster,
+          distributed.Client(cluster) as client):
+        (worker,) = cluster_workers(client)
+        client.run(start_rank_asleep_in_c, workers=[worker])
+        with leased_workers(client, world_size=1, holder="the next gang", timeout_s=0.5) as leased:
+            assert leased != [worker] and len(leased) == 1  # the same worker, back at a new address
+            assert client.run(stale.running_rank, workers=leased) == {leased[0]: None}

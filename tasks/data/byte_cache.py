@@ -177,9 +177,15 @@ class ByteCache:
 
     def _add(self, ledger: int, path: Path, data: bytes) -> bool:
         """Write the entry if it fits the ledger's total, holding the ledger's lock."""
-        if path.exists():  # another process fetched it meanwhile
-            return True
         used = self._total(ledger)
+        if path.exists():
+            kept = path.stat().st_size
+            if kept == len(data):  # another process fetched it meanwhile
+                return True
+            # Cut short (a crash before the disk had it): `get` misses it, so it is written again.
+            path.unlink()
+            used = max(0, used - kept)
+            _set_total(ledger, used)
         if used + len(data) > self.max_bytes:
             return False
         # Counted before it is written: a process killed mid-write leaves the total high, never low.

@@ -311,6 +311,7 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         self.sizes = list(sizes) if sizes is not None else [None] * len(self.keys)
         self.cache = cache.for_storage(self.storage_options) if cache else None
         self.copy_side = needed_side(transform) if cache else None
+        self._copying = True  # until the cache cannot keep a copy: then making one each epoch is waste
         self._files = ProcessFilesystem(self.root, self.storage_options)
         self._ahead = FetchesAhead()
 
@@ -334,23 +335,25 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
 
     @property
     def _variant(self) -> str:
-        """How the cache's entries of this dataset were made from the objects: "" for the bytes as fetched."""
-        return f"resized to {self.copy_side} as JPEG {RESIZED_QUALITY}" if self.copy_side else ""
+        """How the cache's entries of this dataset were made from the objects: "" for the bytes as
+        fetched. Named with its version: copies made another way are other entries."""
+        return f"resized to {self.copy_side} as JPEG {RESIZED_QUALITY}, v1" if self.copy_side else ""
 
     def _kept(self, cache: ByteCache, index: int, data: bytes | None) -> bytes | None:
         """`data`, fetched, kept in `cache`; what the batch decodes (a resized copy where one is
         made: every epoch trains on the same image, whether fetched or read from the cache).
 
-        An image that changed since it was listed (another size) is neither kept nor copied,
-        and one that does not decode is not kept: the batch meets it as it is, unreadable."""
+        An image that changed since it was listed (another size) is neither kept nor copied; one
+        that does not decode is kept as fetched, and the batch meets it unreadable every epoch, as
+        it would without the cache. Once the cache cannot keep a copy (full, or not writable),
+        this dataset stops making them: each epoch would pay for a copy that is thrown away."""
         if data is None or (self.sizes[index] is not None and len(data) != self.sizes[index]):
             return data
-        if self.copy_side is not None:
-            copy = stored_resized(data, self.copy_side).data
-            if copy is None:
-                return data
-            data = copy
-        cache.put(self._url(index), self.sizes[index], data, variant=self._variant)
+        if self.copy_side is None:
+            cache.put(self._url(index), self.sizes[index], data)
+        elif self._copying:
+            data = stored_resized(data, self.copy_side).data or data
+            self._copying = cache.put(self._url(index), self.sizes[index], data, variant=self._variant)
         return data
 
     def _url(self, index: int) -> str:

@@ -29,7 +29,7 @@ import distributed
 
 from prefect_ddp.tasks.gang.errors import GangError
 from prefect_ddp.tasks.gang.plan import by_host, cluster_workers
-from prefect_ddp.tasks.gang.stale import end_stale_ranks
+from prefect_ddp.tasks.gang.stale import end_stale_ranks, stale_ranks
 from prefect_ddp.tasks.reporting import run_logger
 
 PREFIX = "prefect-ddp-worker-lease"
@@ -132,11 +132,17 @@ def _held_by(client: distributed.Client, workers: list[str], stuck: dict[str, st
 def _wait_for_free(client: distributed.Client, world_size: int | None,
                    timeout_s: float) -> list[tuple[str, distributed.Lock]]:
     """`world_size` workers (default: all), taken together once that many are free, and none
-    of them still running a rank of an earlier gang (`end_stale_ranks`)."""
+    of them still running a rank of an earlier gang (`end_stale_ranks`).
+
+    Ending stale ranks is not counted against `timeout_s` (it is bounded on its own: a grace,
+    then a restart): a gang that has just restarted workers takes them again before its
+    deadline is checked, so it never fails on the workers it has just freed."""
     deadline = time.monotonic() + timeout_s
     waited = False
-    stuck: dict[str, str] = {}  # workers whose stale rank could not be ended: never taken
+    stuck: dict[str, str] = {}  # workers whose stale rank could not be ended: not taken while it runs
     while True:
+        if stuck:  # a stale rank that left late (after its grace, on a worker with no nanny) frees it
+            stuck = {address: why for address, why in stuck.items() if address in stale_ranks(client, list(stuck))}
         workers = by_host(cluster_workers(client))
         wanted = world_size or len(workers)
         if not workers or wanted > len(workers):
@@ -151,6 +157,8 @@ def _wait_for_free(client: distributed.Client, world_size: int | None,
                 return taken
             _give_back(client, taken)  # and take afresh: restarted workers are back at new addresses
             stuck |= {address: why for address, why in unusable.items() if why != "restarted"}
+            if "restarted" in unusable.values():
+                continue  # take again now, whatever the deadline: the restarted workers are free
         if not waited:
             run_logger().info("Waiting up to %.0f s for %d free worker(s) of the cluster's %d. Held: %s.",
                               timeout_s, wanted, len(workers), _held_by(client, workers, stuck))

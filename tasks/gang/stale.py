@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 
 import distributed
@@ -86,7 +86,9 @@ def running_rank(dask_worker: distributed.Worker) -> dict[str, object] | None:
 def stale_ranks(client: distributed.Client, addresses: list[str]) -> dict[str, RunningRank]:
     """The ranks still running on `addresses`, by worker."""
     found = client.run(running_rank, workers=addresses, on_error="ignore")  # one that left: nothing runs there
-    return {address: RunningRank(**info) for address, info in found.items() if info is not None}
+    # By the fields this release knows: a worker of another release may say more or less.
+    return {address: RunningRank(**{f.name: info.get(f.name) for f in fields(RunningRank)})
+            for address, info in found.items() if info is not None}
 
 
 def end_stale_ranks(client: distributed.Client, addresses: list[str]) -> dict[str, str]:
@@ -104,16 +106,18 @@ def end_stale_ranks(client: distributed.Client, addresses: list[str]) -> dict[st
         "or they ignore the stop): %s. Asking them to stop, then restarting the workers where they do not "
         "within %.0f s.", "; ".join(f"{a}: {r.describe()}" for a, r in stale.items()), GRACE_S,
     )
-    for rank in stale.values():
-        if rank.stop_flag:
-            distributed.Event(rank.stop_flag, client=client).set()
+    flags = {a: distributed.Event(rank.stop_flag, client=client) for a, rank in stale.items() if rank.stop_flag}
+    for flag in flags.values():
+        flag.set()
     deadline = time.monotonic() + GRACE_S
     while stale and time.monotonic() < deadline:
         time.sleep(POLL_S)
         stale = {a: r for a, r in stale_ranks(client, list(stale)).items() if r == stale[a]}
-    if not stale:
-        return {}
-    return _restart(client, stale)
+    unusable = _restart(client, stale) if stale else {}
+    for address, flag in flags.items():
+        if unusable.get(address, "restarted") == "restarted":  # its rank is gone: a set flag stays in the
+            flag.clear()  # scheduler until cleared; one still running must go on seeing it
+    return unusable
 
 
 def _restart(client: distributed.Client, stale: dict[str, RunningRank]) -> dict[str, str]:

@@ -1,0 +1,239 @@
+"""Issue 33: many gangs on one warm cluster and one Prefect server, under seeded faults.
+
+    .venv/bin/python -m bench.soak [--runs 100] [--seed 0] [--workers 3]
+
+A night's life for the gang, compressed: runs of a 2-rank gang (a short training loop of
+collectives that calls `ctx.check_stop()` after each step, `bench/soak_ranks.py`) one after
+another on one LocalCluster of nanny-backed workers and one Prefect server, while a seeded
+injector gives about every other run one fault:
+
+- kill-worker: SIGKILL a gang worker's process mid-run (an OOM kill); the gang re-forms
+  (`max_restarts=1`) on the workers the nanny brings back;
+- freeze-worker: SIGSTOP a gang worker mid-run, SIGCONT 20 s later; the hang limit (10 s
+  here) finds it, or the run completes if it wakes first;
+- kill-flow: SIGKILL the run's own flow process (a child process here) mid-run: its ranks
+  run on, unsupervised, until the next run's gang finds them (`tasks/gang/stale.py`);
+- ignore-stop: the ranks sleep in C past the gang's timeout (5 s), deaf to the stop flag:
+  their workers must be restarted.
+
+After every run it checks the invariants: the run completed, or failed with the error its
+fault explains, within its limit (never hung); no worker lease held; no rank left running
+on any worker; every worker back; none of its task runs left Running. Over the soak: the
+scheduler's and each worker slot's memory and open files at the start and the end. It
+prints a JSON line per run and a summary; record it in bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextvars import copy_context
+from pathlib import Path
+from typing import Any
+
+import distributed
+import psutil
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+from bench import soak_ranks
+from bench.overhead import quiet_dask, running_prefect_server
+from prefect_ddp.blocks.cluster import create_local_cluster
+from prefect_ddp.tasks.gang import cluster_workers
+from prefect_ddp.tasks.gang.lease import _tidy
+from prefect_ddp.tasks.gang.stale import running_rank
+
+REPO = Path(__file__).resolve().parents[1]
+FAULTS = ["kill-worker", "freeze-worker", "kill-flow", "ignore-stop"]
+RUN_LIMIT_S = 240  # a run that takes longer counts as hung
+LEASE_TIMEOUT_S = 5
+FREEZE_S = 20
+# What a run that met each fault may end with, besides Completed.
+EXPLAINED = {
+    None: (),
+    "kill-worker": ("left the cluster", "ended CRASHED", "closed by peer", "Connection"),
+    "freeze-worker": ("hung", "made no progress", "left the cluster", "closed by peer", "Connection"),
+    "kill-flow": ("killed",),
+    "ignore-stop": ("did not finish within its timeout",),
+}
+
+
+class Launched:
+    """One run: in a thread of this process, or (for kill-flow) in a flow process of its own."""
+
+    def __init__(self, address: str, fn_name: str, marks: Path, work: Path, own_process: bool,
+                 threads: ThreadPoolExecutor) -> None:
+        self.process: subprocess.Popen[str] | None = None
+        self.future: Future[dict[str, Any]] | None = None
+        if own_process:
+            # The killed client's leases are given back after this (production: 30 s), so that the
+            # soak does not spend most of its time waiting on them; the next gang still finds the ranks.
+            env = os.environ | {"DASK_DISTRIBUTED__SCHEDULER__LOCKS__LEASE_TIMEOUT": f"{LEASE_TIMEOUT_S}s"}
+            self.process = subprocess.Popen([sys.executable, "-m", "bench.soak_ranks", address, fn_name, str(marks)],
+                                            cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                            stderr=open(work / "flows.log", "a"), text=True)
+        else:
+            self.future = threads.submit(copy_context().run, soak_ranks.run, address, fn_name, str(marks))
+
+    def running(self) -> bool:
+        return self.process.poll() is None if self.process else not self.future.done()
+
+    def kill(self) -> None:
+        if self.process:
+            self.process.kill()
+
+    def outcome(self, fault: str | None) -> dict[str, Any]:
+        if self.future is not None:
+            try:
+                return self.future.result(timeout=RUN_LIMIT_S)
+            except FutureTimeout:
+                return {"state": "HUNG"}
+        try:
+            out, _ = self.process.communicate(timeout=RUN_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return {"state": "HUNG"}
+        if fault == "kill-flow" and self.process.returncode == -signal.SIGKILL:
+            return {"state": "KILLED", "error": "killed"}
+        lines = out.strip().splitlines()
+        return json.loads(lines[-1]) if lines else {"state": "NO OUTPUT", "error": str(self.process.returncode)}
+
+
+def wait_for_marks(marks: Path, count: int, run: Launched, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while len(list(marks.glob("running-*"))) < count:
+        if not run.running() or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def worker_pids(client: distributed.Client) -> dict[str, int]:
+    return client.run(os.getpid)
+
+
+def inject(fault: str | None, client: distributed.Client, run: Launched, marks: Path) -> None:
+    """Give the running gang its fault, once its ranks run."""
+    if fault is None or not wait_for_marks(marks, 2, run, 120):
+        return
+    time.sleep(random.uniform(0.5, 2.0))  # mid-run
+    gang = [m.read_text() for m in marks.glob("running-*")]  # each rank's worker address
+    pids = worker_pids(client)
+    victim = pids.get(random.choice(gang))
+    if fault == "kill-worker" and victim:
+        os.kill(victim, signal.SIGKILL)
+    elif fault == "freeze-worker" and victim:
+        os.kill(victim, signal.SIGSTOP)
+        time.sleep(FREEZE_S)
+        os.kill(victim, signal.SIGCONT)
+    elif fault == "kill-flow":
+        run.kill()
+
+
+def violations(client: distributed.Client, workers: int, result: dict[str, Any], fault: str | None) -> list[str]:
+    """The invariants one run must leave behind; what broke each."""
+    found = []
+    if result["state"] not in ("COMPLETED", "FAILED", "KILLED") or (
+        result["state"] == "FAILED" and not any(word in result.get("error", "") for word in EXPLAINED[fault])
+    ):
+        found.append(f"outcome {result['state']}: {result.get('error', '')[:300]}")
+    if fault != "kill-flow":  # a killed run's ranks are ended by the next gang, not before
+        try:
+            client.wait_for_workers(workers, timeout=90)
+        except (TimeoutError, distributed.TimeoutError):
+            found.append(f"only {len(cluster_workers(client))} of {workers} workers back")
+        if held := _tidy(client):
+            found.append(f"leases still held: {held}")
+        if running := {a: r for a, r in client.run(running_rank, on_error="ignore").items() if r}:
+            found.append(f"ranks left running: {running}")
+        if left := left_running(result.get("flow_run_id")):
+            found.append(f"task runs left Running: {left}")
+    return found
+
+
+def left_running(flow_run_id: str | None) -> list[str]:
+    if not flow_run_id:
+        return []
+    deadline = time.monotonic() + 30  # states arrive as events, a moment late
+    while True:
+        with get_client(sync_client=True) as api:
+            runs = api.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        left = [f"{r.name}: {r.state.type.value if r.state else None}" for r in runs
+                if r.state is None or not r.state.is_final()]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(1)
+
+
+def footprint(client: distributed.Client) -> dict[str, Any]:
+    """[RSS MB, open files] of the scheduler (in this process, with the flows run in threads), the
+    Prefect server and each worker process now."""
+    def of(process: psutil.Process) -> tuple[float, int]:
+        return round(process.memory_info().rss / 1e6), process.num_fds()
+
+    servers = [p for p in psutil.Process().children(recursive=True) if "server" in p.cmdline() and "prefect" in " ".join(p.cmdline())]
+    return {"scheduler": of(psutil.Process()), "prefect_server": [of(p) for p in servers],
+            "workers": sorted(of(psutil.Process(pid)) for pid in worker_pids(client).values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--fault-share", type=float, default=0.55, help="the share of runs given a fault")
+    args = parser.parse_args()
+    random.seed(args.seed)
+    quiet_dask()
+    work = Path(tempfile.mkdtemp(prefix="bench-soak-"))
+    started = time.time()
+    with (running_prefect_server(work) as api_url,
+          create_local_cluster(n_workers=args.workers) as cluster,
+          distributed.Client(cluster) as client):
+        print(json.dumps({"api": api_url, "scheduler": cluster.scheduler_address, "seed": args.seed,
+                          "load_average": os.getloadavg()}), flush=True)
+        start_footprint = footprint(client)
+        faults: Counter[str] = Counter()
+        broken: list[dict[str, Any]] = []
+        slowest: dict[str, float] = defaultdict(float)
+        faulted = set(random.sample(range(1, args.runs + 1), round(args.runs * args.fault_share)))
+        threads = ThreadPoolExecutor(1)
+        for number in range(1, args.runs + 2):  # the last one, without a fault, checks what the one before left
+            fault = random.choice(FAULTS) if number in faulted else None
+            marks = work / f"run-{number}"
+            marks.mkdir()
+            began = time.monotonic()
+            run = Launched(cluster.scheduler_address, "asleep" if fault == "ignore-stop" else "loop", marks, work,
+                           own_process=fault == "kill-flow", threads=threads)
+            inject(fault, client, run, marks)
+            result = run.outcome(fault)
+            seconds = time.monotonic() - began
+            found = violations(client, args.workers, result, fault)
+            faults[fault or "none"] += 1
+            slowest[fault or "none"] = max(slowest[fault or "none"], seconds)
+            row = {"run": number, "fault": fault, "state": result["state"], "seconds": round(seconds, 1),
+                   "attempts": result.get("attempts"), "violations": found}
+            if found:
+                broken.append(row)
+            print(json.dumps(row), flush=True)
+        end_footprint = footprint(client)
+    print(json.dumps({
+        "runs": args.runs + 1, "faults": dict(faults), "runs_with_violations": len(broken),
+        "slowest_s_by_fault": {k: round(v, 1) for k, v in slowest.items()},
+        "footprint_start": start_footprint, "footprint_end": end_footprint,
+        "minutes": round((time.time() - started) / 60, 1), "load_average_end": os.getloadavg(),
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
