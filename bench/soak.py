@@ -57,6 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 FAULTS = ["kill-worker", "freeze-worker", "kill-flow", "ignore-stop"]
 RUN_LIMIT_S = 240  # a run that takes longer counts as hung
 LEASE_TIMEOUT_S = 5
+KILLED_RUN_STEPS = 1200  # about a minute and a half
 FREEZE_S = 20
 # What a run that met each fault may end with, besides Completed.
 EXPLAINED = {
@@ -79,7 +80,9 @@ class Launched:
             # The killed client's leases are given back after this (production: 30 s), so that the
             # soak does not spend most of its time waiting on them; the next gang still finds the ranks.
             env = os.environ | {"DASK_DISTRIBUTED__SCHEDULER__LOCKS__LEASE_TIMEOUT": f"{LEASE_TIMEOUT_S}s"}
-            self.process = subprocess.Popen([sys.executable, "-m", "bench.soak_ranks", address, fn_name, str(marks)],
+            # Long enough to outlive its leases: the next run's gang finds its ranks still running.
+            self.process = subprocess.Popen([sys.executable, "-m", "bench.soak_ranks", address, fn_name, str(marks),
+                                             str(KILLED_RUN_STEPS)],
                                             cwd=REPO, env=env, stdout=subprocess.PIPE,
                                             stderr=open(work / "flows.log", "a"), text=True)
         else:

@@ -1,9 +1,9 @@
 """The soak's gang (bench/soak.py): its rank functions, its flow, and a flow process to run it.
 
-    python -m bench.soak_ranks SCHEDULER_ADDRESS FN_NAME MARKS_FOLDER
+    python -m bench.soak_ranks SCHEDULER_ADDRESS FN_NAME MARKS_FOLDER STEPS
 
-runs one gang of FN_NAME ("loop" or "asleep") on the cluster and prints its outcome as one
-JSON line: state, error, flow run id, attempts.
+runs one gang of FN_NAME ("loop" of STEPS steps, or "asleep") on the cluster and prints its
+outcome as one JSON line: state, error, flow run id, attempts.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def loop(ctx: RankContext, config: dict[str, Any]) -> float:
     """A short training loop: a collective per step, the stop flag read after each."""
     mark(ctx, config["marks"])
     total = 0.0
-    for _ in range(STEPS):
+    for _ in range(config["steps"]):
         total += all_reduce_sum([1.0])[0]
         ctx.check_stop()
         time.sleep(STEP_PAUSE_S)
@@ -53,20 +53,20 @@ FUNCTIONS = {"loop": loop, "asleep": asleep}
 
 
 @flow(name="soak-gang")
-def soak_gang(address: str, fn_name: str, marks: str) -> int:
+def soak_gang(address: str, fn_name: str, marks: str, steps: int = STEPS) -> int:
     """One gang of FUNCTIONS[fn_name] on 2 of the cluster's workers; the attempts it took."""
     with DaskTaskRunner(address=address) as runner:
         results = run_gang(
-            FUNCTIONS[fn_name], {"marks": marks}, task_runner=runner, world_size=2, max_restarts=1,
+            FUNCTIONS[fn_name], {"marks": marks, "steps": steps}, task_runner=runner, world_size=2, max_restarts=1,
             init_timeout=timedelta(seconds=60), lease_timeout=timedelta(seconds=180),
             timeout=timedelta(seconds=5 if fn_name == "asleep" else 180), hang_timeout=timedelta(seconds=10),
         )
     return len(results.attempts)
 
 
-def run(address: str, fn_name: str, marks: str) -> dict[str, Any]:
+def run(address: str, fn_name: str, marks: str, steps: int = STEPS) -> dict[str, Any]:
     """The gang's outcome, as the soak checks it."""
-    state = soak_gang(address, fn_name, marks, return_state=True)
+    state = soak_gang(address, fn_name, marks, steps, return_state=True)
     result = state.result(raise_on_failure=False)
     attempts = len(result.attempts) if isinstance(result, GangError) else result if isinstance(result, int) else None
     return {"state": state.type.value, "error": "" if isinstance(result, int) else str(result)[:2000],
@@ -74,4 +74,4 @@ def run(address: str, fn_name: str, marks: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(*sys.argv[1:4])), flush=True)
+    print(json.dumps(run(*sys.argv[1:4], int(sys.argv[4]))), flush=True)
