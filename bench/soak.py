@@ -26,6 +26,7 @@ prints a JSON line per run and a summary; record it in bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -133,14 +134,16 @@ def inject(fault: str | None, client: distributed.Client, run: Launched, marks: 
     gang = [m.read_text() for m in marks.glob("running-*")]  # each rank's worker address
     pids = worker_pids(client)
     victim = pids.get(random.choice(gang))
-    if fault == "kill-worker" and victim:
-        os.kill(victim, signal.SIGKILL)
-    elif fault == "freeze-worker" and victim:
-        os.kill(victim, signal.SIGSTOP)
-        time.sleep(FREEZE_S)
-        os.kill(victim, signal.SIGCONT)
-    elif fault == "kill-flow":
-        run.kill()
+    # The victim may be gone meanwhile: the gang found it frozen and restarted it.
+    with contextlib.suppress(ProcessLookupError):
+        if fault == "kill-worker" and victim:
+            os.kill(victim, signal.SIGKILL)
+        elif fault == "freeze-worker" and victim:
+            os.kill(victim, signal.SIGSTOP)
+            time.sleep(FREEZE_S)
+            os.kill(victim, signal.SIGCONT)
+        elif fault == "kill-flow":
+            run.kill()
 
 
 def violations(client: distributed.Client, workers: int, result: dict[str, Any], fault: str | None) -> list[str]:

@@ -11,6 +11,7 @@ PREFECT_API_URL: the flow's own setting reaches the ranks with each task.
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
@@ -29,6 +30,7 @@ from prefect_dask import DaskTaskRunner
 
 from prefect_ddp.blocks.cluster import DaskCluster
 from prefect_ddp.tasks.gang import GangRefused, run_gang
+from prefect_ddp.tasks.gang import worker_checks
 from prefect_ddp.tasks.gang.worker_checks import (
     api_error,
     check_workers,
@@ -164,6 +166,16 @@ def test_a_server_that_answers_at_all_is_reachable_and_a_closed_port_is_not():
             assert api_error(f"http://127.0.0.1:{server.server_port}/api") is None
         finally:
             server.shutdown()
+    assert "Connection refused" in api_error(UNREACHABLE_API)
+
+
+@pytest.mark.unit
+def test_a_server_that_is_slow_to_answer_is_reached_and_one_that_takes_no_connection_is_not(monkeypatch):
+    monkeypatch.setattr(worker_checks, "API_CHECK_TIMEOUT_S", 0.5)
+    with socket.socket() as busy:  # takes connections (the kernel's backlog) and never answers
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(8)
+        assert api_error(f"http://127.0.0.1:{busy.getsockname()[1]}/api") is None
     assert "Connection refused" in api_error(UNREACHABLE_API)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,35 @@ def choose_gloo_interface(own_address: str | None) -> None:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
+def forget_failed_joins() -> None:
+    """Number this process's next group as a fresh process would: 0.
+
+    torch names the default group by a per-process counter, counted before the rendezvous,
+    and the group's store keys carry the name (`/default_pg/0//cpu//0/1`). A join that failed
+    (a peer gone mid-rendezvous, a store timeout) raised the counter without making a group,
+    so no destroy reset it: every later gang that paired this worker with a fresh process
+    waited for keys of another name until its timeout (DistStoreError after 60 s, attempt
+    after attempt): a worker poisoned until restarted (docs/architecture.md, "Facts: torch
+    and gloo"). With no group in this process (checked by the caller), 0 is what the
+    counter must be; torch's own destroy sets it so.
+    """
+    distributed_c10d._world.group_count = 0
+
+
+def every_rank_joined(backend: str) -> None:
+    """Wait until every rank's join has finished: a barrier right after the join.
+
+    A rank's join can return while a peer is still connecting to it (gloo's
+    connectFullMesh): a training function that does no collective (or ends before its first)
+    then destroyed the group under that peer, which failed with "Connection closed by
+    peer" (seen under load in tests/test_sending.py's gang of two ranks that build a model).
+    """
+    if backend == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
 @contextmanager
 def process_group(
     *,
@@ -78,8 +108,9 @@ def process_group(
     `own_address` is the address this rank's peers reach it at (its Dask worker's host):
     gloo sends from that address's interface (`choose_gloo_interface`).
 
-    The group is destroyed on the way out whatever happens inside; a failure to destroy it
-    is logged, never raised over the error that ended the block.
+    The block starts once every rank has joined (`every_rank_joined`). The group is
+    destroyed on the way out whatever happens inside; a failure to destroy it is logged,
+    never raised over the error that ended the block.
     """
     if world_size == 1:
         yield
@@ -92,6 +123,7 @@ def process_group(
         )
     if backend == "gloo":
         choose_gloo_interface(own_address)
+    forget_failed_joins()
     dist.init_process_group(
         backend=backend,
         init_method=tcp_init_method(master_addr, master_port),
@@ -100,6 +132,7 @@ def process_group(
         timeout=timeout,
     )
     try:
+        every_rank_joined(backend)
         yield
     finally:
         try:

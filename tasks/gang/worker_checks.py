@@ -87,13 +87,19 @@ def api_error(api_url: str) -> str | None:
 
     Any HTTP answer counts: Prefect Cloud answers 401 to a request without the key, and
     only a connection that cannot be made (refused, no route, timed out) loses task runs.
+    A server that took the connection but is slow to answer (a busy SQLite server: seen
+    past 5 s under load) is reached: the ranks' clients wait longer than this check does.
     """
     try:
         with urllib.request.urlopen(f"{api_url}/health", timeout=API_CHECK_TIMEOUT_S) as response:
             response.read()
     except urllib.error.HTTPError:
         return None
-    except OSError as exc:  # URLError, refused, timed out
+    except urllib.error.URLError as exc:  # no connection: refused, no route, unknown host, connect timed out
+        return repr(exc)
+    except TimeoutError:  # connected, then no answer in time (urllib wraps only the connect's errors)
+        return None
+    except OSError as exc:  # the connection reset or closed before an answer
         return repr(exc)
     return None
 
