@@ -73,8 +73,8 @@ EXPLAINED = {
 class Launched:
     """One run: in a thread of this process, or (for kill-flow) in a flow process of its own."""
 
-    def __init__(self, address: str, fn_name: str, marks: Path, work: Path, own_process: bool,
-                 threads: ThreadPoolExecutor) -> None:
+    def __init__(self, address: str, fn_name: str, marks: Path, work: Path, own_process: bool) -> None:
+        self.began = time.monotonic()  # the run's limit counts from here, the fault's injection included
         self.process: subprocess.Popen[str] | None = None
         self.future: Future[dict[str, Any]] | None = None
         if own_process:
@@ -87,7 +87,10 @@ class Launched:
                                             cwd=REPO, env=env, stdout=subprocess.PIPE,
                                             stderr=open(work / "flows.log", "a"), text=True)
         else:
+            # A thread of its own: a hung run's thread must not hold up the runs after it.
+            threads = ThreadPoolExecutor(1)
             self.future = threads.submit(copy_context().run, soak_ranks.run, address, fn_name, str(marks))
+            threads.shutdown(wait=False)
 
     def running(self) -> bool:
         return self.process.poll() is None if self.process else not self.future.done()
@@ -97,13 +100,14 @@ class Launched:
             self.process.kill()
 
     def outcome(self, fault: str | None) -> dict[str, Any]:
+        left_s = max(0.0, RUN_LIMIT_S - (time.monotonic() - self.began))
         if self.future is not None:
             try:
-                return self.future.result(timeout=RUN_LIMIT_S)
+                return self.future.result(timeout=left_s)
             except FutureTimeout:
                 return {"state": "HUNG"}
         try:
-            out, _ = self.process.communicate(timeout=RUN_LIMIT_S)
+            out, _ = self.process.communicate(timeout=left_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             return {"state": "HUNG"}
@@ -131,7 +135,7 @@ def inject(fault: str | None, client: distributed.Client, run: Launched, marks: 
     if fault is None or not wait_for_marks(marks, 2, run, 120):
         return
     time.sleep(random.uniform(0.5, 2.0))  # mid-run
-    gang = [m.read_text() for m in marks.glob("running-*")]  # each rank's worker address
+    gang = [json.loads(m.read_text())["worker"] for m in marks.glob("running-*")]
     pids = worker_pids(client)
     victim = pids.get(random.choice(gang))
     # The victim may be gone meanwhile: the gang found it frozen and restarted it.
@@ -146,8 +150,17 @@ def inject(fault: str | None, client: distributed.Client, run: Launched, marks: 
             run.kill()
 
 
-def violations(client: distributed.Client, workers: int, result: dict[str, Any], fault: str | None) -> list[str]:
-    """The invariants one run must leave behind; what broke each."""
+def marked_flow_run(marks: Path) -> str | None:
+    """The flow run its ranks marked: how a killed run, which printed nothing, is found."""
+    for mark in marks.glob("running-*"):
+        return str(json.loads(mark.read_text())["flow_run_id"])
+    return None
+
+
+def violations(client: distributed.Client, workers: int, result: dict[str, Any], fault: str | None,
+               killed_before: str | None) -> list[str]:
+    """The invariants one run must leave behind; what broke each. `killed_before`: the flow run
+    of the run before, when it was killed: this run's gang must have ended its ranks' task runs."""
     found = []
     if result["state"] not in ("COMPLETED", "FAILED", "KILLED") or (
         result["state"] == "FAILED" and not any(word in result.get("error", "") for word in EXPLAINED[fault])
@@ -164,6 +177,8 @@ def violations(client: distributed.Client, workers: int, result: dict[str, Any],
             found.append(f"ranks left running: {running}")
         if left := left_running(result.get("flow_run_id")):
             found.append(f"task runs left Running: {left}")
+        if killed_before and (left := left_running(killed_before)):
+            found.append(f"task runs of the killed run before left Running: {left}")
     return found
 
 
@@ -212,19 +227,21 @@ def main() -> None:
         faults: Counter[str] = Counter()
         broken: list[dict[str, Any]] = []
         slowest: dict[str, float] = defaultdict(float)
-        faulted = set(random.sample(range(1, args.runs + 1), round(args.runs * args.fault_share)))
-        threads = ThreadPoolExecutor(1)
-        for number in range(1, args.runs + 2):  # the last one, without a fault, checks what the one before left
-            fault = random.choice(FAULTS) if number in faulted else None
+        # Drawn before any run, so that the seed alone decides them (the injector's timing draws vary).
+        draws = random.Random(args.seed)
+        faulted = set(draws.sample(range(1, args.runs + 1), round(args.runs * args.fault_share)))
+        plan = [draws.choice(FAULTS) if number in faulted else None for number in range(1, args.runs + 1)]
+        killed_before: str | None = None
+        for number, fault in enumerate([*plan, None], start=1):  # the last, without a fault, checks the one before
             marks = work / f"run-{number}"
             marks.mkdir()
-            began = time.monotonic()
             run = Launched(cluster.scheduler_address, "asleep" if fault == "ignore-stop" else "loop", marks, work,
-                           own_process=fault == "kill-flow", threads=threads)
+                           own_process=fault == "kill-flow")
             inject(fault, client, run, marks)
             result = run.outcome(fault)
-            seconds = time.monotonic() - began
-            found = violations(client, args.workers, result, fault)
+            seconds = time.monotonic() - run.began
+            found = violations(client, args.workers, result, fault, killed_before)
+            killed_before = marked_flow_run(marks) if fault == "kill-flow" else None
             faults[fault or "none"] += 1
             slowest[fault or "none"] = max(slowest[fault or "none"], seconds)
             row = {"run": number, "fault": fault, "state": result["state"], "seconds": round(seconds, 1),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.runtime import flow_run
 from prefect_dask import DaskTaskRunner
 
 from prefect_ddp.tasks.gang import GangError, RankContext, all_reduce_sum, run_gang
@@ -27,8 +28,10 @@ ASLEEP_S = 600
 
 
 def mark(ctx: RankContext, marks: str) -> None:
-    """Say that this rank runs, and on which worker (the soak's injector picks its victim by it)."""
-    (Path(marks) / f"running-{ctx.rank}").write_text(ctx.worker_address)
+    """Say that this rank runs, on which worker (the soak's injector picks its victim by it) and
+    for which flow run (a killed run prints none: the soak reads its task runs by this)."""
+    (Path(marks) / f"running-{ctx.rank}").write_text(json.dumps({"worker": ctx.worker_address,
+                                                                  "flow_run_id": flow_run.get_id()}))
 
 
 def loop(ctx: RankContext, config: dict[str, Any]) -> float:

@@ -10,8 +10,11 @@ PREFECT_API_URL: the flow's own setting reaches the ranks with each task.
 
 from __future__ import annotations
 
+import http.server
 import re
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
@@ -150,9 +153,6 @@ def test_well_set_up_workers_raise_nothing_and_one_problem_is_named_once_for_all
 
 @pytest.mark.unit
 def test_a_server_that_answers_at_all_is_reachable_and_a_closed_port_is_not():
-    import http.server
-    import threading
-
     class NeedsAKey(http.server.BaseHTTPRequestHandler):  # as Prefect Cloud answers without one
         def do_GET(self) -> None:
             self.send_error(401)
@@ -169,13 +169,46 @@ def test_a_server_that_answers_at_all_is_reachable_and_a_closed_port_is_not():
     assert "Connection refused" in api_error(UNREACHABLE_API)
 
 
+class SlowHealth(http.server.BaseHTTPRequestHandler):
+    """A Prefect server too busy to answer within the first check's timeout."""
+
+    def do_GET(self) -> None:
+        time.sleep(1.0)
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"true")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 @pytest.mark.unit
-def test_a_server_that_is_slow_to_answer_is_reached_and_one_that_takes_no_connection_is_not(monkeypatch):
-    monkeypatch.setattr(worker_checks, "API_CHECK_TIMEOUT_S", 0.5)
-    with socket.socket() as busy:  # takes connections (the kernel's backlog) and never answers
-        busy.bind(("127.0.0.1", 0))
-        busy.listen(8)
-        assert api_error(f"http://127.0.0.1:{busy.getsockname()[1]}/api") is None
+def test_a_slow_server_is_reached_a_silent_or_foreign_one_is_not(monkeypatch):
+    monkeypatch.setattr(worker_checks, "API_CHECK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(worker_checks, "API_SLOW_TIMEOUT_S", 3.0)
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowHealth) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            assert api_error(f"http://127.0.0.1:{server.server_port}/api") is None
+        finally:
+            server.shutdown()
+    monkeypatch.setattr(worker_checks, "API_SLOW_TIMEOUT_S", 0.3)
+    with socket.socket() as silent:  # takes connections (the kernel's backlog), never answers: a proxy whose upstream is down
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        assert "connected, but no answer within 0.6 s" in api_error(f"http://127.0.0.1:{silent.getsockname()[1]}/api")
+    with socket.socket() as foreign:  # answers, but not HTTP
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen(8)
+
+        def answer() -> None:
+            connection, _ = foreign.accept()
+            with connection:
+                connection.recv(1024)
+                connection.sendall(b"\x00\x01 not http\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        assert "BadStatusLine" in api_error(f"http://127.0.0.1:{foreign.getsockname()[1]}/api")
     assert "Connection refused" in api_error(UNREACHABLE_API)
 
 

@@ -32,6 +32,7 @@ the flow left unset is read from the worker's environment.
 
 from __future__ import annotations
 
+import http.client
 import multiprocessing
 import os
 import socket
@@ -58,6 +59,9 @@ from prefect_ddp.tasks.reporting import (
 from prefect_ddp.tasks.urls import is_local_url
 
 API_CHECK_TIMEOUT_S = 5.0
+# A server that took the connection but did not answer in API_CHECK_TIMEOUT_S is asked once
+# more, this long: a busy one answers (SQLite under load, seen past 5 s), a silent one does not.
+API_SLOW_TIMEOUT_S = 30.0
 
 # The command line of a worker set up for training; the fixes below quote parts of it.
 TRAINING_WORKER_COMMAND = (
@@ -88,20 +92,24 @@ def api_error(api_url: str) -> str | None:
     Any HTTP answer counts: Prefect Cloud answers 401 to a request without the key, and
     only a connection that cannot be made (refused, no route, timed out) loses task runs.
     A server that took the connection but is slow to answer (a busy SQLite server: seen
-    past 5 s under load) is reached: the ranks' clients wait longer than this check does.
+    past 5 s under load) is asked once more with API_SLOW_TIMEOUT_S: the ranks' clients
+    wait that long too. One that never answers (a proxy whose upstream is down, a service
+    of another kind) is not reached, nor one that answers something other than HTTP.
     """
-    try:
-        with urllib.request.urlopen(f"{api_url}/health", timeout=API_CHECK_TIMEOUT_S) as response:
-            response.read()
-    except urllib.error.HTTPError:
-        return None
-    except urllib.error.URLError as exc:  # no connection: refused, no route, unknown host, connect timed out
-        return repr(exc)
-    except TimeoutError:  # connected, then no answer in time (urllib wraps only the connect's errors)
-        return None
-    except OSError as exc:  # the connection reset or closed before an answer
-        return repr(exc)
-    return None
+    for timeout_s in (API_CHECK_TIMEOUT_S, API_SLOW_TIMEOUT_S):
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=timeout_s) as response:
+                response.read()
+            return None
+        except urllib.error.HTTPError:
+            return None
+        except urllib.error.URLError as exc:  # no connection: refused, no route, unknown host, connect timed out
+            return repr(exc)
+        except TimeoutError as exc:  # connected, then no answer in time (urllib wraps only the connect's errors)
+            silent = exc
+        except (OSError, http.client.HTTPException) as exc:  # reset, closed, or not HTTP
+            return repr(exc)
+    return f"connected, but no answer within {API_CHECK_TIMEOUT_S + API_SLOW_TIMEOUT_S:g} s ({silent!r})"
 
 
 def visible_gpus() -> list[str]:
