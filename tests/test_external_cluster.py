@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from contextvars import copy_context
 from datetime import timedelta
 from pathlib import Path
@@ -160,13 +161,20 @@ def test_a_server_that_answers_at_all_is_reachable_and_a_closed_port_is_not():
         def log_message(self, *args) -> None:
             pass
 
-    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), NeedsAKey) as server:
+    with serving(NeedsAKey) as api_url:
+        assert api_error(api_url) is None
+    assert "Connection refused" in api_error(UNREACHABLE_API)
+
+
+@contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """An HTTP server on loopback answering with `handler`, in a thread; yields its API URL."""
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:
-            assert api_error(f"http://127.0.0.1:{server.server_port}/api") is None
+            yield f"http://127.0.0.1:{server.server_port}/api"
         finally:
             server.shutdown()
-    assert "Connection refused" in api_error(UNREACHABLE_API)
 
 
 class SlowHealth(http.server.BaseHTTPRequestHandler):
@@ -186,12 +194,8 @@ class SlowHealth(http.server.BaseHTTPRequestHandler):
 def test_a_slow_server_is_reached_a_silent_or_foreign_one_is_not(monkeypatch):
     monkeypatch.setattr(worker_checks, "API_CHECK_TIMEOUT_S", 0.3)
     monkeypatch.setattr(worker_checks, "API_SLOW_TIMEOUT_S", 3.0)
-    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowHealth) as server:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        try:
-            assert api_error(f"http://127.0.0.1:{server.server_port}/api") is None
-        finally:
-            server.shutdown()
+    with serving(SlowHealth) as api_url:
+        assert api_error(api_url) is None
     monkeypatch.setattr(worker_checks, "API_SLOW_TIMEOUT_S", 0.3)
     with socket.socket() as silent:  # takes connections (the kernel's backlog), never answers: a proxy whose upstream is down
         silent.bind(("127.0.0.1", 0))

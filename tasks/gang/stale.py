@@ -13,7 +13,7 @@ failed.
 So each rank says, in its worker process, that it runs (`running`), and a gang that has
 just taken its workers asks them (`end_stale_ranks`) before it plans any rank: a rank found
 there belongs to a gang that no longer holds the worker, since leases are exclusive. It is
-asked to stop through its own gang's flag, given FAILURE_GRACE_S to leave between steps,
+asked to stop through its own gang's flag, given GRACE_S to leave between steps,
 and its worker is restarted where it does not: the fencing that keeps a late rank of an old
 attempt from acting beside the new gang's. A worker that cannot be restarted (no nanny)
 is not used, and the gang's wait names it, the gang it ran for, and since when.
@@ -33,13 +33,13 @@ import distributed
 from prefect_ddp.tasks.gang.plan import cluster_workers
 from prefect_ddp.tasks.gang.progress import remove_unresponsive
 from prefect_ddp.tasks.gang.states import crash_task_runs
+from prefect_ddp.tasks.gang.supervise import FAILURE_GRACE_S, WORKER_RETURN_TIMEOUT_S
 from prefect_ddp.tasks.reporting import run_logger
 
 # How long a stale rank has to leave on its flag before its worker is restarted: the same
-# grace a stopping gang gives its own ranks (tasks/gang/supervise.py's FAILURE_GRACE_S).
-GRACE_S = 15.0
+# grace a stopping gang gives its own ranks.
+GRACE_S = FAILURE_GRACE_S
 POLL_S = 0.5
-WORKER_RETURN_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
