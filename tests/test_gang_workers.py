@@ -118,7 +118,8 @@ def test_gangs_leave_nothing_in_the_scheduler_after_many_leases_a_wait_in_vain_a
     for number in range(10):
         with leased_workers(client, world_size=1 + number % 2, holder=f"gang {number}", timeout_s=5) as leased:
             assert len(leased) == 1 + number % 2
-    with leased_workers(client, world_size=2, holder="gang A", timeout_s=5) as held:
+    with leased_workers(client, world_size=2, holder="gang A", timeout_s=5) as leases:
+        held = list(leases)
         with pytest.raises(GangError, match=rf"Held: {re.escape(held[0])} by gang A {SINCE}; {re.escape(held[1])} by gang A {SINCE}\. "):
             with leased_workers(client, world_size=1, holder="gang B", timeout_s=0.1):
                 pass
@@ -173,5 +174,5 @@ def test_a_lease_whose_process_died_is_given_back_by_the_lease_timeout_and_then_
             with leased_workers(client, world_size=1, holder="the next gang", timeout_s=0.1):
                 pass
         with leased_workers(client, world_size=1, holder="the next gang", timeout_s=30) as leased:
-            assert leased == [worker]
+            assert list(leased) == [worker]
         assert lease_entries(client) == {}

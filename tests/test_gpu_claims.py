@@ -39,8 +39,9 @@ def probes(client: distributed.Client, addresses: list[str], claims: Path) -> di
     return client.run(probe_worker, None, SIMULATED_HOST, claims, workers=addresses)
 
 
-def devices(client: distributed.Client, gang: list[str], claims: Path) -> list[str]:
-    """The device of each rank of a gang formed on `gang`'s workers, probed as before every attempt."""
+def devices(client: distributed.Client, leases: dict[str, str], claims: Path) -> list[str]:
+    """The device of each rank of a gang formed on the leased workers, probed as before every attempt."""
+    gang = list(leases)
     return [ctx.device for ctx in plan_ranks(gang, probes(client, gang, claims), 1, 0, None, 30)]
 
 
@@ -62,7 +63,7 @@ def test_two_gangs_on_one_simulated_4_gpu_host_get_disjoint_devices(client, tmp_
             assert len(set(first_a + first_b)) == 4, (first_a, first_b)
             # A nanny restarts one of A's workers while B trains: a new process at a new address,
             # so its place among the host's addresses may change; B's devices must not.
-            replace_worker(client, gang_a[0], count=4)
+            replace_worker(client, next(iter(gang_a)), count=4)
         with leased_workers(client, 2, "gang A, re-formed", 30) as gang_a:
             again_a = devices(client, gang_a, tmp_path)
         assert devices(client, gang_b, tmp_path) == first_b  # a worker's claim lasts its life

@@ -1,8 +1,10 @@
-"""Ranks whose gang is gone (its flow process killed) are ended before the next gang takes their workers.
+"""Ranks whose gang is gone (its flow process killed) end: by themselves once their leases are
+gone, or by the next gang that takes their workers.
 
-The killed gang's ranks run on the session's cluster, as on an external one: nothing stops
-them but the next gang, which finds them there once the scheduler has given their leases
-back (its lease timeout, 3 s here), as `tasks/gang/stale.py` describes.
+The killed gang's ranks run on the session's cluster, as on an external one. Once the
+scheduler has given their leases back (its lease timeout, 3 s here) they leave between
+steps (`tasks/gang/fencing.py`); a rank that never reaches a step's end is ended by the next
+gang that finds it there (`tasks/gang/stale.py`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import threading
 import time
 from pathlib import Path
 
+import dask
 import distributed
 import pytest
 from prefect.client.orchestration import get_client
 
-from prefect_ddp.tasks.gang import GangError, cluster_workers, stale
+from prefect_ddp.tasks.gang import GangError, GangStopped, cluster_workers, fencing, stale
 from prefect_ddp.tasks.gang.lease import leased_workers
 from tests.support.api_helpers import all_logs, rank_task_runs
 from tests.support.gang_functions import gang_flow
@@ -63,7 +66,7 @@ def stale_warnings(flow_run_id) -> list[str]:
 
 
 @pytest.mark.parametrize("fn_name, restarted", [
-    ("loop", False),  # leaves on its own gang's flag, which the next gang sets
+    ("loop", False),  # leaves on its own gang's flag, which the next gang sets, or on its lease's loss
     ("asleep_in_c", True),  # ignores every flag: its worker is restarted
 ])
 def test_the_next_gang_ends_the_ranks_of_a_killed_flow_process_and_starts(dask_cluster, tmp_path, fn_name, restarted):
@@ -82,6 +85,8 @@ def test_the_next_gang_ends_the_ranks_of_a_killed_flow_process_and_starts(dask_c
     killed_run = (tmp_path / "running-0").read_text()
     ranks = rank_task_runs(killed_run, 2)
     assert {r.state.type.value for r in ranks} == {"CRASHED" if restarted else "CANCELLED"}, ranks
+    if not restarted:
+        return  # its ranks may have seen their leases gone and left before the next gang looked
     [warning, *_] = stale_warnings(state.state_details.flow_run_id)
     assert re.search(r"tcp://\S+: rank [01] of flow run \S+ \(.+\), running since \d\d:\d\d:\d\d UTC", warning), warning
 
@@ -99,13 +104,13 @@ def test_a_stale_rank_on_a_worker_that_cannot_restart_is_never_taken_and_the_wai
                 with leased_workers(client, world_size=1, holder="the next gang", timeout_s=2):
                     pass
         with leased_workers(client, world_size=1, holder="the next gang", timeout_s=30) as leased:
-            assert leased == [worker]  # once the rank has ended, the worker is taken as any other
+            assert list(leased) == [worker]  # once the rank has ended, the worker is taken as any other
         # One that leaves after its grace, within the same wait, frees its worker for that wait.
         leaves = threading.Thread(target=stay_running, args=(worker, 3.0))
         leaves.start()
         try:
             with leased_workers(client, world_size=1, holder="the next gang", timeout_s=60) as leased:
-                assert leased == [worker]
+                assert list(leased) == [worker]
         finally:
             leaves.join()
 
@@ -131,5 +136,57 @@ def test_a_worker_restarted_for_its_stale_rank_is_taken_at_once_even_past_a_shor
         (worker,) = cluster_workers(client)
         client.run(start_rank_asleep_in_c, workers=[worker])
         with leased_workers(client, world_size=1, holder="the next gang", timeout_s=0.5) as leased:
-            assert leased != [worker] and len(leased) == 1  # the same worker, back at a new address
-            assert client.run(stale.running_rank, workers=leased) == {leased[0]: None}
+            assert list(leased) != [worker] and len(leased) == 1  # the same worker, back at a new address
+            assert client.run(stale.running_rank, workers=list(leased)) == {next(iter(leased)): None}
+
+
+def test_the_ranks_of_a_killed_flow_process_leave_by_themselves_once_its_leases_are_gone(dask_cluster, tmp_path):
+    """No later gang comes: the ranks see their lease given back (tasks/gang/fencing.py) and leave."""
+    address = dask_cluster.scheduler_address
+    before = workers_of(address)
+    killed_while_training(address, "loop", {"marks": str(tmp_path)}, tmp_path)
+    deadline = time.monotonic() + 180  # lease timeout 3 s, the scheduler's check, a read every 5 s: a busy machine
+    while len(list(tmp_path.glob("left-*"))) < 2:
+        assert time.monotonic() < deadline, "the ranks of the killed flow process trained on without their leases"
+        time.sleep(0.5)
+    assert "GangStopped" in [p.read_text() for p in tmp_path.glob("left-*")]
+    ranks = rank_task_runs((tmp_path / "running-0").read_text(), 2)
+    assert {r.state.type.value for r in ranks} == {"CANCELLED"}, ranks  # stopped, not failed: both
+    assert any("no longer holds this worker" in (r.state.message or "") for r in ranks), ranks
+    assert workers_of(address) == before  # they left between steps: no worker was restarted
+
+
+def fenced_on(client: distributed.Client, worker: str, lease: str) -> bool:
+    """`fencing.fenced` as the rank on `worker` would ask it, now."""
+    return client.submit(fencing.fenced, worker, lease, 0, workers=[worker], pure=False).result()
+
+
+def test_a_lease_given_back_fences_its_ranks_off_even_when_their_worker_is_leased_again():
+    with (dask.config.set({"distributed.scheduler.locks.lease-validation-interval": "200ms"}),
+          distributed.LocalCluster(n_workers=1, processes=False, protocol="tcp", dashboard_address=":0") as cluster,
+          distributed.Client(cluster) as client):
+        (worker,) = cluster_workers(client)
+        with leased_workers(client, world_size=1, holder="the old gang", timeout_s=30) as leases:
+            old = leases[worker]
+            assert not fenced_on(client, worker, old)
+        assert fenced_on(client, worker, old)
+        with leased_workers(client, world_size=1, holder="the new gang", timeout_s=30) as leases:
+            assert fenced_on(client, worker, old)  # the worker is leased again, but not by the old lease
+            assert not fenced_on(client, worker, leases[worker])
+        with pytest.raises(GangStopped, match="no longer holds this worker"):
+            client.submit(fencing.check_lease, 0, worker, old, workers=[worker], pure=False).result()
+
+
+def test_a_lock_left_with_a_shorter_lease_timeout_does_not_end_the_next_gangs_lease():
+    """The scheduler keeps a lock name's first lease timeout; a gang takes its locks afresh with its own."""
+    with (dask.config.set({"distributed.scheduler.locks.lease-validation-interval": "200ms"}),
+          distributed.LocalCluster(n_workers=1, processes=False, protocol="tcp", dashboard_address=":0") as cluster,
+          distributed.Client(cluster) as client):
+        (worker,) = cluster_workers(client)
+        with dask.config.set({"distributed.scheduler.locks.lease-timeout": "1s"}), client.as_current():
+            short = distributed.Lock(fencing.lock_name(worker))
+            assert short.acquire(timeout=5)
+            short.release()  # given back, but its name stays in the scheduler with a 1 s lease timeout
+        with leased_workers(client, world_size=1, holder="the next gang", timeout_s=30) as leases:
+            time.sleep(4)  # its client renews every 6 s (30 s / 5): a 1 s timeout would have ended it
+            assert not fenced_on(client, worker, leases[worker])

@@ -53,14 +53,16 @@ class GangSpec:
     warned: set[str] = field(default_factory=set)  # worker-setup warnings already logged
 
 
-def run_attempt(runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], attempt: int) -> list[Any]:
-    """Run the gang once on `addresses`; each rank's result, or GangError saying what went wrong."""
+def run_attempt(runner: DaskTaskRunner, spec: GangSpec, leases: dict[str, str], attempt: int) -> list[Any]:
+    """Run the gang once on the workers of `leases` ({address: lease id}); each rank's result,
+    or GangError saying what went wrong."""
     client = runner.client
+    addresses = list(leases)
     probes, threads, port = _prepare(client, addresses, spec)
     check_workers(probes, flow_api_url(), spec.needs_child_processes, spec.warned)
     with stop_flag(client) as flag:
         contexts = plan_ranks(addresses, probes, port, attempt, spec.output_url, spec.init_timeout_s,
-                              spec.trial, stop_flag=flag.name)
+                              spec.trial, stop_flag=flag.name, leases=leases)
         run_logger().info(
             "Gang attempt %d: %d ranks on %s, backend %s, master %s:%d",
             attempt + 1, len(contexts), addresses, contexts[0].backend, contexts[0].master_addr, port,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect_ddp.tasks.gang.errors import GangStopped
+from prefect_ddp.tasks.gang.fencing import check_lease
 from prefect_ddp.tasks.gang.progress import send_progress
 from prefect_ddp.tasks.gang.stopping import stop_requested
 from prefect_ddp.tasks.gang.trial import TrialLink
@@ -29,6 +30,7 @@ class RankContext:
     init_timeout_s: float = 300.0
     trial: TrialLink | None = None  # set when the gang trains one trial of a sweep
     stop_flag: str | None = None  # the scheduler Event the supervisor sets to stop this attempt
+    lease: str | None = None  # the scheduler's id of the gang's lease on this worker (tasks/gang/fencing.py)
 
     @property
     def is_main(self) -> bool:
@@ -64,7 +66,8 @@ class RankContext:
         """Raise GangStopped once the supervisor has asked this gang to stop; call it between steps.
 
         The supervisor asks when the flow run is cancelled or interrupted, the gang's
-        timeout passes, or another rank or worker failed. Leaving here, between steps, ends
+        timeout passes, or another rank or worker failed; and it raises once the gang no
+        longer holds this worker (`check_lease`, read at most every 5 s). Leaving here, between steps, ends
         the rank cleanly (its process group is destroyed, its worker stays usable) instead
         of being cancelled mid-step and its worker restarted. Cheap enough for every
         optimizer step: the flag is read from the scheduler at most once a second. Without
@@ -85,3 +88,15 @@ class RankContext:
                 "asked this gang to stop (the flow run was cancelled, the gang's timeout passed, or "
                 "another rank or its worker failed)."
             )
+        check_lease(self.rank, self.worker_address, self.lease)
+
+    def check_lease(self) -> None:
+        """Raise GangStopped when the gang no longer holds this worker; call it right before
+        writing anything a later run reads (a checkpoint, the model).
+
+        The scheduler gives a gang's leases back once its flow process stops renewing them
+        (killed, frozen or cut off): its ranks must not write on beside a new run's gang
+        (tasks/gang/fencing.py). It asks the scheduler now, one round trip; without a lease
+        (a unit test, a context made by hand) or outside a Dask worker it does nothing.
+        """
+        check_lease(self.rank, self.worker_address, self.lease, max_age_s=0)

@@ -28,20 +28,15 @@ from datetime import datetime, timezone
 import distributed
 
 from prefect_ddp.tasks.gang.errors import GangError
+from prefect_ddp.tasks.gang.fencing import LOCK_PREFIX, PREFIX, lease_id, lock_name
 from prefect_ddp.tasks.gang.plan import by_host, cluster_workers
 from prefect_ddp.tasks.gang.stale import end_stale_ranks, stale_ranks
 from prefect_ddp.tasks.reporting import run_logger
 
-PREFIX = "prefect-ddp-worker-lease"
-LOCK_PREFIX = f"{PREFIX}:"
 HOLDER_PREFIX = f"{PREFIX}-holder:"
 POLL_S = 1.0
 # Tries to take a free worker's lock that other gangs' tidying keeps closing under us.
 TAKE_TRIES = 3
-
-
-def _lock(address: str) -> distributed.Lock:
-    return distributed.Lock(LOCK_PREFIX + address)
 
 
 def _holder(address: str, client: distributed.Client) -> distributed.Variable:
@@ -57,7 +52,7 @@ def _take(address: str) -> distributed.Lock | None:
     worker counts as not free now, and the gang asks again at its next poll.
     """
     for _ in range(TAKE_TRIES):
-        lock = _lock(address)
+        lock = distributed.Lock(lock_name(address))
         try:
             return lock if lock.acquire(blocking=False) else None
         except RuntimeError as exc:
@@ -143,6 +138,10 @@ def _wait_for_free(client: distributed.Client, world_size: int | None,
     while True:
         if stuck:  # a stale rank that left late (after its grace, on a worker with no nanny) frees it
             stuck = {address: why for address, why in stuck.items() if address in stale_ranks(client, list(stuck))}
+        # Lock names no gang holds are closed first, so that this gang's locks are made afresh with
+        # its own lease timeout: the scheduler keeps a name's first maker's, and a shorter one
+        # (a client configured otherwise) would end this gang's leases under its ranks.
+        _tidy(client)
         workers = by_host(cluster_workers(client))
         wanted = world_size or len(workers)
         if not workers or wanted > len(workers):
@@ -190,16 +189,17 @@ def _give_back(client: distributed.Client, taken: list[tuple[str, distributed.Lo
 
 @contextmanager
 def leased_workers(client: distributed.Client, world_size: int | None, holder: str,
-                   timeout_s: float) -> Iterator[list[str]]:
+                   timeout_s: float) -> Iterator[dict[str, str]]:
     """Take `world_size` free workers (default: all) for the block; give them back after it.
 
-    Waits up to `timeout_s` for enough workers to be free, then raises GangError naming
-    who holds the others. Either way the scheduler keeps nothing of this gang's leases
-    once the block is over.
+    Yields {address: lease id}: each rank carries its worker's lease id, to stop once the
+    scheduler no longer holds it (tasks/gang/fencing.py). Waits up to `timeout_s` for
+    enough workers to be free, then raises GangError naming who holds the others. Either
+    way the scheduler keeps nothing of this gang's leases once the block is over.
 
     Example:
-        with leased_workers(client, world_size=2, holder="flow run 1234", timeout_s=600) as workers:
-            ...  # one rank on each of `workers`
+        with leased_workers(client, world_size=2, holder="flow run 1234", timeout_s=600) as leases:
+            ...  # one rank on each worker of `leases`
     """
     taken: list[tuple[str, distributed.Lock]] = []
     with client.as_current():
@@ -208,6 +208,6 @@ def leased_workers(client: distributed.Client, world_size: int | None, holder: s
             since = datetime.now(timezone.utc).strftime("%H:%M:%S UTC")
             for address, _ in taken:  # once all are taken: a take given back sets no holder
                 _holder(address, client).set(f"{holder} (since {since})")
-            yield [address for address, _ in taken]
+            yield {address: lease_id(lock) for address, lock in taken}
         finally:
             _give_back(client, taken)

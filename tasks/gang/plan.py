@@ -163,9 +163,10 @@ def gpu_devices(addresses: list[str], probes: dict[str, dict[str, Any]]) -> dict
 def plan_ranks(
     addresses: list[str], probes: dict[str, dict[str, Any]], port: int, attempt: int,
     output_url: str | None, init_timeout_s: float, trial: TrialLink | None = None,
-    stop_flag: str | None = None,
+    stop_flag: str | None = None, leases: dict[str, str] | None = None,
 ) -> list[RankContext]:
-    """One context per address: rank order, local ranks and devices per host, backend and master.
+    """One context per address: rank order, local ranks and devices per host, backend and master;
+    `leases`: {address: lease id} of the gang's leases (lease.leased_workers).
 
     Raises GangRefused, before any rank starts, where ranks would share a GPU.
     """
@@ -190,6 +191,7 @@ def plan_ranks(
             init_timeout_s=init_timeout_s,
             trial=trial,
             stop_flag=stop_flag,
+            lease=(leases or {}).get(address),
         )
         for rank, address in enumerate(addresses)
     ]

@@ -20,6 +20,7 @@ from prefect.states import Cancelled, State
 
 from prefect_ddp.tasks.gang.context import RankContext
 from prefect_ddp.tasks.gang.errors import GangStopped
+from prefect_ddp.tasks.gang.fencing import fenced
 from prefect_ddp.tasks.gang.plan import host_of
 from prefect_ddp.tasks.gang.process_group import process_group
 from prefect_ddp.tasks.gang.progress import forget_progress, send_progress
@@ -78,9 +79,10 @@ def _run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankC
         try:
             return train_fn(ctx, config)
         except Exception as error:
-            # A peer that left on the stop flag fails the collective this rank waits in:
-            # while the gang is stopping, that failure is part of the stop.
-            if isinstance(error, GangStopped) or stop_requested(ctx.stop_flag, max_age_s=0):
+            # A peer that left on the stop flag, or on losing its lease, fails the collective
+            # this rank waits in: while the gang is stopping, that failure is part of the stop.
+            if (isinstance(error, GangStopped) or stop_requested(ctx.stop_flag, max_age_s=0)
+                    or fenced(ctx.worker_address, ctx.lease, max_age_s=0)):
                 return Cancelled(message=f"Stopped by the gang supervisor: {error}")
             raise
         finally:

@@ -164,15 +164,15 @@ def _until_one_completes(
     client = runner.client
     for number in range(1, max_restarts + 2):
         refuse_when_stopped(f"attempt {number} was not formed")
-        with leased_workers(client, world_size, spec.holder, lease_timeout.total_seconds()) as addresses:
+        with leased_workers(client, world_size, spec.holder, lease_timeout.total_seconds()) as leases:
             try:
-                return _recorded_attempt(runner, spec, addresses, number, attempts)
+                return _recorded_attempt(runner, spec, leases, number, attempts)
             except GangError as failure:
                 refuse_when_stopped(f"attempt {number} ended ({failure}) and is not formed again")
                 if isinstance(failure, (GangTimeout, GangRefused)) or number > max_restarts:
                     raise
                 run_logger().warning("Gang attempt %d failed: %s. Re-forming it.", number, failure)
-        wait_for_workers(client, len(addresses))
+        wait_for_workers(client, len(leases))
         if spec.deadline.passed():
             raise spec.deadline.exceeded(f"it passed before attempt {number + 1} could start")
     raise AssertionError("unreachable")  # the loop returns or raises
@@ -185,13 +185,15 @@ def refuse_when_stopped(what: str) -> None:
 
 
 def _recorded_attempt(
-    runner: DaskTaskRunner, spec: GangSpec, addresses: list[str], number: int, attempts: list[GangAttempt],
+    runner: DaskTaskRunner, spec: GangSpec, leases: dict[str, str], number: int, attempts: list[GangAttempt],
 ) -> list[Any]:
-    """Run attempt `number` and append how it ended, "completed" or its failure, to `attempts`."""
+    """Run attempt `number` on the workers of `leases` ({address: lease id}) and append how it
+    ended, "completed" or its failure, to `attempts`."""
     started = time.monotonic()
     ended = COMPLETED
+    addresses = list(leases)
     try:
-        return run_attempt(runner, spec, addresses, attempt=number - 1)
+        return run_attempt(runner, spec, leases, attempt=number - 1)
     except BaseException as exc:
         ended = str(exc) if isinstance(exc, GangError) else repr(exc)
         raise

@@ -14,8 +14,8 @@ So each rank says, in its worker process, that it runs (`running`), and a gang t
 just taken its workers asks them (`end_stale_ranks`) before it plans any rank: a rank found
 there belongs to a gang that no longer holds the worker, since leases are exclusive. It is
 asked to stop through its own gang's flag, given GRACE_S to leave between steps,
-and its worker is restarted where it does not: the fencing that keeps a late rank of an old
-attempt from acting beside the new gang's. A worker that cannot be restarted (no nanny)
+and its worker is restarted where it does not. (A rank whose lease is gone also stops by
+itself, tasks/gang/fencing.py, but only between steps: one asleep in C never does.) A worker that cannot be restarted (no nanny)
 is not used, and the gang's wait names it, the gang it ran for, and since when.
 """
 

@@ -481,6 +481,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> RankResult:
             ctx.progress("checkpoint", epoch=record["epoch"])
             saving = time.monotonic()
             if ctx.is_main:
+                ctx.check_lease()  # a rank whose gang no longer holds its worker writes nothing
                 state.save(checkpoint_url, output, epoch, history, fingerprint, ctx.world_size)
             kept.after_epoch(model, record)
             checkpoint_s.append(round(time.monotonic() - saving, 3))  # rank 0's; the others write none
