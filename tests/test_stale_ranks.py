@@ -25,6 +25,7 @@ import pytest
 from prefect.client.orchestration import get_client
 
 from prefect_ddp.tasks.gang import GangError, GangStopped, cluster_workers, fencing, stale
+from prefect_ddp.tasks.gang import lease as lease_module
 from prefect_ddp.tasks.gang.lease import leased_workers
 from tests.support.api_helpers import all_logs, rank_task_runs
 from tests.support.gang_functions import gang_flow
@@ -189,4 +190,34 @@ def test_a_lock_left_with_a_shorter_lease_timeout_does_not_end_the_next_gangs_le
             short.release()  # given back, but its name stays in the scheduler with a 1 s lease timeout
         with leased_workers(client, world_size=1, holder="the next gang", timeout_s=30) as leases:
             time.sleep(4)  # its client renews every 6 s (30 s / 5): a 1 s timeout would have ended it
+            assert not fenced_on(client, worker, leases[worker])
+
+
+def leases_under(name: str, dask_scheduler: distributed.Scheduler) -> list[str]:
+    return list(dask_scheduler.extensions["semaphores"].leases.get(name, {}))
+
+
+def test_a_lease_renewed_after_its_name_was_closed_counts_as_gone_and_is_dropped():
+    """A flow process frozen past its lease timeout wakes and renews: the scheduler adds the lease back
+    under a name no longer registered, where nothing would ever expire it."""
+    with (dask.config.set({"distributed.scheduler.locks.lease-validation-interval": "100ms"}),
+          distributed.LocalCluster(n_workers=1, processes=False, protocol="tcp", dashboard_address=":0") as cluster,
+          distributed.Client(cluster) as client):
+        (worker,) = cluster_workers(client)
+        with dask.config.set({"distributed.scheduler.locks.lease-timeout": "1s"}), client.as_current():
+            frozen = distributed.Lock(fencing.lock_name(worker))
+            assert frozen.acquire(timeout=5)
+            lease = fencing.lease_id(frozen)
+            frozen.refresh_leases = False  # its client froze
+            deadline = time.monotonic() + 30
+            # Read in the scheduler, not by a rank: a rank that saw its lease gone remembers it.
+            while client.run_on_scheduler(leases_under, fencing.lock_name(worker)):
+                assert time.monotonic() < deadline, "the frozen client's lease never expired"
+                time.sleep(0.2)
+            lease_module._tidy(client)  # another gang ended: the name, held by nobody, is closed
+            frozen.refresh_leases = True  # it wakes and renews
+            time.sleep(1.0)  # more than one renewal (every 1 s / 5)
+        assert fenced_on(client, worker, lease)
+        assert lease_module._tidy(client) == {}  # dropped, not reported held by "unknown"
+        with leased_workers(client, world_size=1, holder="the next gang", timeout_s=30) as leases:
             assert not fenced_on(client, worker, leases[worker])

@@ -8,8 +8,8 @@ folder that a new run of the same job, on other workers of the cluster, was resu
 (a gang that takes *their* worker ends them first: tasks/gang/stale.py, but nothing ended
 one on a worker nobody took). So each rank carries its lease's id, the scheduler's own token
 for that acquire, and asks whether the scheduler still holds it: between steps
-(`ctx.check_stop()`, at most every READ_EVERY_S) and right before each write a later run
-reads (`ctx.check_lease()`). Once it is gone the rank leaves as if stopped, and a peer that
+(`ctx.check_stop()`, at most every READ_EVERY_S) and right before rank 0 writes a
+checkpoint (`ctx.check_lease()`). Once it is gone the rank leaves as if stopped, and a peer that
 fails because it left is recorded as stopped too. Every acquire has an id of its own, so a
 rank of an old attempt stays fenced off even when its flow run leases the same worker anew.
 """
@@ -49,7 +49,10 @@ def lease_held(client: distributed.Client, address: str, lease: str) -> bool:
     # Nested, so that Dask sends it by value: the scheduler of an existing cluster may not
     # have this package installed (as tasks/gang/sending.py allows for).
     def on_scheduler(name: str, lease: str, dask_scheduler: distributed.Scheduler) -> bool:
-        return lease in dask_scheduler.extensions["semaphores"].leases.get(name, {})
+        semaphores = dask_scheduler.extensions["semaphores"]
+        # Under a name still registered: a frozen client's renewal can bring a lease back under
+        # a closed name, where nothing expires it (tasks/gang/lease.py, _tidy).
+        return name in semaphores.max_leases and lease in semaphores.leases.get(name, {})
 
     held: bool = client.run_on_scheduler(on_scheduler, lock_name(address), lease)
     return held
@@ -59,9 +62,10 @@ def fenced(address: str, lease: str | None, max_age_s: float = READ_EVERY_S) -> 
     """Whether the scheduler no longer holds lease `lease` on the worker at `address`.
 
     Reads at most every `max_age_s` (0: now). False without a lease (a unit test, a context
-    made by hand) or outside a Dask worker, and when the scheduler cannot be reached just
-    now: no other gang can take the worker from an unreachable scheduler either, and the
-    rank reads again `max_age_s` later.
+    made by hand) or outside a Dask worker, and when asking fails (a connection error): no
+    other gang can take the worker from a scheduler it cannot reach either, and the rank
+    reads again `max_age_s` later. (With the scheduler gone for good the read waits, as every
+    call of the worker's client does, until the worker itself closes.)
     """
     global _last_read
     if lease is None:

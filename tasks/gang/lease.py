@@ -25,7 +25,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 
+import dask
 import distributed
+from dask.utils import parse_timedelta
 
 from prefect_ddp.tasks.gang.errors import GangError
 from prefect_ddp.tasks.gang.fencing import LOCK_PREFIX, PREFIX, lease_id, lock_name
@@ -61,7 +63,8 @@ def _take(address: str) -> distributed.Lock | None:
     return None
 
 
-def _try_take(workers: list[str], wanted: int) -> list[tuple[str, distributed.Lock]] | None:
+def _try_take(client: distributed.Client, workers: list[str],
+              wanted: int) -> list[tuple[str, distributed.Lock]] | None:
     """`wanted` of `workers`, each locked for this gang; None (and nothing held) when too few are free."""
     taken: list[tuple[str, distributed.Lock]] = []
     for address in workers:
@@ -69,10 +72,39 @@ def _try_take(workers: list[str], wanted: int) -> list[tuple[str, distributed.Lo
         if lock is not None:
             taken.append((address, lock))
             if len(taken) == wanted:
-                return taken
+                break
+    if len(taken) == wanted and _own_lease_timeout(client, taken):
+        return taken
     for _, lock in taken:  # all or none: never sit on some workers while waiting for more
         lock.release()
     return None
+
+
+def _own_lease_timeout(client: distributed.Client, taken: list[tuple[str, distributed.Lock]]) -> bool:
+    """Give the locks just taken this client's lease timeout; False when one of them is lost already.
+
+    The scheduler keeps a lock name's timeout from the client that registered it first
+    ("Facts: Dask"), and a name no gang holds may be registered by a client configured with
+    a shorter one just before this gang takes it: the lease would then expire under a live
+    gang, whose client renews at its own pace, and fence its ranks (tasks/gang/fencing.py).
+    Lengthening the timeout of a lease this gang holds alone takes nothing from anyone.
+    """
+    setting = dask.config.get("distributed.scheduler.locks.lease-timeout")
+    ours = None if setting == "inf" else parse_timedelta(setting, default="s")
+
+    # Nested, so that Dask sends it by value (see _tidy).
+    def on_scheduler(leases: dict[str, str], ours: float | None, dask_scheduler: distributed.Scheduler) -> bool:
+        semaphores = dask_scheduler.extensions["semaphores"]
+        for name, lease in leases.items():
+            if lease not in semaphores.leases.get(name, {}):
+                return False
+            kept = semaphores.lease_timeouts.get(name)
+            if ours is None or (kept is not None and kept < ours):
+                semaphores.lease_timeouts[name] = ours
+        return True
+
+    held: bool = client.run_on_scheduler(on_scheduler, {lock_name(a): lease_id(lock) for a, lock in taken}, ours)
+    return held
 
 
 def _tidy(client: distributed.Client) -> dict[str, str]:
@@ -97,7 +129,12 @@ def _tidy(client: distributed.Client) -> dict[str, str]:
             if not (isinstance(name, str) and name.startswith(lock_prefix)):
                 continue
             address = name.removeprefix(lock_prefix)
-            if semaphores.leases.get(name):
+            if name not in semaphores.max_leases:
+                # Leases under a closed name: a client that froze past its lease timeout renewed
+                # it on waking (the scheduler adds back ids it does not know), and nothing
+                # would ever expire it. Its ranks are fenced off (tasks/gang/fencing.py).
+                semaphores.leases.pop(name, None)
+            elif semaphores.leases.get(name):
                 record = variables.get(holder_prefix + address)
                 held[address] = record["value"] if record else "unknown"  # taken, holder not yet set
             elif not semaphores.metrics["pending"].get(name):
@@ -138,10 +175,6 @@ def _wait_for_free(client: distributed.Client, world_size: int | None,
     while True:
         if stuck:  # a stale rank that left late (after its grace, on a worker with no nanny) frees it
             stuck = {address: why for address, why in stuck.items() if address in stale_ranks(client, list(stuck))}
-        # Lock names no gang holds are closed first, so that this gang's locks are made afresh with
-        # its own lease timeout: the scheduler keeps a name's first maker's, and a shorter one
-        # (a client configured otherwise) would end this gang's leases under its ranks.
-        _tidy(client)
         workers = by_host(cluster_workers(client))
         wanted = world_size or len(workers)
         if not workers or wanted > len(workers):
@@ -149,7 +182,7 @@ def _wait_for_free(client: distributed.Client, world_size: int | None,
                 f"world_size={wanted} needs {wanted} Dask workers (one rank each) but the "
                 f"cluster has {len(workers)}: {workers}. Lower world_size or add workers."
             )
-        taken = _try_take([address for address in workers if address not in stuck], wanted)
+        taken = _try_take(client, [address for address in workers if address not in stuck], wanted)
         if taken is not None:
             unusable = end_stale_ranks(client, [address for address, _ in taken])
             if not unusable:
