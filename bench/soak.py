@@ -1,10 +1,12 @@
 """Issue 33: many gangs on one warm cluster and one Prefect server, under seeded faults.
 
-    .venv/bin/python -m bench.soak [--runs 100] [--seed 0] [--workers 3]
+    .venv/bin/python -m bench.soak [--runs 100] [--seed 0] [--workers 3] [--external]
 
 A night's life for the gang, compressed: runs of a 2-rank gang (a short training loop of
 collectives that calls `ctx.check_stop()` after each step, `bench/soak_ranks.py`) one after
-another on one LocalCluster of nanny-backed workers and one Prefect server, while a seeded
+another on one cluster of nanny-backed workers (a LocalCluster in the soak's process, or with
+`--external` `dask scheduler` and `dask worker` processes of their own, so that the scheduler's
+memory is measured alone) and one Prefect server, while a seeded
 injector gives about every other run one fault:
 
 - kill-worker: SIGKILL a gang worker's process mid-run (an OOM kill); the gang re-forms
@@ -19,7 +21,8 @@ injector gives about every other run one fault:
 After every run it checks the invariants: the run completed, or failed with the error its
 fault explains, within its limit (never hung); no worker lease held; no rank left running
 on any worker; every worker back; none of its task runs left Running. Over the soak: the
-scheduler's and each worker slot's memory and open files at the start and the end. It
+scheduler's, the soak process's, the Prefect server's and each worker's memory and open files
+at the start, after the first WARM_AFTER_RUNS runs, and at the end. It
 prints a JSON line per run and a summary; record it in bench/RESULTS.md.
 """
 
@@ -39,6 +42,7 @@ from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextvars import copy_context
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,7 @@ from prefect_ddp.blocks.cluster import create_local_cluster
 from prefect_ddp.tasks.gang import cluster_workers
 from prefect_ddp.tasks.gang.lease import _tidy
 from prefect_ddp.tasks.gang.stale import running_rank
+from tests.support.external_dask import TRAINING_ENV, dask_processes, owner_environment
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = ["kill-worker", "freeze-worker", "kill-flow", "ignore-stop"]
@@ -60,6 +65,9 @@ RUN_LIMIT_S = 240  # a run that takes longer counts as hung
 LEASE_TIMEOUT_S = 5
 KILLED_RUN_STEPS = 1200  # about a minute and a half
 FREEZE_S = 20
+# Memory is compared from here on: the first gangs make the scheduler import torch and this
+# package (tasks/gang/sending.py: 64 -> 615 MB on an external scheduler), once.
+WARM_AFTER_RUNS = 10
 # What a run that met each fault may end with, besides Completed.
 EXPLAINED = {
     None: (),
@@ -197,14 +205,29 @@ def left_running(flow_run_id: str | None) -> list[str]:
 
 
 def footprint(client: distributed.Client) -> dict[str, Any]:
-    """[RSS MB, open files] of the scheduler (in this process, with the flows run in threads), the
-    Prefect server and each worker process now."""
+    """[RSS MB, open files] of the scheduler, of this process (the soak, whose flows run in its
+    threads; the scheduler too without --external), the Prefect server and each worker now."""
     def of(process: psutil.Process) -> tuple[float, int]:
         return round(process.memory_info().rss / 1e6), process.num_fds()
 
     servers = [p for p in psutil.Process().children(recursive=True) if "server" in p.cmdline() and "prefect" in " ".join(p.cmdline())]
-    return {"scheduler": of(psutil.Process()), "prefect_server": [of(p) for p in servers],
+    return {"scheduler": of(psutil.Process(client.run_on_scheduler(os.getpid))), "soak": of(psutil.Process()),
+            "prefect_server": [of(p) for p in servers],
             "workers": sorted(of(psutil.Process(pid)) for pid in worker_pids(client).values())}
+
+
+@contextlib.contextmanager
+def soak_cluster(workers: int, external: bool, work: Path) -> Iterator[str]:
+    """The cluster's scheduler address: a LocalCluster in this process, or (`external`) `dask
+    scheduler` and nanny-backed `dask worker` processes, as a team's long-lived cluster runs,
+    whose scheduler's memory is then its own."""
+    if not external:
+        with create_local_cluster(n_workers=workers) as cluster:
+            yield cluster.scheduler_address
+        return
+    env = owner_environment(work / "workers-home", TRAINING_ENV | {"PREFECT_API_URL": os.environ["PREFECT_API_URL"]})
+    with dask_processes(work, workers, nanny=True, env=env) as address:
+        yield address
 
 
 def main() -> None:
@@ -213,17 +236,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=3)
     parser.add_argument("--fault-share", type=float, default=0.55, help="the share of runs given a fault")
+    parser.add_argument("--external", action="store_true",
+                        help="scheduler and workers as `dask` processes of their own, not a LocalCluster in this process")
     args = parser.parse_args()
     random.seed(args.seed)
     quiet_dask()
     work = Path(tempfile.mkdtemp(prefix="bench-soak-"))
     started = time.time()
     with (running_prefect_server(work) as api_url,
-          create_local_cluster(n_workers=args.workers) as cluster,
-          distributed.Client(cluster) as client):
-        print(json.dumps({"api": api_url, "scheduler": cluster.scheduler_address, "seed": args.seed,
+          soak_cluster(args.workers, args.external, work) as address,
+          distributed.Client(address) as client):
+        print(json.dumps({"api": api_url, "scheduler": address, "external": args.external, "seed": args.seed,
                           "load_average": os.getloadavg()}), flush=True)
-        start_footprint = footprint(client)
+        start_footprint = warm_footprint = footprint(client)
         faults: Counter[str] = Counter()
         broken: list[dict[str, Any]] = []
         slowest: dict[str, float] = defaultdict(float)
@@ -235,7 +260,7 @@ def main() -> None:
         for number, fault in enumerate([*plan, None], start=1):  # the last, without a fault, checks the one before
             marks = work / f"run-{number}"
             marks.mkdir()
-            run = Launched(cluster.scheduler_address, "asleep" if fault == "ignore-stop" else "loop", marks, work,
+            run = Launched(address, "asleep" if fault == "ignore-stop" else "loop", marks, work,
                            own_process=fault == "kill-flow")
             inject(fault, client, run, marks)
             result = run.outcome(fault)
@@ -249,11 +274,14 @@ def main() -> None:
             if found:
                 broken.append(row)
             print(json.dumps(row), flush=True)
+            if number == WARM_AFTER_RUNS:
+                warm_footprint = footprint(client)
         end_footprint = footprint(client)
     print(json.dumps({
         "runs": args.runs + 1, "faults": dict(faults), "runs_with_violations": len(broken),
         "slowest_s_by_fault": {k: round(v, 1) for k, v in slowest.items()},
-        "footprint_start": start_footprint, "footprint_end": end_footprint,
+        "footprint_start": start_footprint, f"footprint_after_run_{WARM_AFTER_RUNS}": warm_footprint,
+        "footprint_end": end_footprint,
         "minutes": round((time.time() - started) / 60, 1), "load_average_end": os.getloadavg(),
     }), flush=True)
 

@@ -9,13 +9,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import copy_context
 
+import distributed
 import pytest
 from prefect.client.orchestration import get_client
 
 from prefect_ddp.tasks.gang import GangError, GangTimeout
 from prefect_ddp.tasks.gang.supervise import FAILURE_GRACE_S
 from tests.support.api_helpers import all_logs, assert_no_task_run_left_running, rank_task_runs
-from tests.support.gang_functions import gang_flow
+from tests.support.gang_functions import child_pids, gang_flow
 
 
 # The session's cluster has 2 workers on this host's cores: a rank takes half of them.
@@ -183,3 +184,18 @@ def test_a_gang_waits_for_free_workers_then_names_who_holds_them(dask_cluster):
                                 r"flow run \S+ \(.+\); tcp://\S+ by flow run .+\.", line) for line in logs), logs
         assert len(holder.result()) == 2  # the holder was not disturbed
     assert [r["rank_sum"] for r in gang_flow(dask_cluster.scheduler_address, "report", {})] == [1.0, 1.0]
+
+
+def test_a_rank_that_failed_with_a_loader_alive_leaves_no_loader_processes_and_the_next_gang_loads(dask_cluster):
+    """A failed rank's frames held its DataLoader iterator (and loader processes) in its worker for
+    good; the next gang there forked its loaders beside them and failed (issue 33's flows soak)."""
+    address = dask_cluster.scheduler_address
+    with distributed.Client(address) as client:
+        before = client.run(child_pids)
+        state = gang_flow(address, "loader_then_fail", {}, return_state=True)
+        assert state.is_failed() and "No space left on device" in state.message, state.message
+        after = client.run(child_pids)
+    left = {worker: set(pids) - set(before.get(worker, [])) for worker, pids in after.items()}
+    assert not any(left.values()), f"loader processes left on the workers: {left}"
+    results = gang_flow(address, "loader_sum", {})
+    assert [r["sum"] for r in results] == [2 * 2016.0] * 2

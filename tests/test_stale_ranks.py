@@ -9,6 +9,7 @@ gang that finds it there (`tasks/gang/stale.py`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import dask
@@ -157,16 +159,23 @@ def test_the_ranks_of_a_killed_flow_process_leave_by_themselves_once_its_leases_
     assert workers_of(address) == before  # they left between steps: no worker was restarted
 
 
+@contextlib.contextmanager
+def one_worker_leases_checked_often() -> Iterator[tuple[distributed.Client, str]]:
+    """A client of an in-process cluster of one worker whose scheduler checks leases' expiry every 100 ms."""
+    with (dask.config.set({"distributed.scheduler.locks.lease-validation-interval": "100ms"}),
+          distributed.LocalCluster(n_workers=1, processes=False, protocol="tcp", dashboard_address=":0") as cluster,
+          distributed.Client(cluster) as client):
+        (worker,) = cluster_workers(client)
+        yield client, worker
+
+
 def fenced_on(client: distributed.Client, worker: str, lease: str) -> bool:
     """`fencing.fenced` as the rank on `worker` would ask it, now."""
     return client.submit(fencing.fenced, worker, lease, 0, workers=[worker], pure=False).result()
 
 
 def test_a_lease_given_back_fences_its_ranks_off_even_when_their_worker_is_leased_again():
-    with (dask.config.set({"distributed.scheduler.locks.lease-validation-interval": "200ms"}),
-          distributed.LocalCluster(n_workers=1, processes=False, protocol="tcp", dashboard_address=":0") as cluster,
-          distributed.Client(cluster) as client):
-        (worker,) = cluster_workers(client)
+    with one_worker_leases_checked_often() as (client, worker):
         with leased_workers(client, world_size=1, holder="the old gang", timeout_s=30) as leases:
             old = leases[worker]
             assert not fenced_on(client, worker, old)
@@ -180,10 +189,7 @@ def test_a_lease_given_back_fences_its_ranks_off_even_when_their_worker_is_lease
 
 def test_a_lock_left_with_a_shorter_lease_timeout_does_not_end_the_next_gangs_lease():
     """The scheduler keeps a lock name's first lease timeout; a gang takes its locks afresh with its own."""
-    with (dask.config.set({"distributed.scheduler.locks.lease-validation-interval": "200ms"}),
-          distributed.LocalCluster(n_workers=1, processes=False, protocol="tcp", dashboard_address=":0") as cluster,
-          distributed.Client(cluster) as client):
-        (worker,) = cluster_workers(client)
+    with one_worker_leases_checked_often() as (client, worker):
         with dask.config.set({"distributed.scheduler.locks.lease-timeout": "1s"}), client.as_current():
             short = distributed.Lock(fencing.lock_name(worker))
             assert short.acquire(timeout=5)
@@ -200,10 +206,7 @@ def leases_under(name: str, dask_scheduler: distributed.Scheduler) -> list[str]:
 def test_a_lease_renewed_after_its_name_was_closed_counts_as_gone_and_is_dropped():
     """A flow process frozen past its lease timeout wakes and renews: the scheduler adds the lease back
     under a name no longer registered, where nothing would ever expire it."""
-    with (dask.config.set({"distributed.scheduler.locks.lease-validation-interval": "100ms"}),
-          distributed.LocalCluster(n_workers=1, processes=False, protocol="tcp", dashboard_address=":0") as cluster,
-          distributed.Client(cluster) as client):
-        (worker,) = cluster_workers(client)
+    with one_worker_leases_checked_often() as (client, worker):
         with dask.config.set({"distributed.scheduler.locks.lease-timeout": "1s"}), client.as_current():
             frozen = distributed.Lock(fencing.lock_name(worker))
             assert frozen.acquire(timeout=5)

@@ -8,6 +8,8 @@ not Failed, so the report tells a stop from the failure that caused it.
 
 from __future__ import annotations
 
+import gc
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -60,7 +62,26 @@ def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankCo
     While it runs, its worker process knows it (`stale.running`): a later gang that finds it
     there, its own gang gone, stops it before starting a rank beside it."""
     with running(ctx.worker_address, ctx.rank, holder, ctx.stop_flag, task_run.get_id()):
-        return _run_rank(train_fn, config, ctx, threads)
+        try:
+            return _run_rank(train_fn, config, ctx, threads)
+        except BaseException as error:
+            let_go_of_failed_rank(error)
+            raise
+
+
+def let_go_of_failed_rank(error: BaseException) -> None:
+    """Free what a failed training function still holds, before its worker runs the next gang.
+
+    Its exception's traceback keeps the function's frames, and with them their locals: a
+    DataLoader iterator with its loader processes, a process group's store and sockets. The
+    exception outlives the task (Prefect's Failed state, Dask's record of the error), so all
+    of that lived on in the worker: the next gang there forked its loaders beside the old
+    iterators, which failed in the children ("can only test a child process", a segfault,
+    "DataLoader worker exited unexpectedly"), gang after gang (issue 33's soak). Clearing the
+    finished frames keeps the traceback's text; the collection frees the cycles at once.
+    """
+    traceback.clear_frames(error.__traceback__)
+    gc.collect()
 
 
 def _run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankContext, threads: int) -> R | State:

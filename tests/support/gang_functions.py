@@ -4,6 +4,7 @@ own so workers can import them, and a flow process started by a test can run the
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import signal
@@ -13,11 +14,13 @@ from pathlib import Path
 from typing import NoReturn
 
 import distributed
+import psutil
 import torch
 import torch.distributed as dist
 from prefect import flow
 from prefect.runtime import flow_run
 from prefect_dask import DaskTaskRunner
+from torch.utils.data import DataLoader, TensorDataset
 
 from prefect_ddp.tasks.gang import GangStopped, RankContext, all_reduce_sum, run_gang
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
@@ -169,7 +172,27 @@ def train_job(ctx: RankContext, config: dict) -> dict:
     return train_classifier(ctx, TrainJob.model_validate(config))
 
 
-RANK_FUNCTIONS = {"report": report_rank, "train": train_job, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
+def loader_then_fail(ctx: RankContext, config: dict) -> dict:
+    """Read one batch through a DataLoader with a worker process (forked), then fail, the
+    iterator alive in this frame, as a rank whose checkpoint write hit a full disk does."""
+    batches = iter(DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4, num_workers=1))
+    next(batches)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def loader_sum(ctx: RankContext, config: dict) -> dict:
+    """Sum a small set through a DataLoader with two worker processes (forked), all-reduced."""
+    total = sum(float(batch[0].sum()) for batch in DataLoader(TensorDataset(torch.arange(64.0)), batch_size=4,
+                                                              num_workers=2))
+    return {"sum": all_reduce_sum([total])[0], "children": child_pids()}
+
+
+def child_pids() -> list[int]:
+    """The processes this one started that still run (also with `client.run`, on a worker)."""
+    return sorted(child.pid for child in psutil.Process().children(recursive=True))
+
+
+RANK_FUNCTIONS = {"report": report_rank, "loader_then_fail": loader_then_fail, "loader_sum": loader_sum, "train": train_job, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
                   "sleep": sleep_past_the_deadline, "asleep_in_c": asleep_in_c, "hold": hold_worker, "loop": loop_until_stopped}
 
 

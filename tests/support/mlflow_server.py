@@ -13,13 +13,15 @@ from prefect_ddp.tasks.gang import free_port
 
 
 @contextmanager
-def mlflow_server(folder: Path) -> Iterator[str]:
+def mlflow_server(folder: Path, port: int | None = None) -> Iterator[str]:
     """`mlflow server` with its database and artifacts in `folder`; yields its tracking URI.
 
     Artifacts are served by the server (`--artifacts-destination`), so clients, rank 0 on a
     Dask worker included, need only its URI. It takes about 12 s to start (its migrations).
+    `port` defaults to a free one; give the port it had to start it again after an outage
+    (bench/soak_flows.py), so clients find it where they found it before.
     """
-    port = free_port()
+    port = port or free_port()
     uri = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
             "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--artifacts-destination", str(folder / "artifacts")]

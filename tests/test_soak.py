@@ -1,0 +1,50 @@
+"""A short budget of the flows' soak (bench/soak_flows.py): real flows and bench/soak.py's gang on
+one warm cluster and one Prefect server, under seeded faults, leave no invariant broken.
+
+The soak is run as it is run by hand, in a process of its own (it holds its own servers and
+cluster, the Dask scheduler in it, and sets the TMPDIR by which it finds its processes and
+temp folders), and its summary is read from its last line. The seed's plan is checked first, so that a change to the drawing that
+leaves the soak without its faults or its gang run fails here, rather than passing on less.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.soak_flows import plan
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+# 4 runs in 3 rounds: a training run alone; a batch-predict and bench/soak.py's gang at once,
+# then a training run, each of the two while the MLflow server is down for a while. Faults that
+# re-form a training gang (S3 503s, kills, a full disk) take minutes each here: they are left
+# to the soak run by hand (bench/RESULTS.md), and the leak it found on a failed rank's worker
+# to tests/test_gang.py.
+ARGS = ["--runs", "4", "--seed", "11", "--workers", "3", "--fault-share", "1", "--pair-share", "0.5",
+        "--fault-kinds", "mlflow-down,prefect-restart"]
+EXPECTED_PLAN = [(["train"], None), (["predict", "gang"], "mlflow-down"), (["train"], "mlflow-down")]
+TIMEOUT_S = 600
+
+
+@pytest.mark.unit
+def test_the_seed_draws_the_rounds_this_test_expects():
+    rounds = plan(runs=4, seed=11, fault_share=1, pair_share=0.5, faults=["mlflow-down", "prefect-restart"], disk_fault=False)
+    assert [(r.kinds, r.fault) for r in rounds] == EXPECTED_PLAN
+
+
+def test_flows_under_faults_break_no_invariant():
+    soak = subprocess.run([sys.executable, "-m", "bench.soak_flows", *ARGS], cwd=REPO, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert soak.returncode == 0, soak.stderr[-3000:]
+    lines = soak.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["violations"] == [], "\n".join(lines)
+    assert summary["runs"] == 4 and summary["runs_by_kind"] == {"train": 2, "gang": 1, "predict": 1}, summary
+    # Both faults met a running flow: none was skipped for want of one.
+    assert summary["faults"] == {"mlflow-down": 2} and not summary["faults_skipped"], summary
