@@ -27,6 +27,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser")
 HOW_TO_GET_CHROMIUM = "apt-get update && apt-get install -y chromium   (Debian's package; .ci/run does this)"
 VIEWPORT = {"width": 1440, "height": 1000}
+UI_WAIT_MS = 180_000
 
 
 def chromium_path() -> str | None:
@@ -125,7 +126,11 @@ def prefect_ui(base_url: str) -> Iterator[PrefectUI]:
         browser = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport=VIEWPORT)
-            page.set_default_timeout(30_000)
+            # The session's SQLite-backed server at times answers nothing for up to 60 s on a
+            # loaded machine (tests/conftest.py, PATIENT_CLIENT): a Submit's navigation waited
+            # out 30 s there. Waits end at their event; only a broken page waits this long.
+            page.set_default_timeout(UI_WAIT_MS)
+            expect.set_options(timeout=UI_WAIT_MS)
             yield PrefectUI(page, base_url)
         finally:
             browser.close()
