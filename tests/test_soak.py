@@ -21,20 +21,21 @@ from bench.soak_flows import plan
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-# 4 runs in 3 rounds: a training run alone; a batch-predict and bench/soak.py's gang at once,
-# then a training run, each of the two while the MLflow server is down for a while. Faults that
+# 3 runs in 2 rounds: a training run alone; then bench/soak.py's gang and a training run at once,
+# while the MLflow server is down for a while (batch-predict with tracking down is a cell of
+# tests/test_crossings.py; the soak run by hand has it under every fault). Faults that
 # re-form a training gang (S3 503s, kills, a full disk) take minutes each here: they are left
 # to the soak run by hand (bench/RESULTS.md), and the leak it found on a failed rank's worker
 # to tests/test_gang.py.
-ARGS = ["--runs", "4", "--seed", "11", "--workers", "3", "--fault-share", "1", "--pair-share", "0.5",
+ARGS = ["--runs", "3", "--seed", "8", "--workers", "3", "--fault-share", "1", "--pair-share", "0.5",
         "--fault-kinds", "mlflow-down,prefect-restart"]
-EXPECTED_PLAN = [(["train"], None), (["predict", "gang"], "mlflow-down"), (["train"], "mlflow-down")]
+EXPECTED_PLAN = [(["train"], None), (["gang", "train"], "mlflow-down")]
 TIMEOUT_S = 600
 
 
 @pytest.mark.unit
 def test_the_seed_draws_the_rounds_this_test_expects():
-    rounds = plan(runs=4, seed=11, fault_share=1, pair_share=0.5, faults=["mlflow-down", "prefect-restart"], disk_fault=False)
+    rounds = plan(runs=3, seed=8, fault_share=1, pair_share=0.5, faults=["mlflow-down", "prefect-restart"], disk_fault=False)
     assert [(r.kinds, r.fault) for r in rounds] == EXPECTED_PLAN
 
 
@@ -45,6 +46,6 @@ def test_flows_under_faults_break_no_invariant():
     lines = soak.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
     assert summary["violations"] == [], "\n".join(lines)
-    assert summary["runs"] == 4 and summary["runs_by_kind"] == {"train": 2, "gang": 1, "predict": 1}, summary
-    # Both faults met a running flow: none was skipped for want of one.
-    assert summary["faults"] == {"mlflow-down": 2} and not summary["faults_skipped"], summary
+    assert summary["runs"] == 3 and summary["runs_by_kind"] == {"train": 2, "gang": 1}, summary
+    # The fault met a running flow: it was not skipped for want of one.
+    assert summary["faults"] == {"mlflow-down": 1} and not summary["faults_skipped"], summary
