@@ -201,6 +201,22 @@ class TrainingConfig(_Strict):
         "Empty: what the random crop at image_size needs (1.5 x image_size). 0: the images as stored.",
     )
     shard_quality: int = Field(90, ge=50, le=100, description="JPEG quality of images stored resized in shards.")
+    checkpoint_every: Literal["epoch", "auto"] = Field(
+        "epoch", description="When rank 0 checkpoints, for a re-formed gang to resume from: after every "
+        "epoch, or auto: at the interval Young and Daly's rule gives from the measured cost of a save and "
+        "the failures this run has seen (mtbf_h before any), never leaving more than max_lost_min of "
+        "training unsaved, and always after the last epoch. A sweep's trials checkpoint every epoch. Saves "
+        "are copied to memory and written while training goes on, either way.",
+    )
+    mtbf_h: float = Field(
+        24, gt=0, le=100_000, description="With checkpoint_every=auto: the expected hours between failures "
+        "of the gang (a rank or worker lost) until this run has seen one; after that, the shorter of this "
+        "and the time it trained per failure seen.",
+    )
+    max_lost_min: float = Field(
+        30, gt=0, le=100_000, description="With checkpoint_every=auto: the most training, in minutes, that "
+        "one failure may lose: the interval never exceeds it.",
+    )
     fetch_timeout_s: float = Field(
         60, ge=1, le=3600,
         description="Limit in seconds for fetching one batch of images, retries included. A "

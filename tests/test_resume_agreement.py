@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from prefect_ddp.tasks.data.storage import save_torch
 from prefect_ddp.tasks.gang import free_port, process_group
 from prefect_ddp.tasks.training.checkpoints import CheckpointMismatch, TrainingState
 
@@ -32,8 +33,8 @@ def write_checkpoint(folder: Path, seed: int, epoch: int, fingerprint: dict) -> 
     state = tiny_state(seed)
     state.model(torch.ones(4, 3)).sum().backward()
     state.optimizer.step()  # momentum buffers: optimizer state worth agreeing on
-    state.save(str(folder / "checkpoint.pt"), {}, epoch, [{"epoch": e + 1} for e in range(epoch + 1)],
-               fingerprint, world_size=2)
+    save_torch(str(folder / "checkpoint.pt"),
+               state.snapshot(epoch, [{"epoch": e + 1} for e in range(epoch + 1)], fingerprint, world_size=2), {})
 
 
 def resume_as_rank(rank: int, tmp_path: Path, port: int) -> None:
@@ -41,7 +42,7 @@ def resume_as_rank(rank: int, tmp_path: Path, port: int) -> None:
                        master_port=port, timeout=timedelta(seconds=60)):
         state = tiny_state(seed=100 + rank)  # each rank starts from weights of its own
         try:
-            epoch, history = state.resume(str(tmp_path / f"rank{rank}" / "checkpoint.pt"), {}, FINGERPRINT,
+            epoch, history, _ = state.resume(str(tmp_path / f"rank{rank}" / "checkpoint.pt"), {}, FINGERPRINT,
                                           world_size=2, scale_lr=False)
         except CheckpointMismatch as exc:
             outcome = {"refused": str(exc)}

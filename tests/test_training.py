@@ -9,6 +9,7 @@ from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.loaders import loader_workers, rank_data
 from prefect_ddp.tasks.data.splitting import stratified_split
+from prefect_ddp.tasks.data.storage import save_torch
 from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.training.checkpoints import CheckpointMismatch, TrainingState
@@ -87,9 +88,9 @@ def test_a_gang_resumed_on_fewer_ranks_scales_its_learning_rate_down(tmp_path, s
     saved.optimizer.step()
     if scheduler == "cosine":
         saved.scheduler.step()
-    saved.save(url, {}, 0, [], fingerprint, world_size=4)
+    save_torch(url, saved.snapshot(0, [], fingerprint, world_size=4), {})
     resumed = state(2)
-    assert resumed.resume(url, {}, fingerprint, world_size=2, scale_lr=True) == (1, [])
+    assert resumed.resume(url, {}, fingerprint, world_size=2, scale_lr=True) == (1, [], None)
     saved_lr = saved.optimizer.param_groups[0]["lr"]
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(saved_lr / 2)
     if scheduler == "cosine":  # the schedule goes on from the halved base lr

@@ -7,6 +7,7 @@ other filesystems stay here, on fsspec.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -58,8 +59,14 @@ def write_bytes(url: str, data: bytes, storage_options: dict[str, Any]) -> None:
         fs.pipe_file(path, data)
         return
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    fs.pipe_file(tmp, data)
-    fs.mv(tmp, path)
+    try:
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)
+    except BaseException:
+        # A write cut short (a full disk) must not leave its part behind, filling the disk more.
+        with contextlib.suppress(OSError):
+            fs.rm_file(tmp)
+        raise
 
 
 def read_bytes(url: str, storage_options: dict[str, Any]) -> bytes:

@@ -65,16 +65,38 @@ def global_metrics(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for h in history]
 
 
-def last_epoch_time(history: list[dict[str, Any]], checkpoint_s: list[float]) -> EpochTiming | None:
-    """Where the last epoch's time went (prefect_ddp.tasks.training.step_times), with rank 0's
-    checkpoint time when this attempt trained that epoch; None for an epoch recorded before the
+def last_epoch_time(history: list[dict[str, Any]], checkpoint_s: list[float],
+                    checkpoints: list[dict[str, Any]] | None = None) -> EpochTiming | None:
+    """Where the last epoch's time went (prefect_ddp.tasks.training.step_times), with what rank
+    0's checkpoints cost over the epochs this attempt trained (`checkpoint_s`, one per epoch, 0
+    where none was taken; `checkpoints`, its decisions); None for an epoch recorded before the
     timing was, or in another shape (a checkpoint from an older release, resumed by this one)."""
     recorded = history[-1].get("time")
     try:
         timing = EpochTiming.model_validate(recorded)
     except ValidationError:
         return None
-    return timing.model_copy(update={"checkpoint_s": checkpoint_s[-1]}) if checkpoint_s else timing
+    if not checkpoint_s:
+        return timing
+    trained_s = sum(float(h.get("seconds", 0.0)) for h in history[-len(checkpoint_s):])
+    waited_s = sum(checkpoint_s)
+    return timing.model_copy(update={
+        "checkpoint_s": round(waited_s / len(checkpoint_s), 3),
+        "checkpoint_share": round(waited_s / max(trained_s + waited_s, 1e-9), 4),
+        "checkpoints": checkpoint_plan(checkpoints or []),
+    })
+
+
+def checkpoint_plan(decisions: list[dict[str, Any]]) -> str | None:
+    """Rank 0's checkpoint decisions in words: which epochs it saved, at what interval."""
+    if not decisions:
+        return None
+    saved = sum(d["saved"] for d in decisions)
+    chosen = [d for d in decisions if d["interval_s"]]
+    how = ("every epoch" if not decisions[-1]["auto"] else "auto: the first saves" if not chosen else
+           f"auto: interval {chosen[-1]['interval_s']:g} s, "
+           f"{'capped at training.max_lost_min' if chosen[-1].get('capped') else 'by Young/Daly'}")
+    return f"{saved} of {len(decisions)} epochs checkpointed, {how}"
 
 
 def attempt_rows(gang_attempts: list[dict[str, Any]], resumes: list[dict[str, Any]]) -> list[AttemptRow]:
@@ -103,7 +125,7 @@ def summarize(results: list[RankResult], split: Split, files: dict[str, str],
         selected_by=first.selected_by,
         final_val_acc=history[-1]["val_acc"],
         final_val_loss=history[-1]["val_loss"],
-        time=last_epoch_time(history, first.checkpoint_s),
+        time=last_epoch_time(history, first.checkpoint_s, first.checkpoints),
         pruned_at=first.pruned_at,
         attempts=attempt_rows(gang_attempts or [], first.attempts),
         # Left out as unreadable: by decode-check, and in training (the first keys; each epoch's record holds all).

@@ -111,7 +111,9 @@ def time_markdown(timing: EpochTiming | None, epoch: int) -> str:
     header = ["rank", "step s", *(f"{p} %" for p in PARTS), "validation s", "images"]
     rows = [[r.rank, r.step_s, *(round(100 * getattr(r, p) / max(r.step_s, 1e-9), 1) for p in PARTS),
              r.validation, r.images] for r in timing.per_rank]
-    checkpoint = f", checkpoint {timing.checkpoint_s} s on rank 0" if timing.checkpoint_s is not None else ""
+    checkpoint = (f"; checkpoints: training waited {timing.checkpoint_s} s per epoch for rank 0's, "
+                  f"{100 * (timing.checkpoint_share or 0):.1f} % of its time ({timing.checkpoints})"
+                  if timing.checkpoint_s is not None else "")
     return (
         f"## Where the time went (epoch {epoch})\n\n**{timing.verdict}**\n\n"
         f"{timing.images_per_s} images/s; slowest rank {timing.slowest_rank} "

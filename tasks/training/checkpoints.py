@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,10 @@ from prefect_ddp.tasks.data.storage import (
     exists,
     read_bytes,
     read_json,
-    save_torch,
     write_json,
 )
 from prefect_ddp.tasks.gang import broadcast_bytes
+from prefect_ddp.tasks.training.checkpoint_writer import to_cpu
 
 # The recipe fields that change what a resumed training would compute.
 RECIPE_FIELDS = {"batch_size", "image_size", "optimizer", "lr", "momentum", "weight_decay",
@@ -45,6 +45,18 @@ class CheckpointMismatch(ValueError):
     """The checkpoint in the run's folder was written by another job."""
 
 
+# The best epoch's weights, when a checkpoint carries them: (epoch counted from 1, state dict).
+BestEpoch = tuple[int, dict[str, torch.Tensor]]
+
+
+class Resumed(NamedTuple):
+    """What the last checkpoint gives back (`TrainingState.resume`)."""
+
+    next_epoch: int  # the first epoch still to train, counted from 0
+    history: list[dict[str, Any]]
+    best: BestEpoch | None  # the best epoch's weights, where they are not the checkpoint's own
+
+
 @dataclass
 class TrainingState:
     """Everything a checkpoint restores, kept together so saving and loading stay in step."""
@@ -54,9 +66,16 @@ class TrainingState:
     scheduler: Any
     scaler: torch.amp.GradScaler
 
-    def save(self, url: str, options: dict[str, Any], epoch: int, history: list[dict[str, Any]],
-             fingerprint: dict[str, Any], world_size: int) -> None:
-        save_torch(url, {
+    def snapshot(self, epoch: int, history: list[dict[str, Any]], fingerprint: dict[str, Any],
+                 world_size: int, best: BestEpoch | None = None) -> dict[str, Any]:
+        """The checkpoint, copied into memory of its own (`to_cpu`): training may go on while it
+        is written (tasks/training/checkpoint_writer.py).
+
+        `best`: the best epoch's weights (already a copy) when they are not this epoch's and
+        model.pt may not hold them yet: a gang resumed from this checkpoint writes model.pt
+        from them (tasks/training/recipe.py, BestWeights).
+        """
+        snapshot: dict[str, Any] = to_cpu({
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.scheduler.state_dict() if self.scheduler else None,
@@ -65,11 +84,15 @@ class TrainingState:
             "history": history,
             "job": fingerprint,
             "world_size": world_size,
-        }, options)
+        })
+        if best is not None:
+            snapshot["best"] = {"epoch": best[0], "model": best[1]}
+        return snapshot
 
     def resume(self, url: str, options: dict[str, Any], fingerprint: dict[str, Any],
-               world_size: int, scale_lr: bool, device: torch.device | str = "cpu") -> tuple[int, list[dict[str, Any]]]:
-        """Load the last committed checkpoint, if any; returns (next epoch, history so far).
+               world_size: int, scale_lr: bool, device: torch.device | str = "cpu") -> Resumed:
+        """Load the last committed checkpoint, if any: where to go on, the history so far, and
+        the best epoch's weights it carries.
 
         Rank 0 alone reads storage and every rank loads the bytes it read. Ranks that read
         for themselves could disagree: on separate hosts with a local output folder each
@@ -79,7 +102,7 @@ class TrainingState:
         """
         data = broadcast_bytes(read_committed(url, options) if is_rank0() else None, device)
         if data is None:
-            return 0, []
+            return Resumed(0, [], None)
         checkpoint = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         refuse_other_jobs(url, checkpoint.get("job"), fingerprint)
         self.model.load_state_dict(checkpoint["model"])
@@ -90,7 +113,10 @@ class TrainingState:
             self.scaler.load_state_dict(checkpoint["scaler"])
         if scale_lr and checkpoint["world_size"] != world_size:
             rescale_lr(self.optimizer, self.scheduler, world_size / checkpoint["world_size"])
-        return checkpoint["epoch"] + 1, list(checkpoint["history"])
+        # Absent in checkpoints of older releases and of every-epoch runs; rank 0 alone writes model.pt.
+        best = checkpoint.get("best") if is_rank0() else None
+        return Resumed(checkpoint["epoch"] + 1, list(checkpoint["history"]),
+                       (best["epoch"], best["model"]) if best else None)
 
 
 def is_rank0() -> bool:

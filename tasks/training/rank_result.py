@@ -7,7 +7,7 @@ the run's summary of every rank's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefect_ddp.tasks.training.optimization import EffectiveRecipe
@@ -22,9 +22,13 @@ class RankResult:
         worker_address: the Dask worker it ran on.
         split_digest: the digest of the split it trained on; every rank's must be the same.
         local_train_samples: images this rank trained on, per epoch trained in this attempt.
-        checkpoint_s: seconds from each epoch's end to its checkpoint and model.pt written, per
-            epoch trained in this attempt (empty when it trained none); rank 0 alone writes, so
-            its figures are the ones the summary shows.
+        checkpoint_s: the seconds training waited for each epoch's checkpoint (a copy to memory,
+            and any earlier write still under way; 0 where none was taken), per epoch trained in
+            this attempt (empty when it trained none); rank 0 alone writes, so its figures are
+            the ones the summary shows.
+        checkpoints: rank 0's checkpoint decision after each epoch trained in this attempt
+            (`interval_s`, `unsaved_s`, `saved`; tasks/training/checkpoint_interval.py); empty
+            on the other ranks.
         history: the gang's record of every epoch (a resumed run's earlier ones too),
             all-reduced, so the same on every rank.
         best_epoch: the epoch whose weights model.pt holds (prefect_ddp.tasks.selection);
@@ -56,3 +60,4 @@ class RankResult:
     stopped: str | None
     recipe: EffectiveRecipe
     comparison: dict[str, Any] | None
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)

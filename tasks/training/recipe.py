@@ -51,7 +51,11 @@ from prefect_ddp.tasks.reporting import (
 from prefect_ddp.tasks.selection import Selection, best_index, is_better
 from prefect_ddp.tasks.tracking import TrackedRun
 from prefect_ddp.tasks.training.champion import Champion, score_against_champion
+from prefect_ddp.tasks.training.checkpoint_interval import CheckpointSchedule
+from prefect_ddp.tasks.training.checkpoint_writer import BackgroundWriter, to_cpu
 from prefect_ddp.tasks.training.checkpoints import (
+    BestEpoch,
+    Resumed,
     TrainingState,
     job_fingerprint,
     record_attempt,
@@ -278,11 +282,16 @@ def batch_inputs(cfg: TrainingConfig, device: torch.device) -> tuple[ToDevice, T
 class BestWeights:
     """Rank 0's `model.pt`: the weights of the best epoch so far (prefect_ddp.tasks.selection), with its card.
 
-    Written after the epoch's checkpoint, whenever an epoch beats the best before it, so the
-    model a run ships, a sweep points at and promotion compares is the epoch the reports
-    call best, also when later epochs got worse or a sweep pruned the run. A crash between
-    the checkpoint and model.pt would leave model.pt one best behind: a resume from a
-    checkpoint whose own epoch is the best writes it again (`after_resume`).
+    So that the model a run ships, a sweep points at and promotion compares is the epoch the
+    reports call best, also when later epochs got worse or a sweep pruned the run. An epoch
+    that beats the best before it is copied into memory, and written right after the next
+    checkpoint, by the same writer (tasks/training/checkpoint_writer.py): model.pt never
+    holds an epoch that the last checkpoint's history lacks, so a gang re-formed from that
+    checkpoint agrees with model.pt about which epoch is best, also when checkpoints skip
+    epochs (`training.checkpoint_every="auto"`). A crash between the checkpoint and model.pt
+    leaves model.pt one best behind, so the checkpoint carries what model.pt is to hold: its
+    own weights when its epoch is the best, or else the kept best epoch's (`unwritten`), and
+    a gang resumed from it writes model.pt again (`after_resume`).
     """
 
     def __init__(self, ctx: RankContext, job: TrainJob, selection: Selection, options: dict[str, Any]) -> None:
@@ -291,32 +300,54 @@ class BestWeights:
         self.selection = selection
         self.options = options  # the output's, as rank_data derived them
         self.best: float | None = None
-        self.epoch: int | None = None  # the epoch model.pt holds, counted from 1
+        self.epoch: int | None = None  # the best epoch so far, counted from 1: model.pt's once written
+        self._unwritten: tuple[int, dict[str, torch.Tensor]] | None = None  # (epoch, its weights)
 
-    def after_resume(self, model: nn.Module, history: list[dict[str, Any]]) -> None:
+    def after_resume(self, model: nn.Module, resumed: Resumed, writer: BackgroundWriter) -> None:
+        history = resumed.history
         if not history:
             return
         values = [h[self.selection.metric] for h in history]
         best = best_index(values, self.selection.direction)
         self.best, self.epoch = values[best], history[best]["epoch"]
         if best == len(history) - 1:
-            self._write(model)
+            self._keep(model)
+        elif self.enabled and resumed.best and resumed.best[0] == self.epoch:
+            self._unwritten = resumed.best
+        self.write_after_checkpoint(writer)
 
     def after_epoch(self, model: nn.Module, record: dict[str, Any]) -> None:
         value = record[self.selection.metric]
         if not is_better(value, self.best, self.selection.direction):
             return
         self.best, self.epoch = value, record["epoch"]
-        self._write(model)
+        self._keep(model)
 
-    def _write(self, model: nn.Module) -> None:
-        if not self.enabled:
+    def _keep(self, model: nn.Module) -> None:
+        if self.enabled and self.epoch is not None:
+            self._unwritten = (self.epoch, to_cpu(model.state_dict()))
+
+    def unwritten(self, epoch: int) -> BestEpoch | None:
+        """The kept best epoch's weights for the checkpoint of `epoch` (counted from 1) to carry:
+        None when model.pt has them already, or they are that checkpoint's own."""
+        if self._unwritten is None or self._unwritten[0] == epoch:
+            return None
+        return self._unwritten
+
+    def write_after_checkpoint(self, writer: BackgroundWriter) -> None:
+        """Give the writer the best epoch kept since the last checkpoint, to write after it."""
+        if self._unwritten is None:
             return
+        epoch, weights = self._unwritten
+        self._unwritten = None
+        writer.submit(f"model.pt (epoch {epoch})", lambda: self._write(epoch, weights))
+
+    def _write(self, epoch: int, weights: dict[str, torch.Tensor]) -> None:
         job = self.job
-        save_torch(child_url(job.output.url, "model.pt"), model.state_dict(), self.options)
+        save_torch(child_url(job.output.url, "model.pt"), weights, self.options)
         card = model_card(job.model, job.manifest.classes, job.training.image_size)
         write_json(child_url(job.output.url, "model.json"), card | {
-            "epoch": self.epoch, "selected_by": self.selection.describe(),
+            "epoch": epoch, "selected_by": self.selection.describe(),
             "split": job.split.record(job.manifest)}, self.options)
 
 
@@ -436,6 +467,47 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
     return record, int(train.count)
 
 
+@dataclass
+class Checkpointing:
+    """Rank 0's checkpoints: taken when the schedule says, written in the background.
+
+    A sweep's trial checkpoints every epoch and waits for the write before the epoch is
+    reported to the study: Optuna keeps a reported value for good, so it must belong to
+    weights that a re-formed gang resumes from, never to an epoch lost with a rank.
+    """
+
+    ctx: RankContext
+    state: TrainingState
+    schedule: CheckpointSchedule
+    url: str
+    options: dict[str, Any]
+    fingerprint: dict[str, Any]
+
+    def after_epoch(self, history: list[dict[str, Any]], writer: BackgroundWriter, kept: BestWeights,
+                    last: bool) -> None:
+        """On rank 0: raise a failed write, then checkpoint the epoch just recorded if it is due."""
+        if not self.ctx.is_main:
+            return
+        writer.check()
+        if self.schedule.due(history[-1]["seconds"], last):
+            self.save(history, writer, kept)
+
+    def save(self, history: list[dict[str, Any]], writer: BackgroundWriter, kept: BestWeights) -> None:
+        """Checkpoint the epochs of `history`, then model.pt's new best after it; the schedule
+        learns the seconds training waited for the copy (δ)."""
+        started = time.monotonic()
+        writer.wait()  # the writes before: one snapshot in memory at a time, and a failed write raised here
+        self.ctx.check_lease()  # a rank whose gang no longer holds its worker copies nothing (the writer checks again)
+        epoch = history[-1]["epoch"]
+        snapshot = self.state.snapshot(epoch - 1, history, self.fingerprint, self.ctx.world_size,
+                                       best=kept.unwritten(epoch))
+        writer.submit(f"the checkpoint of epoch {epoch}", lambda: save_torch(self.url, snapshot, self.options))
+        kept.write_after_checkpoint(writer)
+        if self.ctx.trial is not None:
+            writer.wait()
+        self.schedule.saved(time.monotonic() - started)
+
+
 def train_classifier(ctx: RankContext, job: TrainJob) -> RankResult:
     """Per-rank entry point: train, validate, checkpoint; rank 0 keeps the best epoch's model.
 
@@ -450,49 +522,60 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> RankResult:
     output = rank.data.output_options
     checkpoint_url = child_url(job.output.url, "checkpoints", CHECKPOINT)
     fingerprint = job_fingerprint(job.manifest.classes, job.split.digest(job.manifest), job.model, job.training)
-    start_epoch, history = state.resume(checkpoint_url, output, fingerprint, ctx.world_size,
-                                        scales_lr(job.training), rank.device)
+    resumed = state.resume(checkpoint_url, output, fingerprint, ctx.world_size, scales_lr(job.training), rank.device)
+    start_epoch, history = resumed.next_epoch, resumed.history
     rank.warmup.done = start_epoch * len(rank.data.train)  # a resumed run's warmup is behind it
     ddp_model = wrap_ddp(model, rank.device)
     time_gradient_sync(ddp_model, rank.clock)
     kept = BestWeights(ctx, job, ctx.trial.selection if ctx.trial else Selection(), output)
-    kept.after_resume(model, history)
     unreadable = UnreadableTally(job.unreadable, job.manifest, rank.device, announce=ctx.is_main)
     unreadable.after_resume(history)
     if start_epoch:
         log.log(level, "Rank %d resumed from %s after epoch %d", ctx.rank, checkpoint_url, start_epoch)
     attempts = record_attempt(child_url(job.output.url, "checkpoints", ATTEMPTS), output, ctx.attempt + 1,
                               ctx.world_size, start_epoch) if ctx.is_main else []
+    # Failures seen: the attempts before this one, a Prefect retry's earlier ones too (rank 0's record).
+    schedule = CheckpointSchedule.for_run(job.training, failures=max(len(attempts), ctx.attempt + 1) - 1,
+                                          history=history, every_epoch=ctx.trial is not None)
+    saves = Checkpointing(ctx, state, schedule, checkpoint_url, output, fingerprint)
     progress = ProgressReporter(ctx, job.training.epochs, log, job.tracked)
     local_train_samples: list[int] = []
-    checkpoint_s: list[float] = []  # per epoch trained here: outside the record, which the checkpoint holds
+    # Per epoch trained here, outside the record (which the checkpoint holds): the seconds training
+    # waited for rank 0's copies to memory and writes; the wait for the last writes joins the last.
+    checkpoint_s: list[float] = []
     pruned_at = stopped = None
-    try:
-        for epoch in range(start_epoch, job.training.epochs):
-            record, trained = run_epoch(ctx, rank, ddp_model, progress, unreadable, epoch)
-            stopped = unreadable.exceeded(record["epoch"])  # the gang's count: every rank stops here, or none
-            if stopped:
-                log.log(level, "Stopped after epoch %d, keeping nothing of it: %s", record["epoch"], stopped)
-                break
-            local_train_samples.append(trained)
-            step_scheduler(state.scheduler, record["val_loss"])
-            history.append(record)
-            log.log(level, "epoch %d/%d %s", record["epoch"], job.training.epochs, record)
-            ctx.progress("checkpoint", epoch=record["epoch"])
-            saving = time.monotonic()
-            if ctx.is_main:
-                ctx.check_lease()  # a rank whose gang no longer holds its worker writes nothing
-                state.save(checkpoint_url, output, epoch, history, fingerprint, ctx.world_size)
-            kept.after_epoch(model, record)
-            checkpoint_s.append(round(time.monotonic() - saving, 3))  # rank 0's; the others write none
-            if ctx.is_main:
-                progress.epoch_done(history)
-            if ctx.report(record["epoch"], record):  # a sweep's pruner stops every rank here
-                pruned_at = record["epoch"]
-                log.log(level, "Pruned by the sweep after epoch %d", pruned_at)
-                break
-    finally:
-        progress.close()
+    # Right before each write, in the writing thread: a rank whose gang lost its worker writes nothing more.
+    with BackgroundWriter(before_write=ctx.check_lease if ctx.is_main else lambda: None) as writer:
+        kept.after_resume(model, resumed, writer)
+        del resumed  # the best epoch's weights it may carry: written, or kept by `kept` alone
+        try:
+            for epoch in range(start_epoch, job.training.epochs):
+                record, trained = run_epoch(ctx, rank, ddp_model, progress, unreadable, epoch)
+                stopped = unreadable.exceeded(record["epoch"])  # the gang's count: every rank stops here, or none
+                if stopped:
+                    log.log(level, "Stopped after epoch %d, keeping nothing of it: %s", record["epoch"], stopped)
+                    break
+                local_train_samples.append(trained)
+                step_scheduler(state.scheduler, record["val_loss"])
+                history.append(record)
+                log.log(level, "epoch %d/%d %s", record["epoch"], job.training.epochs, record)
+                ctx.progress("checkpoint", epoch=record["epoch"])
+                waiting = time.monotonic()
+                kept.after_epoch(model, record)
+                saves.after_epoch(history, writer, kept, last=epoch == job.training.epochs - 1)
+                checkpoint_s.append(round(time.monotonic() - waiting, 3))  # rank 0's; the others write none
+                if ctx.is_main:
+                    progress.epoch_done(history)
+                if ctx.report(record["epoch"], record):  # a sweep's pruner stops every rank here
+                    pruned_at = record["epoch"]
+                    log.log(level, "Pruned by the sweep after epoch %d", pruned_at)
+                    break
+            waiting = time.monotonic()
+            writer.wait()  # the last checkpoint and model.pt exist once the rank returns
+            if checkpoint_s:
+                checkpoint_s[-1] = round(checkpoint_s[-1] + time.monotonic() - waiting, 3)
+        finally:
+            progress.close()
     # Every rank agrees on pruned_at and stopped: all score, or none does.
     comparison = (score_against_champion(ctx, job.champion, job.output.url, rank.data, rank.device, kept.epoch)
                   if job.champion and kept.epoch and not (pruned_at or stopped) else None)
@@ -502,6 +585,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> RankResult:
         split_digest=job.split.digest(job.manifest),
         local_train_samples=local_train_samples,
         checkpoint_s=checkpoint_s,
+        checkpoints=schedule.decisions,
         history=history,
         best_epoch=kept.epoch,
         selected_by=kept.selection.describe(),

@@ -50,6 +50,8 @@ STRAGGLER = 1.25
 # ... and lose the others at least this many seconds in the epoch: on short epochs a
 # moment's scheduling noise is a large ratio.
 STRAGGLER_MIN_S = 1.0
+# EpochTiming's fields that only the run's summary fills in.
+SUMMARY_ONLY = ("checkpoint_s", "checkpoint_share", "checkpoints")
 # CUDA marks are folded into totals once this many are pending (one synchronisation).
 FOLD_EVERY = 4096
 
@@ -194,8 +196,11 @@ class EpochTiming(BaseModel):
         slowest_rank, slower_by: the rank whose own work (its step less the sync it waits in)
             took longest, and how many times the median of the others' it took.
         verdict: the one line a person can act on (docs/troubleshooting.md, "Where the time goes").
-        checkpoint_s: rank 0's seconds to checkpoint the epoch, in the run's summary only; None
-            elsewhere, and then left out of the record.
+        checkpoint_s: in the run's summary only (None elsewhere, and then left out of the
+            record, as the two below): the seconds training waited for rank 0's checkpoints
+            (tasks/training/checkpoint_writer.py), per epoch this attempt trained, on average.
+        checkpoint_share: those seconds' share of the time those epochs trained and waited.
+        checkpoints: which epochs rank 0 checkpointed, and why (checkpoint_interval.py).
     """
 
     images_per_s: float
@@ -205,11 +210,13 @@ class EpochTiming(BaseModel):
     slower_by: float
     verdict: str
     checkpoint_s: float | None = None
+    checkpoint_share: float | None = None
+    checkpoints: str | None = None
 
     @model_serializer(mode="wrap")
     def _without_unmeasured(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         record: dict[str, Any] = handler(self)
-        return record if self.checkpoint_s is not None else {k: v for k, v in record.items() if k != "checkpoint_s"}
+        return {k: v for k, v in record.items() if v is not None or k not in SUMMARY_ONLY}
 
 
 def epoch_timing(rows: list[list[float]], advice: str,
