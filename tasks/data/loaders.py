@@ -27,6 +27,7 @@ from prefect_ddp.tasks.data.byte_cache import ByteCache
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform
 from prefect_ddp.tasks.data.device_batches import encoded_collate
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
+from prefect_ddp.tasks.data.loader_leftovers import remove_dead_loader_folders
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
 from prefect_ddp.tasks.data.shard_writer import shard_format
@@ -101,6 +102,7 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
     loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": ctx.device.startswith("cuda")}
     if workers:
         require_non_daemonic(workers)
+        remove_dead_loader_folders()  # of a run's loader processes killed before, on this host
         loader_options |= {**forked_workers(), "persistent_workers": True}
     val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
     val_loader = FetchAheadLoader(val_set, val_shard, cfg.batch_size, **collate, **loader_options)

@@ -38,6 +38,7 @@ from prefect_ddp.tasks.data.dataset import (
     unreadable_positions,
 )
 from prefect_ddp.tasks.data.device_batches import ToDevice
+from prefect_ddp.tasks.data.loader_leftovers import remove_dead_loader_folders
 from prefect_ddp.tasks.data.loaders import RankData, rank_data
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.training.decode_cost import PROBE_IMAGES, DecodeProbe
@@ -576,6 +577,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> RankResult:
                 checkpoint_s[-1] = round(checkpoint_s[-1] + time.monotonic() - waiting, 3)
         finally:
             progress.close()
+            remove_dead_loader_folders()  # a killed peer's orphaned loader processes have exited by now
     # Every rank agrees on pruned_at and stopped: all score, or none does.
     comparison = (score_against_champion(ctx, job.champion, job.output.url, rank.data, rank.device, kept.epoch)
                   if job.champion and kept.epoch and not (pruned_at or stopped) else None)
