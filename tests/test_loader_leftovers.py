@@ -3,17 +3,22 @@
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
+import shutil
 import signal
 import tempfile
 import threading
-import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from prefect_ddp.tasks.data.loader_leftovers import dead_loader_folders, remove_dead_loader_folders
+from prefect_ddp.tasks.data.dataset import forked_workers
+from prefect_ddp.tasks.data.loader_leftovers import PREFIX, dead_loader_folders, remove_dead_loader_folders
 
 
 class Tensors(Dataset[torch.Tensor]):
@@ -25,15 +30,15 @@ class Tensors(Dataset[torch.Tensor]):
 
 
 def loader_with_a_batch_sent() -> Any:
-    """A loader process (forked, as the recipe's) that has sent its rank a batch: through a
-    listening socket in a `pymp-*` folder of its own. Started in a thread, as a rank runs in a
-    Dask worker's: torch then installs no SIGCHLD handler, which would raise in this test's
-    main thread when the loader is killed."""
+    """The recipe's loader process (forked_workers) that has sent its rank a batch: through a
+    listening socket in its multiprocessing temp folder. Started in a thread, as a rank runs in a
+    Dask worker's: torch then installs no SIGCHLD handler, which would raise in this test's main
+    thread when the loader is killed."""
     started: list[Any] = []
 
     def start() -> None:
-        batches = iter(DataLoader(Tensors(), batch_size=4, num_workers=1, multiprocessing_context="fork",
-                                  persistent_workers=True))
+        batches = iter(DataLoader(Tensors(), batch_size=4, num_workers=1, persistent_workers=True,
+                                  **forked_workers()))
         next(batches)
         started.append(batches)
 
@@ -43,27 +48,48 @@ def loader_with_a_batch_sent() -> Any:
     return started[0]
 
 
-def pymp_folders(folder: str) -> set[str]:
-    return {name for name in os.listdir(folder) if name.startswith("pymp-")}
+def temp_entries(folder: str) -> set[str]:
+    return set(os.listdir(folder))
 
 
-def test_the_folder_of_a_killed_loader_process_is_removed_and_a_live_one_s_kept(tmp_path, monkeypatch):
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp directory whose path leaves room for socket paths below it (pytest's tmp_path is too long)."""
+    folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="t-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_killed_loader_s_temp_folder_is_removed_and_a_live_one_s_kept(short_tmp, monkeypatch):
+    tmp_path = short_tmp
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the loaders fork with it
+    # A temp folder of this process (an earlier test's multiprocessing use) would be inherited: the
+    # loaders must make their own all the same.
+    monkeypatch.setitem(multiprocessing.process.current_process()._config, "tempdir", str(tmp_path / "inherited"))
     killed = loader_with_a_batch_sent()
     (victim,) = killed._workers
-    left = pymp_folders(str(tmp_path))
-    assert len(left) == 1, left
+    left = temp_entries(str(tmp_path))
+    assert [name.startswith(f"{PREFIX}{victim.pid}-") for name in left] == [True], left
     alive = loader_with_a_batch_sent()
-    both = pymp_folders(str(tmp_path))
-    assert len(both) == 2
-    assert dead_loader_folders(str(tmp_path)) == []  # both listen: nothing is removed
+    both = temp_entries(str(tmp_path))
+    assert len(both) == 2 and not any(name.startswith("pymp-") for name in both), both
+    assert dead_loader_folders(str(tmp_path)) == []  # both run: nothing is removed
     os.kill(victim.pid, signal.SIGKILL)  # out of memory, or its Dask worker killed with it
     victim.join(30)
-    deadline = time.monotonic() + 30  # the kernel drops the socket as the process goes
-    while not dead_loader_folders(str(tmp_path)):
-        assert time.monotonic() < deadline, "the killed loader's folder was never taken for dead"
-        time.sleep(0.2)
     assert [p.name for p in dead_loader_folders(str(tmp_path))] == sorted(left)
     remove_dead_loader_folders()
-    assert pymp_folders(str(tmp_path)) == both - left  # the live loader's folder stays
+    assert temp_entries(str(tmp_path)) == both - left  # the live loader's folder stays
     assert next(alive).shape == (4, 4)  # and it still sends batches through it
+
+
+def test_a_folder_whose_pid_now_belongs_to_a_later_process_is_dead(tmp_path):
+    me_started_long_ago = tmp_path / f"{PREFIX}{os.getpid()}-3e8"  # this pid, but a start time of 1970
+    me_started_long_ago.mkdir()
+    nobody = tmp_path / f"{PREFIX}999999999-3e8"
+    nobody.mkdir()
+    not_ours = tmp_path / "pymp-xyz"  # multiprocessing's own, of some other program: never touched
+    not_ours.mkdir()
+    (tmp_path / f"{PREFIX}not-a-pid").mkdir()  # a name this module never makes: never touched
+    assert sorted(p.name for p in dead_loader_folders(str(tmp_path))) == sorted([me_started_long_ago.name, nobody.name])
+    remove_dead_loader_folders(str(tmp_path))
+    assert temp_entries(str(tmp_path)) == {"pymp-xyz", f"{PREFIX}not-a-pid"}

@@ -37,6 +37,7 @@ from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
 from prefect_ddp.tasks.data.decoding import RESIZED_QUALITY, open_rgb, stored_resized
 from prefect_ddp.tasks.data.fetch_ahead import BATCHES_AT_ONCE, FetchesAhead
+from prefect_ddp.tasks.data.loader_leftovers import use_own_temp_folder
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.storage import ProcessFilesystem
 
@@ -240,13 +241,21 @@ def forget_parent_exit_hooks(worker_id: int) -> None:
     hooks[:] = [hook for hook in hooks if hook is executor_threads._python_exit]
 
 
+def start_loader_process(worker_id: int) -> None:
+    """DataLoader `worker_init_fn` of the recipe's loader processes: drop the exit hooks inherited
+    from the rank (`forget_parent_exit_hooks`), and make a temp folder named for this process, which
+    a later rank removes if the process is killed (prefect_ddp.tasks.data.loader_leftovers)."""
+    forget_parent_exit_hooks(worker_id)
+    use_own_temp_folder()
+
+
 def forked_workers() -> dict[str, Any]:
     """DataLoader options for loader processes forked from a rank.
 
     Fork, not the spawn Dask workers default to: spawn starts Python afresh, 18 s per loader
     start in a Dask worker here against 0.5 s forked.
     """
-    return {"multiprocessing_context": "fork", "worker_init_fn": forget_parent_exit_hooks}
+    return {"multiprocessing_context": "fork", "worker_init_fn": start_loader_process}
 
 
 class FetchTimeout(OSError):
