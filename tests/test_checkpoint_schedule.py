@@ -12,7 +12,6 @@ import contextvars
 import errno
 import json
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import fsspec.implementations.local
@@ -24,16 +23,17 @@ from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.data.storage import load_torch, write_bytes
-from prefect_ddp.tasks.gang import GangStopped, RankContext, free_port, process_group
+from prefect_ddp.tasks.gang import GangStopped, RankContext, free_port
 from prefect_ddp.tasks.gang.trial import TrialLink
 from prefect_ddp.tasks.results.aggregation import checkpoint_plan, last_epoch_time
 from prefect_ddp.tasks.training.checkpoint_interval import CheckpointSchedule, young_daly_interval_s
 from prefect_ddp.tasks.training.checkpoint_writer import BackgroundWriter, CheckpointWriteError, to_cpu
 from prefect_ddp.tasks.training.checkpoints import TrainingState
-from prefect_ddp.tasks.training.recipe import BestWeights, Checkpointing, TrainJob, train_classifier
+from prefect_ddp.tasks.training.recipe import BestWeights, Checkpointing, TrainJob
 from prefect_ddp.tasks.training.step_times import PARTS, EpochTiming
 from prefect_ddp.tasks.selection import Selection
 from tests.support.image_folders import local_image_folder
+from tests.support.two_ranks import train_as_rank
 
 HOUR = 3600.0
 
@@ -275,22 +275,11 @@ def test_a_trial_checkpoints_every_epoch_and_has_it_written_before_it_reports(tm
             assert json.loads((tmp_path / "out" / "model.json").read_text())["epoch"] == epoch
 
 
-def rank_trains(rank: int, port: int, jobs: dict[str, TrainJob], out: Path) -> None:
-    torch.set_num_threads(1)  # two ranks on this machine's two cores
-    ctx = RankContext(rank=rank, local_rank=rank, world_size=2, local_world_size=2, backend="gloo", device="cpu",
-                      worker_address="local", master_addr="127.0.0.1", master_port=port)
-    with process_group(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
-                       timeout=timedelta(seconds=60)):
-        results = {name: train_classifier(ctx, job) for name, job in jobs.items()}
-    (out / f"rank{rank}.json").write_text(json.dumps(
-        {name: {"checkpoints": r.checkpoints, "checkpoint_s": r.checkpoint_s, "best_epoch": r.best_epoch}
-         for name, r in results.items()}))
-
-
 def test_auto_skips_the_epochs_its_interval_allows_and_model_pt_stays_within_the_checkpoint(tmp_path):
     jobs = {"auto": train_job(tmp_path / "images", tmp_path / "auto", epochs=4, every="auto"),
             "epoch": train_job(tmp_path / "images", tmp_path / "epoch", epochs=2, every="epoch")}
-    mp.start_processes(rank_trains, args=(free_port(), jobs, tmp_path), nprocs=2, start_method="spawn")
+    mp.start_processes(train_as_rank, args=(free_port(), jobs, tmp_path, ("checkpoints", "checkpoint_s", "best_epoch")),
+                       nprocs=2, start_method="spawn")
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     # δ is measured at the first save; with M = 100,000 h the interval (minutes, whatever δ) outlasts
     # these epochs, also on a busy machine: the last saves.

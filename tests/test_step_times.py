@@ -9,7 +9,6 @@ for a moment, which must come out input-bound with the advice for an object stor
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,15 +20,16 @@ from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.indexing import build_manifest
 from prefect_ddp.tasks.data.splitting import stratified_split
-from prefect_ddp.tasks.gang import RankContext, free_port, process_group
+from prefect_ddp.tasks.gang import free_port
 from prefect_ddp.tasks.data.dataset import train_transform
 from prefect_ddp.tasks.training.decode_cost import DecodeProbe, probe_decode
-from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
+from prefect_ddp.tasks.training.recipe import TrainJob
 from prefect_ddp.tasks.training import step_times
 from prefect_ddp.tasks.training.step_times import PARTS, StepClock, epoch_timing, input_advice
 from tests.support.faulty_s3 import FaultyS3
 from tests.support.flow_runs import block_copy
 from tests.support.image_folders import local_image_folder
+from tests.support.two_ranks import train_as_rank
 
 CPU = torch.device("cpu")
 
@@ -107,16 +107,6 @@ def job(source: DataLocation, manifest, output: Path, epochs: int) -> TrainJob:
     )
 
 
-def rank_runs(rank: int, port: int, jobs: dict[str, TrainJob], out: Path) -> None:
-    torch.set_num_threads(1)  # two ranks on this machine's two cores
-    ctx = RankContext(rank=rank, local_rank=rank, world_size=2, local_world_size=2, backend="gloo", device="cpu",
-                      worker_address="local", master_addr="127.0.0.1", master_port=port)
-    with process_group(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
-                       timeout=timedelta(seconds=60)):
-        results = {name: train_classifier(ctx, one) for name, one in jobs.items()}
-    (out / f"rank{rank}.json").write_text(json.dumps({name: r.history for name, r in results.items()}))
-
-
 def test_the_parts_add_up_to_the_training_pass_and_slow_reads_make_it_input_bound(
         tmp_path, image_location: DataLocation, front: FaultyS3, s3_fs):
     local = local_image_folder(tmp_path / "images", per_class=8)
@@ -128,8 +118,9 @@ def test_the_parts_add_up_to_the_training_pass_and_slow_reads_make_it_input_boun
     front.stall_gets(f"{prefix}/*", seconds=0.15)
     jobs = {"local": job(DataLocation(url=str(tmp_path / "images")), local, tmp_path / "local", epochs=2),
             "slow": job(via_front, remote, tmp_path / "slow", epochs=1)}
-    mp.start_processes(rank_runs, args=(free_port(), jobs, tmp_path), nprocs=2, start_method="spawn")
-    histories = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    mp.start_processes(train_as_rank, args=(free_port(), jobs, tmp_path, ("history",)), nprocs=2, start_method="spawn")
+    histories = [{name: r["history"] for name, r in json.loads((tmp_path / f"rank{rank}.json").read_text()).items()}
+                 for rank in (0, 1)]
 
     for epoch in histories[0]["local"] + histories[0]["slow"]:
         for rank in epoch["time"]["per_rank"]:
