@@ -60,7 +60,17 @@ def short_tmp() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_a_killed_loader_s_temp_folder_is_removed_and_a_live_one_s_kept(short_tmp, monkeypatch):
+@pytest.fixture
+def default_sigchld() -> Iterator[None]:
+    """SIGCHLD's default handling while the test runs. An earlier test that iterated a loader in this
+    process's main thread left torch's handler, which raises there when a loader process is killed;
+    ranks run in Dask's threads, where torch installs none."""
+    before = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGCHLD, before)
+
+
+def test_a_killed_loader_s_temp_folder_is_removed_and_a_live_one_s_kept(short_tmp, monkeypatch, default_sigchld):
     tmp_path = short_tmp
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the loaders fork with it
     # A temp folder of this process (an earlier test's multiprocessing use) would be inherited: the
