@@ -98,6 +98,16 @@ def check_space(space: dict[str, Dimension]) -> None:
 REPORTED_METRICS = ("val_acc", "val_loss", "train_acc", "train_loss")
 
 
+def check_trial_sizes(cluster: ClusterConfig) -> None:
+    """Refuse a gang size set where a sweep would not read it: each trial's comes from `settings`."""
+    if cluster.min_world_size is not None:
+        raise ValueError(
+            f"cluster.min_world_size={cluster.min_world_size} sizes a training run's gang, but a sweep sizes each "
+            "trial's gang from settings: set settings.min_ranks_per_trial (and settings.ranks_per_trial, the "
+            "most) instead, and leave cluster.min_world_size empty."
+        )
+
+
 def check_metric(settings: SweepSettings) -> None:
     """Refuse a metric the trials never report, before any trial starts."""
     if settings.metric not in REPORTED_METRICS:
@@ -130,6 +140,7 @@ def hyperparameter_sweep(
     """
     check_space(space)
     check_metric(settings)
+    check_trial_sizes(cluster)
     data = with_overrides(data or DataConfig.model_construct())
     out = output_base(output, data_location(data))
     kept_name = promotion_name(settings, output) if settings.promote else None
@@ -144,9 +155,11 @@ def hyperparameter_sweep(
         runner = starting.ready()
         # Trials connect by address; a TLS cluster's certificate stays in this process (blocks/cluster.py).
         with shared_in_process(runner.client) as address:
+            # Each trial's gang: ranks_per_trial ranks, or a range down to min_ranks_per_trial; a gang
+            # grows only onto workers that no gang holds (tasks/gang/grow_watch.py), never another trial's.
             shared = cluster.model_copy(update={
-                "address": address, "block": None,
-                "world_size": settings.ranks_per_trial, "lease_timeout_s": settings.lease_timeout_s,
+                "address": address, "block": None, "world_size": settings.ranks_per_trial,
+                "min_world_size": settings.min_ranks_per_trial, "lease_timeout_s": settings.lease_timeout_s,
             })
 
             def train_trial(trial: Any, link: TrialLink) -> TrialOutcome:

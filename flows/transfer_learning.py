@@ -174,13 +174,15 @@ def cluster_lifetime(cluster: ClusterConfig) -> ClusterLifetime:
     return ClusterLifetime.of(spec)
 
 
-def gang_size(runner: DaskTaskRunner, world_size: int | None) -> int:
-    """The number of ranks the gang will have; checked before any image is decoded."""
+def gang_size(runner: DaskTaskRunner, world_size: int | None, min_world_size: int | None = None) -> int:
+    """The most ranks the gang will have; checked before any image is decoded. An elastic gang
+    (min_world_size) needs that many workers now, and may grow to world_size later."""
     workers = cluster_workers(runner.client)
-    if world_size and world_size > len(workers):
+    needed, name = (min_world_size, "min_world_size") if min_world_size else (world_size, "world_size")
+    if needed and needed > len(workers):
         raise ValueError(
-            f"cluster.world_size={world_size} needs {world_size} Dask workers (one rank each), but "
-            f"the cluster has {len(workers)}. Lower cluster.world_size, leave it empty to use every "
+            f"cluster.{name}={needed} needs {needed} Dask workers (one rank each), but "
+            f"the cluster has {len(workers)}. Lower cluster.{name}, leave it empty to use every "
             "worker, or add workers (cluster.n_workers for a local cluster)."
         )
     return world_size or len(workers)
@@ -258,7 +260,7 @@ def transfer_learning(
         if not warm:
             check_starting_weights(model, len(manifest.classes), source)
         runner = starting.ready()
-        world_size = gang_size(runner, cluster.world_size)
+        world_size = gang_size(runner, cluster.world_size, cluster.min_world_size)
         listed = len(manifest)
         manifest = validate_dataset(runner, source, manifest, data.validate_sample, data.max_unreadable_fraction,
                                     CheckMemory(base, source))

@@ -17,6 +17,10 @@ from typing import Annotated, Any, Literal, Optional, TypedDict, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 BACKBONES = ("resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
+# How often an elastic gang asks mid-epoch whether to grow: each ask is a one-integer broadcast,
+# measured at well under a millisecond against steps of tens of milliseconds or more (bench/RESULTS.md,
+# "An elastic gang's boundary"), while a worker come free waits at most this many steps.
+REGROUP_EVERY_STEPS = 50
 Backbone = Literal["resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0"]
 
 
@@ -217,6 +221,12 @@ class TrainingConfig(_Strict):
         30, gt=0, le=100_000, description="With checkpoint_every=auto: the most training, in minutes, that "
         "one failure may lose: the interval never exceeds it.",
     )
+    regroup_every_steps: int = Field(
+        REGROUP_EVERY_STEPS, ge=0, le=1_000_000, description="In an elastic gang (cluster.min_world_size): "
+        "after every this many optimizer steps, besides each epoch's end, the ranks ask whether a worker "
+        "came free, and grow onto it there, mid-epoch, instead of leaving it idle until the epoch ends. "
+        "0: at epochs' ends only. Each ask is one tiny broadcast between the ranks.",
+    )
     fetch_timeout_s: float = Field(
         60, ge=1, le=3600,
         description="Limit in seconds for fetching one batch of images, retries included. A "
@@ -244,6 +254,7 @@ class GangOptions(TypedDict):
     """`run_gang`'s keyword arguments that a flow's `cluster` parameter decides (`ClusterConfig.gang_options`)."""
 
     world_size: int | None
+    min_world_size: int | None
     init_timeout: timedelta
     timeout: timedelta | None
     max_restarts: int
@@ -262,7 +273,15 @@ class ClusterConfig(_Strict):
         2, ge=1, le=256, description="Workers of a new local cluster (ignored with address)."
     )
     world_size: int | None = Field(
-        None, ge=1, description="Ranks to run; empty uses every worker of the cluster."
+        None, ge=1, description="Ranks to run; empty uses every worker of the cluster. With "
+        "min_world_size: the most ranks."
+    )
+    min_world_size: int | None = Field(
+        None, ge=1, description="Make the gang elastic: it starts once this many workers are free, on "
+        "as many up to world_size as are; a lost worker shrinks it to the survivors at once, and a worker "
+        "come free grows it back at its next boundary (training.regroup_every_steps, or an epoch's end), the "
+        "state handed over in memory. A sweep sizes its trials with settings.min_ranks_per_trial. Empty: a fixed "
+        "size (world_size).",
     )
     init_timeout_s: int = Field(
         300, ge=10, le=3600, description="Limit for all ranks to join the process group, and for any one "
@@ -297,6 +316,7 @@ class ClusterConfig(_Strict):
         """
         return GangOptions(
             world_size=self.world_size,
+            min_world_size=self.min_world_size,
             init_timeout=timedelta(seconds=self.init_timeout_s),
             timeout=timedelta(seconds=self.gang_timeout_s) if self.gang_timeout_s else None,
             max_restarts=self.max_restarts,
@@ -306,6 +326,11 @@ class ClusterConfig(_Strict):
 
     @model_validator(mode="after")
     def _block_or_address(self) -> ClusterConfig:
+        if self.min_world_size and self.world_size and self.min_world_size > self.world_size:
+            raise ValueError(
+                f"cluster got min_world_size={self.min_world_size} above world_size={self.world_size}; "
+                "give min_world_size <= world_size (the gang's size range), or leave it empty for a fixed size."
+            )
         if self.block and self.address:
             raise ValueError(
                 f"cluster got both block={self.block!r} and address={self.address!r}; "

@@ -254,7 +254,8 @@ def test_a_checkpoint_carries_the_best_epoch_that_model_pt_has_not_got_yet(tmp_p
     assert resumed.next_epoch == 2 and resumed.best is not None and resumed.best[0] == 1
     again = BestWeights(ctx, job, Selection(), {})
     with BackgroundWriter() as writer:
-        again.after_resume(resumed_state.model, resumed, writer)
+        again.after_resume(resumed_state.model, resumed)
+        again.write_after_checkpoint(writer)
     assert json.loads((tmp_path / "out" / "model.json").read_text())["epoch"] == again.epoch == 1
     assert torch.equal(load_torch(str(tmp_path / "out" / "model.pt"), {})["weight"], best_weight)
 

@@ -12,9 +12,11 @@ from PIL import Image
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.reporting import markdown_table
 from prefect_ddp.tasks.results.plots import markdown_image, training_curves_png
+from prefect_ddp.tasks.results.aggregation import attempt_rows
 from prefect_ddp.tasks.results.promotion import Promotion
 from prefect_ddp.tasks.results.records import TrainingSummary
 from prefect_ddp.tasks.results.report import (
+    attempts_markdown,
     promotion_markdown,
     report_markdown,
     trained_images_text,
@@ -69,3 +71,22 @@ def test_images_trained_per_epoch_show_beside_the_training_set_size():
 def test_table_cells_keep_angle_brackets_and_pipes_visible():
     table = markdown_table(["key", "error"], [["a|b.jpg", "cannot identify image file <_io.BytesIO object>\nat 0x1"]])
     assert "| a\\|b.jpg | cannot identify image file &lt;_io.BytesIO object&gt; at 0x1 |" in table
+
+
+def test_the_report_lists_each_change_of_the_gang_s_size_where_it_went_on_from_and_its_cost():
+    gang = [{"number": 1, "workers": ["a", "b", "c"], "world_size": 3, "seconds": 40.0, "started_at": 1000.0,
+             "ended": "Worker b of rank 1 left the cluster (killed, out of memory or lost) while training"},
+            {"number": 2, "workers": ["a", "c"], "world_size": 2, "seconds": 30.0, "started_at": 1042.5,
+             "ended": "regrouped: a worker came free, and the gang was formed again larger"},
+            {"number": 3, "workers": ["a", "c", "d"], "world_size": 3, "seconds": 50.0, "started_at": 1073.5,
+             "ended": "completed"}]
+    resumes = [{"attempt": 1, "world_size": 3, "resumed_after_epoch": 0},  # written by an older release
+               {"attempt": 2, "world_size": 2, "resumed_after_epoch": 1, "at_sample": 24, "handed_over": True},
+               {"attempt": 3, "world_size": 3, "resumed_after_epoch": 3, "at_sample": 0, "handed_over": True}]
+    rows = attempt_rows(gang, resumes)
+    assert [r.reformed_s for r in rows] == [None, 2.5, 1.0]
+    report = attempts_markdown(rows)
+    assert "Its size changed: 3 -> 2 ranks, 2 -> 3 ranks." in report
+    assert "| 2 | 2 | a, c | in epoch 2 at sample 24, handed over in memory | 2.5 | 30 | regrouped:" in report
+    assert "| 3 | 3 | a, c, d | after epoch 3, handed over in memory | 1 | 50 | completed |" in report
+    assert "| 1 | 3 | a, b, c | from the start |  | 40 |" in report

@@ -176,9 +176,11 @@ def test_promoting_needs_a_name_to_keep_the_model_under(images, dask_cluster, tm
 
 
 @flow(name="custom-sweep")
-def custom_sweep(address: str, output: str, settings: SweepSettings, keep_losses: bool = True) -> dict:
+def custom_sweep(address: str, output: str, settings: SweepSettings, keep_losses: bool = True,
+                 fail_first_attempt: bool = False) -> dict:
     with DaskTaskRunner(address=address) as runner:
-        return sweep(report_every_epoch, {"lr": 1.0, "epochs": 4, "keep_losses": keep_losses},
+        return sweep(report_every_epoch, {"lr": 1.0, "epochs": 4, "keep_losses": keep_losses,
+                                          "fail_first_attempt": fail_first_attempt},
                      {"lr": {"kind": "log_uniform", "low": 0.01, "high": 10.0}},
                      settings, task_runner=runner, output=output)
 
@@ -202,6 +204,14 @@ def test_a_sweep_to_an_s3_output_writes_its_report_there_and_keeps_its_study_on_
     assert not (tmp_path / "s3:").exists()
     (study,) = (tmp_path / "studies").rglob("study.db")
     assert study.parent.name == "on-s3" and study.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_trial_s_gang_is_formed_again_after_a_failure_as_the_flows_are(dask_cluster, tmp_path):
+    # An elastic trial (min_ranks_per_trial) goes on on its survivors only if its gang may be formed again.
+    settings = SweepSettings(name="again", n_trials=1, concurrency=1, ranks_per_trial=2, min_ranks_per_trial=1,
+                             metric="loss", direction="minimize", sampler="random", pruner="none")
+    record = custom_sweep(dask_cluster.scheduler_address, str(tmp_path), settings, fail_first_attempt=True)
+    assert [row["state"] for row in record["trials"]] == ["completed"], record["trials"]
 
 
 def test_any_trainable_sweeps_and_a_pruned_two_rank_trial_stops_on_both_ranks(dask_cluster, tmp_path):

@@ -8,7 +8,8 @@ from optuna.trial import TrialState
 from pydantic import ValidationError
 
 from prefect_ddp.blocks.study_storage import StudyStorage
-from prefect_ddp.flows.sweep import check_metric, check_space
+from prefect_ddp.flows.sweep import check_metric, check_space, check_trial_sizes
+from prefect_ddp.tasks.config import ClusterConfig
 from prefect_ddp.tasks.sweeps.search_space import Dimension, grid, with_params
 from prefect_ddp.tasks.sweeps.settings import INTERRUPTED, SweepSettings
 from prefect_ddp.tasks.sweeps.sweep import (
@@ -58,6 +59,17 @@ def test_a_metric_the_trials_never_report_is_refused():
 
 
 @pytest.mark.unit
+@pytest.mark.unit
+def test_a_trial_size_range_is_set_in_settings_and_a_gang_s_range_is_refused_in_a_sweep():
+    assert SweepSettings(ranks_per_trial=3, min_ranks_per_trial=2).min_ranks_per_trial == 2
+    with pytest.raises(ValueError, match=r"min_ranks_per_trial=3 above ranks_per_trial=2; give min_ranks_per_trial"):
+        SweepSettings(ranks_per_trial=2, min_ranks_per_trial=3)
+    with pytest.raises(ValueError, match=r"cluster.min_world_size=2 sizes a training run's gang.*"
+                                         r"set settings.min_ranks_per_trial"):
+        check_trial_sizes(ClusterConfig(world_size=3, min_world_size=2))
+    check_trial_sizes(ClusterConfig(world_size=3))
+
+
 def test_a_path_that_names_no_parameter_is_refused():
     with pytest.raises(ValueError, match="names 'training.lrr', which is no parameter of transfer-learning"):
         check_space({"training.lrr": SPACE["training.lr"]})

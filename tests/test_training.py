@@ -56,8 +56,9 @@ def test_training_resumes_from_the_last_checkpoint(tmp_path):
     checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "checkpoint.pt", weights_only=True)
     assert set(checkpoint) == {"model", "optimizer", "lr_scheduler", "scaler", "epoch", "history", "job", "world_size"}
     assert checkpoint["epoch"] == 1  # the last finished epoch's index, as torchvision keeps it
-    assert resumed.attempts == [{"attempt": 1, "world_size": 1, "resumed_after_epoch": 0},
-                                   {"attempt": 1, "world_size": 1, "resumed_after_epoch": 1}]
+    from_storage = {"at_sample": 0, "handed_over": False, "regroups": 0}
+    assert resumed.attempts == [{"attempt": 1, "world_size": 1, "resumed_after_epoch": 0} | from_storage,
+                                   {"attempt": 1, "world_size": 1, "resumed_after_epoch": 1} | from_storage]
 
 
 @pytest.mark.unit
@@ -90,7 +91,7 @@ def test_a_gang_resumed_on_fewer_ranks_scales_its_learning_rate_down(tmp_path, s
         saved.scheduler.step()
     save_torch(url, saved.snapshot(0, [], fingerprint, world_size=4), {})
     resumed = state(2)
-    assert resumed.resume(url, {}, fingerprint, world_size=2, scale_lr=True) == (1, [], None)
+    assert resumed.resume(url, {}, fingerprint, world_size=2, scale_lr=True) == (1, [], None, 0, None)
     saved_lr = saved.optimizer.param_groups[0]["lr"]
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(saved_lr / 2)
     if scheduler == "cosine":  # the schedule goes on from the halved base lr

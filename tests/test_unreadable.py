@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from prefect import flow
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ClusterConfig
@@ -27,6 +27,7 @@ from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
 from prefect_ddp.tasks.data.indexing import index_images
 from prefect_ddp.tasks.data.loaders import rank_data
 from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader
 from prefect_ddp.tasks.data.shard_writer import ShardFormat, write_shards
 from prefect_ddp.tasks.results.aggregation import check_stopped
@@ -189,13 +190,13 @@ def spoilt_job(tmp_path: Path, epochs: int, missing: str, undecodable: str) -> T
 
 @pytest.mark.unit
 def test_leaving_images_out_changes_no_rank_s_steps_or_batch_sizes(tmp_path):
-    # 9 training images on 2 ranks, 5 each (DistributedSampler pads one), at batch size 3.
+    # 9 training images on 2 ranks, 5 each (the sampler pads one, as DistributedSampler does), at batch size 3.
     job = spoilt_job(tmp_path, epochs=1, missing="train", undecodable="train")
     sizes, left_out = [], []
     for rank in (0, 1):
         train_loader = rank_data(replace(CTX, rank=rank, world_size=2), job.source, job.output, job.manifest,
                                  job.split, job.training).train
-        assert isinstance(train_loader.sampler, DistributedSampler)
+        assert isinstance(train_loader.sampler, PositionedSampler)
         batches = [labels.tolist() for _, labels in train_loader]
         sizes.append([len(labels) for labels in batches])
         left_out += [label for labels in batches for label in labels if label < 0]

@@ -32,6 +32,7 @@ _HOMES = {
     "GangAttempt": "prefect_ddp.tasks.gang",
     "GangError": "prefect_ddp.tasks.gang",
     "GangRefused": "prefect_ddp.tasks.gang",
+    "GangRegroup": "prefect_ddp.tasks.gang",
     "GangResults": "prefect_ddp.tasks.gang",
     "GangStopped": "prefect_ddp.tasks.gang",
     "GangTimeout": "prefect_ddp.tasks.gang",
@@ -58,8 +59,8 @@ if TYPE_CHECKING:  # what static tools see; Python imports each name on first us
     from prefect_ddp.tasks.config import (ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrackingConfig,
                                           TrainingConfig)
     from prefect_ddp.tasks.data.dataset import S3ImageFolder
-    from prefect_ddp.tasks.gang import (GangAttempt, GangError, GangRefused, GangResults, GangStopped, GangTimeout,
-                                        RankContext, all_reduce_sum, run_gang)
+    from prefect_ddp.tasks.gang import (GangAttempt, GangError, GangRefused, GangRegroup, GangResults, GangStopped,
+                                        GangTimeout, RankContext, all_reduce_sum, run_gang)
     from prefect_ddp.tasks.training.model import load_model
     from prefect_ddp.tasks.data.storage import load_torch
     from prefect_ddp.tasks.sweeps.search_space import Dimension

@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
@@ -29,6 +29,7 @@ from prefect_ddp.tasks.data.device_batches import encoded_collate
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.loader_leftovers import remove_dead_loader_folders
 from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
 from prefect_ddp.tasks.data.shard_writer import shard_format
 from prefect_ddp.tasks.data.splitting import Split
@@ -77,7 +78,7 @@ class RankData:
 
 def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Manifest, split: Split,
               cfg: TrainingConfig) -> RankData:
-    """What rank `ctx` reads with: train batches from a DistributedSampler (or tar shards), val
+    """What rank `ctx` reads with: train batches from a PositionedSampler (or tar shards), val
     sharded rank::world_size, unpadded; built once per rank, its storage options with it.
 
     DistributedSampler pads the val shard with repeats to even it out, which would count
@@ -115,13 +116,11 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
         stored_resized = bool(fmt.side)
     else:
         train_set = dataset(split.train, train_tf)
-        sampler: DistributedSampler[int] = DistributedSampler(
-            train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=split.seed
-        )
-        # A last batch of one image breaks BatchNorm in training mode; every rank's shard has
-        # the same length, so all ranks drop it together and keep the same number of steps.
-        drop_single = len(sampler) % cfg.batch_size == 1
-        train_loader = FetchAheadLoader(train_set, sampler, cfg.batch_size, drop_single, **collate, **loader_options)
+        # DistributedSampler's order, from a global position on: a gang re-formed mid-epoch on
+        # another number of ranks goes on where the old one stopped. It leaves out a last batch
+        # of one image (it breaks BatchNorm in training mode) on every rank alike.
+        sampler = PositionedSampler(len(train_set), ctx.world_size, ctx.rank, split.seed, cfg.batch_size)
+        train_loader = FetchAheadLoader(train_set, sampler, cfg.batch_size, **collate, **loader_options)
         stored_resized = False
     return RankData(train_loader, val_loader, images, output_options,
                     decodes_originals=not on_device and not stored_resized)

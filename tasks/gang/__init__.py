@@ -41,6 +41,7 @@ from prefect_ddp.tasks.gang.context import RankContext
 from prefect_ddp.tasks.gang.errors import (
     GangError,
     GangRefused,
+    GangRegroup,
     GangStopped,
     GangTimeout,
 )
@@ -69,7 +70,7 @@ from prefect_ddp.tasks.gang.trial import (
 from prefect_ddp.tasks.gang.worker_checks import OutputMarker, output_marker, visible_gpus
 
 __all__ = [
-    "PRUNED_AT", "REPORTED_AT", "GangAttempt", "GangError", "GangRefused", "GangResults", "GangStopped",
+    "PRUNED_AT", "REPORTED_AT", "GangAttempt", "GangError", "GangRefused", "GangRegroup", "GangResults", "GangStopped",
     "GangTimeout", "GpuClaim", "OutputMarker", "RankContext", "TrialLink", "all_gather_strings", "all_reduce_sum",
     "broadcast_bytes", "claim_gpu", "cluster_workers", "crash_unfinished_task_runs", "current_dask_runner",
     "current_trial", "free_port", "output_marker", "process_group", "run_gang", "scheduler_queue", "stop_all_gangs",

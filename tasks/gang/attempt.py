@@ -21,6 +21,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_ddp.tasks.gang.context import RankContext
 from prefect_ddp.tasks.gang.errors import GangError, GangHung
+from prefect_ddp.tasks.gang.grow_watch import GrowWatch
 from prefect_ddp.tasks.gang.plan import bystander_cpu_sets, free_port, plan_ranks, thread_shares
 from prefect_ddp.tasks.gang.progress import HangWatch
 from prefect_ddp.tasks.gang.rank import run_rank
@@ -50,6 +51,11 @@ class GangSpec:
     hang_timeout_s: float | None = None  # None: follows the run (tasks/gang/progress.py)
     hang_floor_s: float = 0.0  # the least silence a gang of live workers is allowed
     holder: str = "a gang"  # who the gang runs for, as its leases and its ranks say it (run.lease_holder)
+    gang_id: str | None = None  # names the state its ranks park for its next formation (tasks/gang/handover.py)
+    elastic: bool = False  # formed with a size range: asked to regroup larger once a worker is free
+    max_world_size: int | None = None  # the top of the range (None: every worker of the cluster)
+    regroups: int = 0  # attempts so far that ended in a regroup (run._until_one_completes counts them)
+    not_growing: set[str] = field(default_factory=set)  # free workers a regroup did not get: not asked for again
     warned: set[str] = field(default_factory=set)  # worker-setup warnings already logged
 
 
@@ -62,7 +68,9 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, leases: dict[str, str], 
     check_workers(probes, flow_api_url(), spec.needs_child_processes, spec.warned)
     with stop_flag(client) as flag:
         contexts = plan_ranks(addresses, probes, port, attempt, spec.output_url, spec.init_timeout_s,
-                              spec.trial, stop_flag=flag.name, leases=leases)
+                              spec.trial, stop_flag=flag.name, leases=leases, gang_id=spec.gang_id,
+                              max_world_size=spec.max_world_size, elastic=spec.elastic,
+                              regroups=spec.regroups)
         run_logger().info(
             "Gang attempt %d: %d ranks on %s, backend %s, master %s:%d",
             attempt + 1, len(contexts), addresses, contexts[0].backend, contexts[0].master_addr, port,
@@ -72,10 +80,12 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, leases: dict[str, str], 
         assert topic is not None  # every context got stop_flag=flag.name, and with it a topic
         hang = HangWatch(client, topic, {c.rank: c.worker_address for c in contexts},
                          spec.hang_timeout_s, spec.hang_floor_s, collective_timeout_s=spec.init_timeout_s)
+        grow = (GrowWatch(client, flag.name, len(contexts), spec.max_world_size, spec.not_growing)
+                if spec.elastic else None)
         try:
             for ctx in contexts:
                 futures.append(_submit(runner, spec, ctx, threads[ctx.worker_address]))
-            supervise(client, futures, contexts, spec.deadline, hang)
+            supervise(client, futures, contexts, spec.deadline, hang, grow=grow)
             return [future.result() for future in futures]
         except BaseException as error:  # cancellation and Ctrl-C too: never leave ranks behind
             stop(client, flag, futures, contexts, hung=isinstance(error, GangHung))
@@ -83,6 +93,9 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, leases: dict[str, str], 
         finally:
             with logged_failure("forgetting the ranks' progress"):
                 hang.forget()
+            if grow is not None:
+                with logged_failure("removing the grow flag"):
+                    grow.close()
 
 
 def _prepare(client: distributed.Client, addresses: list[str],

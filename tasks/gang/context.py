@@ -5,9 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from prefect_ddp.tasks.gang.errors import GangStopped
 from prefect_ddp.tasks.gang.fencing import check_lease
+from prefect_ddp.tasks.gang.handover import Parked, hand_over, park
+from prefect_ddp.tasks.gang.process_group import broadcast_flag
 from prefect_ddp.tasks.gang.progress import send_progress
+from prefect_ddp.tasks.gang.resizing import grow_requested
 from prefect_ddp.tasks.gang.stopping import stop_requested
 from prefect_ddp.tasks.gang.trial import TrialLink
 
@@ -31,6 +36,10 @@ class RankContext:
     trial: TrialLink | None = None  # set when the gang trains one trial of a sweep
     stop_flag: str | None = None  # the scheduler Event the supervisor sets to stop this attempt
     lease: str | None = None  # the scheduler's id of the gang's lease on this worker (tasks/gang/fencing.py)
+    gang_id: str | None = None  # one run_gang call's, the same in all its attempts: names its parked state
+    max_world_size: int | None = None  # the most ranks the gang may regroup to (None: any free worker)
+    elastic: bool = False  # formed with a size range: its function may park state and regroup
+    regroups: int = 0  # the attempts before this one that ended in a regroup, not a failure
 
     @property
     def is_main(self) -> bool:
@@ -100,3 +109,27 @@ class RankContext:
         (a unit test, a context made by hand) or outside a Dask worker it does nothing.
         """
         check_lease(self.rank, self.worker_address, self.lease, max_age_s=0)
+
+    def regroup_requested(self) -> bool:
+        """Whether the gang should regroup larger now; call it on every rank at a safe boundary
+        (a collective: every rank gets rank 0's answer, so all leave together, or none).
+
+        True once the supervisor saw a worker free for a gang formed with a size range
+        (tasks/gang/resizing.py). Then park the state (`park`) and raise GangRegroup; the gang
+        is formed again on more workers and `hand_over` gives the parked state to every rank.
+        """
+        below_top = self.max_world_size is None or self.world_size < self.max_world_size
+        asked = self.is_main and below_top and grow_requested(self.stop_flag)
+        return broadcast_flag(asked, self.device)
+
+    def park(self, position: tuple[int, int], data: bytes) -> None:
+        """Keep `data` in this worker's memory for the gang's next formation; `position` orders
+        the ranks' parked states (the newest is handed over). Nothing without a gang id (a
+        context made by hand)."""
+        if self.gang_id is not None:
+            park(self.gang_id, position, data)
+
+    def hand_over(self, device: torch.device | str = "cpu") -> Parked | None:
+        """The newest state a rank of this formation parked in an earlier one, on every rank (a
+        collective); None where none did, and the function reads its checkpoint instead."""
+        return hand_over(self.gang_id, device) if self.gang_id is not None else None

@@ -50,6 +50,15 @@ class GangStopped(GangError):
     """
 
 
+class GangRegroup(Exception):
+    """Raised by a rank's function to leave its formation for a larger one, after
+    `RankContext.regroup_requested()` said so and it parked its state (tasks/gang/resizing.py).
+
+    Not a GangError: nothing went wrong. The rank's task run completes, and the supervisor
+    forms the gang again on the workers free.
+    """
+
+
 class GangRefused(GangError):
     """The chosen workers cannot run this gang as they are set up. Never retried: the fix is
     on the cluster or in the parameters, and a re-formed gang would meet the same."""

@@ -63,9 +63,10 @@ def _take(address: str) -> distributed.Lock | None:
     return None
 
 
-def _try_take(client: distributed.Client, workers: list[str],
-              wanted: int) -> list[tuple[str, distributed.Lock]] | None:
-    """`wanted` of `workers`, each locked for this gang; None (and nothing held) when too few are free."""
+def _try_take(client: distributed.Client, workers: list[str], wanted: int,
+              at_least: int | None = None) -> list[tuple[str, distributed.Lock]] | None:
+    """Up to `wanted` of `workers` (and no fewer than `at_least`, default: `wanted`), each locked
+    for this gang; None (and nothing held) when too few are free."""
     taken: list[tuple[str, distributed.Lock]] = []
     for address in workers:
         lock = _take(address)
@@ -73,7 +74,7 @@ def _try_take(client: distributed.Client, workers: list[str],
             taken.append((address, lock))
             if len(taken) == wanted:
                 break
-    if len(taken) == wanted and _own_lease_timeout(client, taken):
+    if len(taken) >= min(wanted, at_least or wanted) and _own_lease_timeout(client, taken):
         return taken
     for _, lock in taken:  # all or none: never sit on some workers while waiting for more
         lock.release()
@@ -161,10 +162,11 @@ def _held_by(client: distributed.Client, workers: list[str], stuck: dict[str, st
     return "; ".join(f"{address} {why}" for address, why in held.items()) or "none now"
 
 
-def _wait_for_free(client: distributed.Client, world_size: int | None,
-                   timeout_s: float) -> list[tuple[str, distributed.Lock]]:
+def _wait_for_free(client: distributed.Client, world_size: int | None, timeout_s: float,
+                   min_world_size: int | None = None) -> list[tuple[str, distributed.Lock]]:
     """`world_size` workers (default: all), taken together once that many are free, and none
-    of them still running a rank of an earlier gang (`end_stale_ranks`).
+    of them still running a rank of an earlier gang (`end_stale_ranks`); with
+    `min_world_size`, as many up to `world_size` as are free once at least that many are.
 
     Ending stale ranks is not counted against `timeout_s` (it is bounded on its own: a grace,
     then a restart): a gang that has just restarted workers takes them again before its
@@ -177,12 +179,14 @@ def _wait_for_free(client: distributed.Client, world_size: int | None,
             stuck = {address: why for address, why in stuck.items() if address in stale_ranks(client, list(stuck))}
         workers = by_host(cluster_workers(client))
         wanted = world_size or len(workers)
-        if not workers or wanted > len(workers):
+        least = min_world_size or wanted  # never above world_size (run.check_size_range)
+        asked = f"world_size={wanted}" if least == wanted else f"min_world_size={least}"
+        if not workers or least > len(workers):
             raise GangError(
-                f"world_size={wanted} needs {wanted} Dask workers (one rank each) but the "
+                f"{asked} needs {least} Dask workers (one rank each) but the "
                 f"cluster has {len(workers)}: {workers}. Lower world_size or add workers."
             )
-        taken = _try_take(client, [address for address in workers if address not in stuck], wanted)
+        taken = _try_take(client, [address for address in workers if address not in stuck], wanted, least)
         if taken is not None:
             unusable = end_stale_ranks(client, [address for address, _ in taken])
             if not unusable:
@@ -193,11 +197,11 @@ def _wait_for_free(client: distributed.Client, world_size: int | None,
                 continue  # take again now, whatever the deadline: the restarted workers are free
         if not waited:
             run_logger().info("Waiting up to %.0f s for %d free worker(s) of the cluster's %d. Held: %s.",
-                              timeout_s, wanted, len(workers), _held_by(client, workers, stuck))
+                              timeout_s, least, len(workers), _held_by(client, workers, stuck))
             waited = True
         if time.monotonic() > deadline:
             raise GangError(
-                f"world_size={wanted} needs {wanted} free workers, but after waiting "
+                f"{asked} needs {least} free workers, but after waiting "
                 f"{timeout_s:.0f}s fewer of the cluster's {len(workers)} are free. Held: "
                 f"{_held_by(client, workers, stuck)}. Wait for those runs, add workers, lower "
                 "world_size, or raise the lease timeout."
@@ -222,8 +226,9 @@ def _give_back(client: distributed.Client, taken: list[tuple[str, distributed.Lo
 
 @contextmanager
 def leased_workers(client: distributed.Client, world_size: int | None, holder: str,
-                   timeout_s: float) -> Iterator[dict[str, str]]:
+                   timeout_s: float, min_world_size: int | None = None) -> Iterator[dict[str, str]]:
     """Take `world_size` free workers (default: all) for the block; give them back after it.
+    With `min_world_size`, take as many up to `world_size` as are free once at least that many are.
 
     Yields {address: lease id}: each rank carries its worker's lease id, to stop once the
     scheduler no longer holds it (tasks/gang/fencing.py). Waits up to `timeout_s` for
@@ -237,7 +242,7 @@ def leased_workers(client: distributed.Client, world_size: int | None, holder: s
     taken: list[tuple[str, distributed.Lock]] = []
     with client.as_current():
         try:
-            taken = _wait_for_free(client, world_size, timeout_s)
+            taken = _wait_for_free(client, world_size, timeout_s, min_world_size)
             since = datetime.now(timezone.utc).strftime("%H:%M:%S UTC")
             for address, _ in taken:  # once all are taken: a take given back sets no holder
                 _holder(address, client).set(f"{holder} (since {since})")

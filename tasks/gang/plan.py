@@ -163,7 +163,8 @@ def gpu_devices(addresses: list[str], probes: dict[str, dict[str, Any]]) -> dict
 def plan_ranks(
     addresses: list[str], probes: dict[str, dict[str, Any]], port: int, attempt: int,
     output_url: str | None, init_timeout_s: float, trial: TrialLink | None = None,
-    stop_flag: str | None = None, leases: dict[str, str] | None = None,
+    stop_flag: str | None = None, leases: dict[str, str] | None = None, gang_id: str | None = None,
+    max_world_size: int | None = None, elastic: bool = False, regroups: int = 0,
 ) -> list[RankContext]:
     """One context per address: rank order, local ranks and devices per host, backend and master;
     `leases`: {address: lease id} of the gang's leases (lease.leased_workers).
@@ -192,6 +193,11 @@ def plan_ranks(
             trial=trial,
             stop_flag=stop_flag,
             lease=(leases or {}).get(address),
+            gang_id=gang_id,
+            # An elastic gang's top, None for every worker of the cluster; a fixed gang's own size.
+            max_world_size=max_world_size if elastic else len(addresses),
+            elastic=elastic,
+            regroups=regroups,
         )
         for rank, address in enumerate(addresses)
     ]

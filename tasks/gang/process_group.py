@@ -199,8 +199,8 @@ def sync_buffers(model: torch.nn.Module) -> None:
         dist.broadcast(buffer, src=0)
 
 
-def broadcast_bytes(data: bytes | None, device: torch.device | str = "cpu") -> bytes | None:
-    """Rank 0's `data` (or its None) on every rank; `data` itself without a process group.
+def broadcast_bytes(data: bytes | None, device: torch.device | str = "cpu", src: int = 0) -> bytes | None:
+    """Rank `src`'s `data` (or its None) on every rank; `data` itself without a process group.
 
     Sent as a length and a uint8 tensor rather than with `broadcast_object_list`, so no
     rank unpickles anything: the bytes may come from storage (a checkpoint), which is only
@@ -208,15 +208,15 @@ def broadcast_bytes(data: bytes | None, device: torch.device | str = "cpu") -> b
     """
     if not (dist.is_available() and dist.is_initialized()):
         return data
-    is_source = dist.get_rank() == 0
+    is_source = dist.get_rank() == src
     length = torch.tensor([-1 if data is None or not is_source else len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(length, src=0)
+    dist.broadcast(length, src=src)
     if length.item() < 0:
         return None
     if is_source:
-        assert data is not None  # rank 0's None went out as length -1, returned above
+        assert data is not None  # the source's None went out as length -1, returned above
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=0)
+    dist.broadcast(payload, src=src)
     return data if is_source else payload.cpu().numpy().tobytes()

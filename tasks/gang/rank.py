@@ -21,11 +21,12 @@ from prefect.runtime import task_run
 from prefect.states import Cancelled, State
 
 from prefect_ddp.tasks.gang.context import RankContext
-from prefect_ddp.tasks.gang.errors import GangStopped
+from prefect_ddp.tasks.gang.errors import GangRegroup, GangStopped
 from prefect_ddp.tasks.gang.fencing import fenced
 from prefect_ddp.tasks.gang.plan import host_of
 from prefect_ddp.tasks.gang.process_group import process_group
 from prefect_ddp.tasks.gang.progress import forget_progress, send_progress
+from prefect_ddp.tasks.gang.resizing import Regrouped
 from prefect_ddp.tasks.gang.stale import running
 from prefect_ddp.tasks.gang.stopping import stop_requested
 
@@ -99,6 +100,8 @@ def _run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankC
     ):
         try:
             return train_fn(ctx, config)
+        except GangRegroup:
+            return Regrouped(ctx.world_size)  # type: ignore[return-value]  # taken out by run_gang, never returned
         except Exception as error:
             # A peer that left on the stop flag, or on losing its lease, fails the collective
             # this rank waits in: while the gang is stopping, that failure is part of the stop.

@@ -14,6 +14,8 @@ from typing import TypeVar
 
 R = TypeVar("R")
 COMPLETED = "completed"
+# An elastic gang's attempt that left to be formed again larger (tasks/gang/resizing.py).
+REGROUPED = "regrouped: a worker came free, and the gang was formed again larger"
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,10 @@ class GangAttempt:
         number: 1 for the first attempt, 2 for the first re-formation, ...
         workers: the Dask worker addresses of its ranks, in rank order.
         world_size: how many ranks it had.
-        ended: "completed", or the message of the failure that ended it.
+        ended: "completed", REGROUPED, or the message of the failure that ended it.
         seconds: from submitting its ranks to its end (stopping its ranks included).
+        started_at: when its workers were leased (Unix time): the gap since the attempt
+            before ended is what the change of formation cost the supervisor.
     """
 
     number: int
@@ -33,6 +37,7 @@ class GangAttempt:
     world_size: int
     ended: str
     seconds: float
+    started_at: float = 0.0
 
 
 class GangResults(list[R]):

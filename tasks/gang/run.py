@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import time
+import uuid
+from dataclasses import replace
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -19,9 +22,12 @@ from prefect_ddp.tasks.gang.errors import (
     GangStopped,
     GangTimeout,
 )
+from prefect_ddp.tasks.gang.handover import drop_parked
 from prefect_ddp.tasks.gang.lease import leased_workers
+from prefect_ddp.tasks.gang.grow_watch import free_workers
 from prefect_ddp.tasks.gang.progress import collective_timeout_s
-from prefect_ddp.tasks.gang.results import COMPLETED, GangAttempt, GangResults
+from prefect_ddp.tasks.gang.resizing import Regrouped
+from prefect_ddp.tasks.gang.results import COMPLETED, REGROUPED, GangAttempt, GangResults
 from prefect_ddp.tasks.gang.sending import prepare_to_send
 from prefect_ddp.tasks.gang.stopping import scope_stopped
 from prefect_ddp.tasks.gang.supervise import Deadline, wait_for_workers
@@ -73,6 +79,7 @@ def run_gang(
     *,
     task_runner: DaskTaskRunner | None = None,
     world_size: int | None = None,
+    min_world_size: int | None = None,
     output_url: str | None = None,
     init_timeout: timedelta = timedelta(minutes=5),
     timeout: timedelta | None = None,
@@ -93,7 +100,14 @@ def run_gang(
             flow run stops it cleanly. Defined in a module, a script or a notebook.
         config: passed to every rank unchanged (picklable; plain values are best).
         task_runner: the DaskTaskRunner to use; default: the current flow's.
-        world_size: number of ranks; default: every worker of the cluster.
+        world_size: number of ranks; default: every worker of the cluster. With
+            `min_world_size`, the most ranks.
+        min_world_size: make the gang elastic: it starts once this many workers are free,
+            on as many up to `world_size` as are; after a failure it re-forms at once on the
+            workers free (this many at least), without waiting for lost ones to return; and
+            while it trains below `world_size`, a worker come free makes it regroup larger at
+            the function's next safe boundary (`ctx.regroup_requested`; tasks/gang/resizing.py).
+            Regroups do not count against `max_restarts`. Default: a fixed size.
         output_url: handed to the ranks as `ctx.output_url`.
         init_timeout: limit for the ranks to meet, and for any collective to complete;
             raised to `hang_floor` / 0.8 where that is longer, since a peer may wait that long
@@ -135,6 +149,7 @@ def run_gang(
         ['completed']
     """
     check_limits(timeout, max_restarts)
+    check_size_range(world_size, min_world_size)
     runner = task_runner or current_dask_runner()
     prepare_to_send(runner.client, train_fn, config)
     floor_s = hang_floor.total_seconds() if hang_floor is not None else 0.0
@@ -146,33 +161,77 @@ def run_gang(
     spec = GangSpec(train_fn, config, output_url, group_timeout_s, trial, Deadline.after(timeout),
                     needs_child_processes, shared_output,
                     hang_timeout_s=hang_timeout.total_seconds() if hang_timeout is not None else None,
-                    hang_floor_s=floor_s, holder=lease_holder())
+                    hang_floor_s=floor_s, holder=lease_holder(), gang_id=f"gang-{uuid.uuid4().hex}",
+                    elastic=min_world_size is not None, max_world_size=world_size)
     attempts: list[GangAttempt] = []
     try:
-        return GangResults(_until_one_completes(runner, spec, world_size, max_restarts, lease_timeout, attempts), attempts)
+        return GangResults(_until_one_completes(runner, spec, (min_world_size, world_size), max_restarts,
+                                                lease_timeout, attempts), attempts)
     except GangError as error:
         if not attempts or isinstance(error, GangRefused):  # refused: no rank ever started
             raise
         raise error.after(attempts, max_restarts).with_traceback(error.__traceback__) from error.__cause__
+    finally:
+        if spec.elastic:
+            forget_parked_state(runner, spec)
+
+
+def check_size_range(world_size: int | None, min_world_size: int | None) -> None:
+    """Refuse a size range that means nothing, before any worker is touched."""
+    if min_world_size is None:
+        return
+    if min_world_size < 1 or (world_size is not None and min_world_size > world_size):
+        raise ValueError(
+            f"min_world_size={min_world_size} with world_size={world_size}: give 1 <= min_world_size <= "
+            "world_size (or world_size None, for up to every worker of the cluster)."
+        )
+
+
+def forget_parked_state(runner: DaskTaskRunner, spec: GangSpec) -> None:
+    """Free what the gang's ranks parked in their workers' memory (tasks/gang/handover.py): its
+    run is over, whatever its end. Logged, never raised: the gang's own outcome matters more."""
+    try:
+        runner.client.run(drop_parked, spec.gang_id, on_error="ignore")
+    except Exception:
+        run_logger().exception("Could not free the state the gang parked on its workers; a worker "
+                               "frees it when a later gang parks its own.")
 
 
 def _until_one_completes(
-    runner: DaskTaskRunner, spec: GangSpec, world_size: int | None, max_restarts: int,
+    runner: DaskTaskRunner, spec: GangSpec, sizes: tuple[int | None, int | None], max_restarts: int,
     lease_timeout: timedelta, attempts: list[GangAttempt],
 ) -> list[Any]:
-    """Form the gang until an attempt completes, appending each attempt to `attempts`."""
+    """Form the gang until an attempt completes, appending each attempt to `attempts`; `sizes`:
+    (min_world_size, world_size). Failures are re-formed up to `max_restarts` times, regroups
+    (an elastic gang grown larger) as often as workers come free."""
     client = runner.client
-    for number in range(1, max_restarts + 2):
+    least, most = sizes
+    failures = 0
+    regrouped_from: int | None = None  # the size of the attempt before, where it regrouped
+    for number in itertools.count(1):
         refuse_when_stopped(f"attempt {number} was not formed")
-        with leased_workers(client, world_size, spec.holder, lease_timeout.total_seconds()) as leases:
+        with leased_workers(client, most, spec.holder, lease_timeout.total_seconds(), least) as leases:
+            if regrouped_from is not None and len(leases) <= regrouped_from:
+                # The workers that still look free were not to be had (a stale rank on one): no
+                # regroup for them again.
+                spec.not_growing.update(set(free_workers(client)) - set(leases))
+            regrouped_from = None
             try:
-                return _recorded_attempt(runner, spec, leases, number, attempts)
+                results = _recorded_attempt(runner, spec, leases, number, attempts)
+                if not all(isinstance(result, Regrouped) for result in results):
+                    return results
+                run_logger().info("Gang attempt %d of %d ranks regrouped: forming it again on the workers free.",
+                                  number, len(leases))
+                regrouped_from = len(leases)
+                spec = replace(spec, regroups=spec.regroups + 1)
             except GangError as failure:
                 refuse_when_stopped(f"attempt {number} ended ({failure}) and is not formed again")
-                if isinstance(failure, (GangTimeout, GangRefused)) or number > max_restarts:
+                failures += 1
+                if isinstance(failure, (GangTimeout, GangRefused)) or failures > max_restarts:
                     raise
                 run_logger().warning("Gang attempt %d failed: %s. Re-forming it.", number, failure)
-        wait_for_workers(client, len(leases))
+                if not spec.elastic:  # an elastic gang re-forms on the survivors, and grows back later
+                    wait_for_workers(client, len(leases))
         if spec.deadline.passed():
             raise spec.deadline.exceeded(f"it passed before attempt {number + 1} could start")
     raise AssertionError("unreachable")  # the loop returns or raises
@@ -189,13 +248,17 @@ def _recorded_attempt(
 ) -> list[Any]:
     """Run attempt `number` on the workers of `leases` ({address: lease id}) and append how it
     ended, "completed" or its failure, to `attempts`."""
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     ended = COMPLETED
     addresses = list(leases)
     try:
-        return run_attempt(runner, spec, leases, attempt=number - 1)
+        results = run_attempt(runner, spec, leases, attempt=number - 1)
+        if results and all(isinstance(result, Regrouped) for result in results):
+            ended = REGROUPED
+        return results
     except BaseException as exc:
         ended = str(exc) if isinstance(exc, GangError) else repr(exc)
         raise
     finally:
-        attempts.append(GangAttempt(number, list(addresses), len(addresses), ended, time.monotonic() - started))
+        attempts.append(GangAttempt(number, list(addresses), len(addresses), ended, time.monotonic() - started,
+                                    started_at))

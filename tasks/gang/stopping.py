@@ -27,9 +27,11 @@ from prefect_ddp.tasks.reporting import run_logger
 PREFIX = "prefect-ddp-stop"
 READ_EVERY_S = 1.0
 
-# The last read in this process: (flag name, time.monotonic() of the read, whether set).
-# One rank runs per worker process, so one entry is enough.
-_last_read: tuple[str, float, bool] = ("", -math.inf, False)
+# The last reads in this process: {flag name: (time.monotonic() of the read, whether set)}.
+# One rank runs per worker process, reading its attempt's stop flag and grow flag
+# (tasks/gang/resizing.py): a few entries at a time; older attempts' are dropped.
+_last_reads: dict[str, tuple[float, bool]] = {}
+_KEEP_READS = 8
 
 
 def stop_requested(name: str | None, max_age_s: float = READ_EVERY_S) -> bool:
@@ -39,18 +41,19 @@ def stop_requested(name: str | None, max_age_s: float = READ_EVERY_S) -> bool:
     function), and when the scheduler cannot be reached just now: a rank keeps training
     through a passing network error and reads again `max_age_s` later.
     """
-    global _last_read
     if name is None:
         return False
-    last_name, read_at, was_set = _last_read
-    if last_name == name and (was_set or time.monotonic() - read_at < max_age_s):
+    read_at, was_set = _last_reads.get(name, (-math.inf, False))
+    if was_set or time.monotonic() - read_at < max_age_s:
         return was_set
     try:
         client = distributed.get_worker().client
     except ValueError:  # not inside a Dask worker
         return False
-    _last_read = (name, time.monotonic(), _read(name, client))
-    return _last_read[2]
+    if name not in _last_reads and len(_last_reads) >= _KEEP_READS:
+        _last_reads.clear()
+    _last_reads[name] = (time.monotonic(), _read(name, client))
+    return _last_reads[name][1]
 
 
 def _read(name: str, client: distributed.Client) -> bool:
@@ -58,7 +61,7 @@ def _read(name: str, client: distributed.Client) -> bool:
         is_set: bool = distributed.Event(name, client=client).is_set()
         return is_set
     except (OSError, TimeoutError) as exc:
-        run_logger().debug("Could not read the gang's stop flag %s: %r", name, exc)
+        run_logger().debug("Could not read the gang's flag %s: %r", name, exc)
         return False
 
 

@@ -23,6 +23,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_ddp.tasks.gang.context import RankContext
 from prefect_ddp.tasks.gang.errors import GangError, GangHung, GangTimeout
+from prefect_ddp.tasks.gang.grow_watch import GrowWatch
 from prefect_ddp.tasks.gang.plan import cluster_workers
 from prefect_ddp.tasks.gang.progress import HangWatch, remove_unresponsive
 from prefect_ddp.tasks.gang.states import crash_unfinished_task_runs
@@ -86,9 +87,11 @@ def wait_for(
 def supervise(
     client: distributed.Client, futures: list[PrefectDaskFuture[Any]],
     contexts: list[RankContext], deadline: Deadline, hang: HangWatch | None = None, poll_s: float = 1.0,
+    grow: GrowWatch | None = None,
 ) -> None:
     """Return once every rank completed; raise GangError at the first sign of trouble
-    (GangHung when no rank made progress for the hang limit)."""
+    (GangHung when no rank made progress for the hang limit). `grow`: ask the ranks to regroup
+    larger once a worker is free (a gang formed with a size range)."""
     pending = dict(zip((f.wrapped_future for f in futures), contexts))
     next_hang_check = time.monotonic() + HANG_POLL_S
     while pending:
@@ -108,6 +111,8 @@ def supervise(
         ] + failures
         if failures:
             raise GangError(root_cause_first(failures))
+        if pending and grow is not None:
+            grow.check()
         if pending and hang is not None and time.monotonic() >= next_hang_check:
             next_hang_check = time.monotonic() + HANG_POLL_S
             if (hung := hang.check()) is not None:

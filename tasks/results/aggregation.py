@@ -100,10 +100,18 @@ def checkpoint_plan(decisions: list[dict[str, Any]]) -> str | None:
 
 
 def attempt_rows(gang_attempts: list[dict[str, Any]], resumes: list[dict[str, Any]]) -> list[AttemptRow]:
-    """One row per gang attempt: the supervisor's view (workers, how it ended) joined with
-    rank 0's (the epoch it resumed after; None when it never got that far)."""
-    resumed = {r["attempt"]: r["resumed_after_epoch"] for r in resumes}
-    return [AttemptRow(**a, resumed_after_epoch=resumed.get(a["number"])) for a in gang_attempts]
+    """One row per gang attempt: the supervisor's view (workers, how it ended, when) joined with
+    rank 0's (where it went on from; None when it never got that far)."""
+    resumed = {r["attempt"]: r for r in resumes}
+    rows = []
+    for before, attempt in zip([None, *gang_attempts], gang_attempts):
+        start = resumed.get(attempt["number"], {})
+        ended_before = before["started_at"] + before["seconds"] if before and before.get("started_at") else None
+        rows.append(AttemptRow(
+            **attempt, resumed_after_epoch=start.get("resumed_after_epoch"), at_sample=start.get("at_sample", 0),
+            handed_over=start.get("handed_over", False),
+            reformed_s=round(attempt["started_at"] - ended_before, 1) if ended_before else None))
+    return rows
 
 
 def summarize(results: list[RankResult], split: Split, files: dict[str, str],

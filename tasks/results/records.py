@@ -24,8 +24,11 @@ class RankPlace(BaseModel):
 
 class AttemptRow(BaseModel):
     """One formation of the gang (prefect_ddp.tasks.gang.results.GangAttempt: number, workers,
-    world_size, ended, seconds), with the epoch rank 0 resumed after: None when it never
-    reached training, 0 when it started from the first epoch."""
+    world_size, ended, seconds, started_at), with where rank 0 went on from: the epoch it
+    resumed after (None when it never reached training, 0 when it started from the first
+    epoch), the sample position within the next (`at_sample`, an elastic gang's formation
+    that took over mid-epoch), and whether its state was handed over in memory; and
+    `reformed_s`, the seconds between the attempt before ending and this one's start."""
 
     number: int
     workers: list[str]
@@ -33,6 +36,10 @@ class AttemptRow(BaseModel):
     ended: str
     seconds: float
     resumed_after_epoch: int | None
+    started_at: float = 0.0
+    at_sample: int = 0
+    handed_over: bool = False
+    reformed_s: float | None = None
 
 
 class TrainingSummary(BaseModel):

@@ -52,22 +52,29 @@ def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None, prun
     return started + f"{outcome}: {promotion.reason}.\n" + (f"\n{compared}" if compared else "") + registry
 
 
-def resumed_text(after_epoch: int | None) -> str:
-    if after_epoch is None:
+def resumed_text(attempt: AttemptRow) -> str:
+    if attempt.resumed_after_epoch is None:
         return "did not reach training"
-    return f"after epoch {after_epoch}" if after_epoch else "from the start"
+    where = (f"in epoch {attempt.resumed_after_epoch + 1} at sample {attempt.at_sample}" if attempt.at_sample
+             else f"after epoch {attempt.resumed_after_epoch}" if attempt.resumed_after_epoch else "from the start")
+    return where + (", handed over in memory" if attempt.handed_over else "")
 
 
 def attempts_markdown(attempts: list[AttemptRow]) -> str:
-    """How the gang got there: one line when it trained in one go, else every attempt."""
+    """How the gang got there: one line when it trained in one go, else every attempt, with the
+    changes of its size: from which to which, why (how the one before ended), and the seconds
+    between the two formations."""
     if len(attempts) <= 1:
         return "Trained in one gang attempt, without a restart.\n\n"
-    rows = [[a.number, a.world_size, ", ".join(a.workers), resumed_text(a.resumed_after_epoch),
-             f"{a.seconds:.0f}", a.ended] for a in attempts]
+    rows = [[a.number, a.world_size, ", ".join(a.workers), resumed_text(a),
+             "" if a.reformed_s is None else f"{a.reformed_s:g}", f"{a.seconds:.0f}", a.ended] for a in attempts]
+    changes = [f"{before.world_size} -> {after.world_size} ranks" for before, after in zip(attempts, attempts[1:])
+               if before.world_size != after.world_size]
+    sizes = f" Its size changed: {', '.join(changes)}." if changes else ""
     return (
-        f"**The gang was re-formed: {len(attempts)} attempts.** Each resumed from the last "
-        "checkpoint of the one before.\n\n"
-        + markdown_table(["attempt", "ranks", "workers", "resumed", "seconds", "ended"], rows) + "\n"
+        f"**The gang was re-formed: {len(attempts)} attempts.**{sizes} Each went on from the state a rank of "
+        "the one before kept in memory, or from its last checkpoint.\n\n"
+        + markdown_table(["attempt", "ranks", "workers", "went on", "re-formed in s", "seconds", "ended"], rows) + "\n"
     )
 
 

@@ -51,6 +51,11 @@ class SweepSettings(BaseModel):
     n_trials: int = Field(8, ge=1, le=1000, description="Trials in the study, counting finished ones.")
     concurrency: int = Field(2, ge=1, le=64, description="Trials training at the same time, each on its own workers.")
     ranks_per_trial: int = Field(1, ge=1, le=256, description="Workers (DDP ranks) each trial trains on.")
+    min_ranks_per_trial: int | None = Field(
+        None, ge=1, le=256, description="Make each trial's gang elastic: it starts once this many workers are "
+        "free, shrinks to its survivors when one is lost, and grows back to ranks_per_trial onto workers "
+        "that no gang holds (never another trial's). Empty: every trial has ranks_per_trial ranks."
+    )
     metric: str = Field("val_acc", description="The per-epoch metric to optimise, as the trials report it.")
     direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether more of the metric is better.")
     sampler: Literal["grid", "random", "tpe"] = Field(
@@ -84,6 +89,12 @@ class SweepSettings(BaseModel):
 
     @model_validator(mode="after")
     def _no_password_in_parameters(self) -> SweepSettings:
+        if self.min_ranks_per_trial and self.min_ranks_per_trial > self.ranks_per_trial:
+            raise ValueError(
+                f"settings got min_ranks_per_trial={self.min_ranks_per_trial} above ranks_per_trial="
+                f"{self.ranks_per_trial}; give min_ranks_per_trial <= ranks_per_trial (each trial's size range), "
+                "or leave it empty for a fixed size."
+            )
         if self.storage and self.storage_block:
             raise ValueError(f"settings got both storage={self.storage!r} and storage_block={self.storage_block!r}; "
                              "give one of them (or neither, for SQLite on the sweep's host).")

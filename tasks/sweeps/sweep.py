@@ -323,10 +323,11 @@ def trial_run_name(number: int, params: dict[str, Any]) -> str:
 
 
 def gang_trial(train_fn: Callable, config: dict[str, Any], link: TrialLink, settings: SweepSettings,
-               runner: DaskTaskRunner, output_url: str) -> TrialOutcome:
+               runner: DaskTaskRunner, output_url: str, max_restarts: int) -> TrialOutcome:
     """One trial of a user's trainable: a gang on leased workers, reporting to the study;
     its ranks find their own folder in `ctx.output_url`."""
     results = run_gang(train_fn, config, task_runner=runner, world_size=settings.ranks_per_trial,
+                       min_world_size=settings.min_ranks_per_trial, max_restarts=max_restarts,
                        output_url=output_url, trial=link,
                        lease_timeout=timedelta(seconds=settings.lease_timeout_s))
     first = results[0] if isinstance(results[0], dict) else {}
@@ -341,6 +342,7 @@ def sweep(
     *,
     task_runner: DaskTaskRunner | None = None,
     output: Location | str = "./outputs",
+    max_restarts: int = 1,
 ) -> dict[str, Any]:
     """Sweep any per-rank training function over `space`, on the current flow's Dask cluster.
 
@@ -360,6 +362,9 @@ def sweep(
         output: where `sweep.json`, the plots and the trials' folders go: a local folder
             (relative to the working directory) or an s3:// URL (a `Location` for its
             credentials); see `study_storage` for where the study goes.
+        max_restarts: how often each trial's gang is formed again after a failure, as
+            `run_gang`'s (1, as the flows' `cluster.max_restarts`); an elastic trial
+            (`settings.min_ranks_per_trial`) re-forms on its survivors.
 
     Returns:
         What `sweep.json` holds: every trial (best first), the best one, importances.
@@ -381,7 +386,7 @@ def sweep(
 
     def train_trial(trial: Any, link: TrialLink) -> TrialOutcome:
         folder = child_url(output.url, safe_segment(settings.name), f"trial-{trial.number}")
-        return gang_trial(train_fn, with_params(config, trial.params), link, settings, runner, folder)
+        return gang_trial(train_fn, with_params(config, trial.params), link, settings, runner, folder, max_restarts)
 
     trials = run_trials(study, dimensions, settings, runner.client, train_trial)
     record = publish_sweep_report(study, settings, output)

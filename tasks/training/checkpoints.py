@@ -55,6 +55,10 @@ class Resumed(NamedTuple):
     next_epoch: int  # the first epoch still to train, counted from 0
     history: list[dict[str, Any]]
     best: BestEpoch | None  # the best epoch's weights, where they are not the checkpoint's own
+    position: int = 0  # the global sample position reached within next_epoch (a state parked mid-epoch)
+    # What the formations before trained of next_epoch up to `position`, where the last left whole
+    # (to grow): tasks/training/regrouping.py's EpochSoFar, as parked; None where a rank was lost.
+    trained: dict[str, Any] | None = None
 
 
 @dataclass
@@ -90,9 +94,12 @@ class TrainingState:
         return snapshot
 
     def resume(self, url: str, options: dict[str, Any], fingerprint: dict[str, Any],
-               world_size: int, scale_lr: bool, device: torch.device | str = "cpu") -> Resumed:
+               world_size: int, scale_lr: bool, device: torch.device | str = "cpu",
+               handed: bytes | None = None) -> Resumed:
         """Load the last committed checkpoint, if any: where to go on, the history so far, and
-        the best epoch's weights it carries.
+        the best epoch's weights it carries. `handed`: a snapshot every rank already holds (an
+        elastic gang's survivor handed it over in memory: tasks/gang/handover.py), loaded
+        instead; storage is then not read.
 
         Rank 0 alone reads storage and every rank loads the bytes it read. Ranks that read
         for themselves could disagree: on separate hosts with a local output folder each
@@ -100,7 +107,10 @@ class TrainingState:
         train on from different epochs with different optimizer states. Call it before DDP
         wraps the model, on every rank (it is a collective).
         """
-        data = broadcast_bytes(read_committed(url, options) if is_rank0() else None, device)
+        if handed is None:
+            data = broadcast_bytes(read_committed(url, options) if is_rank0() else None, device)
+        else:
+            data = handed
         if data is None:
             return Resumed(0, [], None)
         checkpoint = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
@@ -113,10 +123,12 @@ class TrainingState:
             self.scaler.load_state_dict(checkpoint["scaler"])
         if scale_lr and checkpoint["world_size"] != world_size:
             rescale_lr(self.optimizer, self.scheduler, world_size / checkpoint["world_size"])
-        # Absent in checkpoints of older releases and of every-epoch runs; rank 0 alone writes model.pt.
-        best = checkpoint.get("best") if is_rank0() else None
+        # Absent in checkpoints of older releases and of every-epoch runs. Rank 0 alone writes model.pt,
+        # but every rank of an elastic gang keeps what a handed-over state carries (it may hand it on).
+        best = checkpoint.get("best") if is_rank0() or handed is not None else None
         return Resumed(checkpoint["epoch"] + 1, list(checkpoint["history"]),
-                       (best["epoch"], best["model"]) if best else None)
+                       (best["epoch"], best["model"]) if best else None, checkpoint.get("position", 0),
+                       checkpoint.get("trained"))
 
 
 def is_rank0() -> bool:
@@ -153,13 +165,28 @@ def rescale_lr(optimizer: torch.optim.Optimizer, scheduler: Any, factor: float) 
 
 
 def record_attempt(url: str, options: dict[str, Any], attempt: int, world_size: int,
-                   resumed_after_epoch: int) -> list[dict[str, Any]]:
+                   resumed_after_epoch: int, at_sample: int = 0, handed_over: bool = False,
+                   regroups: int = 0) -> list[dict[str, Any]]:
     """Append this gang attempt's start to the run's list; returns the list so far.
 
     An attempt that fails before its first checkpoint leaves no trace in the checkpoint,
-    so the list is a file of its own, written by rank 0 when each attempt starts.
+    so the list is a file of its own, written by rank 0 when each attempt starts. `at_sample`:
+    the global sample position within the next epoch it went on from; `handed_over`: its state
+    came from a rank of the formation before, in memory (tasks/gang/handover.py), not storage;
+    `regroups`: the attempts of its `run_gang` call before it that ended in a regroup.
     """
     attempts = read_json(url, options) if exists(url, options) else []
-    attempts.append({"attempt": attempt, "world_size": world_size, "resumed_after_epoch": resumed_after_epoch})
+    attempts.append({"attempt": attempt, "world_size": world_size, "resumed_after_epoch": resumed_after_epoch,
+                     "at_sample": at_sample, "handed_over": handed_over, "regroups": regroups})
     write_json(url, attempts, options)
     return attempts
+
+
+def failures_seen(attempts: list[dict[str, Any]], attempt: int, regroups: int) -> int:
+    """The failures before this attempt, for the checkpoint schedule: the attempts of rank 0's
+    record before it (a Prefect retry's earlier ones too) less those that followed a regroup,
+    which is no failure; at least this `run_gang` call's own (`attempt`, from 0, less its
+    `regroups`), where an attempt failed before rank 0 recorded it."""
+    after_regroup = sum(1 for before, row in zip(attempts, attempts[1:])
+                        if row["attempt"] > 1 and row.get("regroups", 0) > before.get("regroups", 0))
+    return max(len(attempts) - 1 - after_regroup, attempt - regroups)

@@ -65,6 +65,11 @@ class ProgressReporter:
             self._submit("progress", lambda: self._publish_progress(percent, description))
             self.last_update = time.monotonic()
 
+    def note(self, epochs_done: float, detail: str) -> None:
+        """Say `detail` with the bar at `epochs_done` (a fraction within an epoch too): a change of
+        the gang's size, as it happens."""
+        self._set_progress(100.0 * epochs_done / self.epochs, detail)
+
     def step(self, epoch: int, done: int, total: int, describe: Callable[[], str]) -> None:
         """Within an epoch: move the bar, with `describe()` (where rank 0's time goes so far)
         as its description, at most every PROGRESS_INTERVAL_S seconds."""

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, field_validator
@@ -41,10 +41,18 @@ from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.data.loader_leftovers import remove_dead_loader_folders
 from prefect_ddp.tasks.data.loaders import RankData, rank_data
 from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
 from prefect_ddp.tasks.training.decode_cost import PROBE_IMAGES, DecodeProbe
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.data.storage import save_torch, write_json
-from prefect_ddp.tasks.gang import RankContext, all_reduce_sum, sync_buffers, wrap_ddp
+from prefect_ddp.tasks.gang import (
+    GangRegroup,
+    RankContext,
+    all_gather_strings,
+    all_reduce_sum,
+    sync_buffers,
+    wrap_ddp,
+)
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import (
     run_logger,
@@ -59,6 +67,7 @@ from prefect_ddp.tasks.training.checkpoints import (
     Resumed,
     TrainingState,
     job_fingerprint,
+    failures_seen,
     record_attempt,
 )
 from prefect_ddp.tasks.training.model import (
@@ -83,6 +92,7 @@ from prefect_ddp.tasks.training.optimization import (
 )
 from prefect_ddp.tasks.training.progress import ProgressReporter
 from prefect_ddp.tasks.training.rank_result import RankResult
+from prefect_ddp.tasks.training.regrouping import EpochSoFar, Position, park_state
 from prefect_ddp.tasks.training.step_times import (
     StepClock,
     epoch_timing,
@@ -131,7 +141,7 @@ class KeyedImages(Protocol):
 
 @runtime_checkable
 class EpochSampler(Protocol):
-    """A sampler told each epoch, to shuffle it anew: DistributedSampler, or a ShardLoader's."""
+    """A sampler told each epoch, to shuffle it anew: a PositionedSampler, or a ShardLoader's."""
 
     def set_epoch(self, epoch: int) -> None: ...
 
@@ -181,7 +191,7 @@ def train_one_epoch(
     model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler, inputs: ToDevice, amp_dtype: torch.dtype | None,
     on_step: Callable[[int, int], None] | None = None, clock: StepClock | None = None,
-    warmup: Warmup | None = None, frozen: Sequence[nn.Module] = (),
+    warmup: Warmup | None = None, frozen: Sequence[nn.Module] = (), sums: PassSums | None = None,
 ) -> PassSums:
     """One pass over this rank's shard; returns the rank's local sums.
 
@@ -191,14 +201,15 @@ def train_one_epoch(
     `clock` is cut at each part of the step (prefect_ddp.tasks.training.step_times); the
     final mark counts the wait that ends the pass, so its parts add up to the pass.
     `warmup` scales each step's learning rate while it lasts; the BatchNorm layers in
-    `frozen` stay in eval mode (prefect_ddp.tasks.training.optimization).
+    `frozen` stay in eval mode (prefect_ddp.tasks.training.optimization). `sums`: where to
+    add the pass's sums (a new PassSums by default), for a caller that reads them mid-pass.
     The loss is the mean over the batch's readable images; a batch with none still steps,
     with a zero loss: which batches hold readable images differs between ranks, and a rank
     that skipped its step would leave the others waiting in DDP's all-reduce.
     """
     model.train()
     keep_frozen_in_eval(frozen)
-    sums = PassSums()
+    sums = sums if sums is not None else PassSums()
     clock = clock or StepClock(inputs.device)
     clock.start()
     for step, (images, labels) in enumerate(loader, start=1):
@@ -297,6 +308,8 @@ class BestWeights:
 
     def __init__(self, ctx: RankContext, job: TrainJob, selection: Selection, options: dict[str, Any]) -> None:
         self.enabled = ctx.is_main
+        # In an elastic gang every rank keeps the unwritten best weights: any survivor may hand its state over.
+        self.keeps = ctx.is_main or ctx.elastic
         self.job = job
         self.selection = selection
         self.options = options  # the output's, as rank_data derived them
@@ -304,18 +317,19 @@ class BestWeights:
         self.epoch: int | None = None  # the best epoch so far, counted from 1: model.pt's once written
         self._unwritten: tuple[int, dict[str, torch.Tensor]] | None = None  # (epoch, its weights)
 
-    def after_resume(self, model: nn.Module, resumed: Resumed, writer: BackgroundWriter) -> None:
+    def after_resume(self, model: nn.Module, resumed: Resumed) -> None:
+        """The best epoch of the history resumed, and its weights where model.pt may lack them:
+        given to the writer by `write_after_checkpoint`, or carried by the next checkpoint or park."""
         history = resumed.history
         if not history:
             return
         values = [h[self.selection.metric] for h in history]
         best = best_index(values, self.selection.direction)
         self.best, self.epoch = values[best], history[best]["epoch"]
-        if best == len(history) - 1:
+        if best == len(history) - 1 and resumed.position == 0:  # mid-epoch, the model is past that epoch
             self._keep(model)
-        elif self.enabled and resumed.best and resumed.best[0] == self.epoch:
+        elif self.keeps and resumed.best and resumed.best[0] == self.epoch:
             self._unwritten = resumed.best
-        self.write_after_checkpoint(writer)
 
     def after_epoch(self, model: nn.Module, record: dict[str, Any]) -> None:
         value = record[self.selection.metric]
@@ -325,19 +339,20 @@ class BestWeights:
         self._keep(model)
 
     def _keep(self, model: nn.Module) -> None:
-        if self.enabled and self.epoch is not None:
+        if self.keeps and self.epoch is not None:
             self._unwritten = (self.epoch, to_cpu(model.state_dict()))
 
-    def unwritten(self, epoch: int) -> BestEpoch | None:
-        """The kept best epoch's weights for the checkpoint of `epoch` (counted from 1) to carry:
-        None when model.pt has them already, or they are that checkpoint's own."""
+    def unwritten(self, epoch: int | None) -> BestEpoch | None:
+        """The kept best epoch's weights for the checkpoint of `epoch` (counted from 1; None: a
+        state parked mid-epoch, whose weights are no recorded epoch's) to carry: None when
+        model.pt has them already, or they are that checkpoint's own."""
         if self._unwritten is None or self._unwritten[0] == epoch:
             return None
         return self._unwritten
 
     def write_after_checkpoint(self, writer: BackgroundWriter) -> None:
-        """Give the writer the best epoch kept since the last checkpoint, to write after it."""
-        if self._unwritten is None:
+        """Give the writer the best epoch kept since the last checkpoint, to write after it (rank 0)."""
+        if self._unwritten is None or not self.enabled:
             return
         epoch, weights = self._unwritten
         self._unwritten = None
@@ -353,10 +368,15 @@ class BestWeights:
 
 
 def between_steps(ctx: RankContext, progress: ProgressReporter, clock: StepClock, batch_size: int, started: float,
-                  epoch: int, done: int, total: int) -> None:
-    """After every optimizer step: tell the supervisor, leave if the gang is being stopped, move the bar."""
+                  position: Position, grow: GrowChecks | None, sums: PassSums, epoch: int, done: int,
+                  total: int) -> None:
+    """After every optimizer step: note how far the rank got, tell the supervisor, leave if the
+    gang is being stopped or regroups larger here, move the bar."""
+    position.stepped(epoch, done * batch_size)
     ctx.progress("step", epoch=epoch + 1, step=done)
     ctx.check_stop()
+    if grow:
+        grow.after_step(done, total, sums)
     progress.step(epoch, done, total,
                   lambda: live_text(clock.totals(), done * batch_size, time.monotonic() - started))
 
@@ -438,20 +458,31 @@ def decode_probe(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> D
 
 
 def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress: ProgressReporter,
-              unreadable: UnreadableTally, epoch: int) -> tuple[dict[str, Any], int]:
-    """Train and validate one epoch; returns the gang's record of it and the images this rank trained on.
+              unreadable: UnreadableTally, position: Position, epoch: int,
+              start: int = 0, grow: GrowChecks | None = None) -> tuple[dict[str, Any], int]:
+    """Train and validate one epoch, from global sample position `start` (an elastic gang's
+    formation that took over mid-epoch); returns the gang's record of it and the images this
+    rank trained on.
 
     The record's `time` is where the gang's time went (prefect_ddp.tasks.training.step_times):
-    every rank's row of it travels in the same all-reduce as the metrics.
+    every rank's row of it travels in the same all-reduce as the metrics. An epoch taken over
+    mid-epoch says where (`taken_over_at_sample`) and counts the images the formation before
+    trained in `train_samples`; its losses and accuracies cover them too where that formation
+    left whole, to grow (its sums carried in `position`), else only the part trained here.
     """
     started = time.monotonic()
     sampler = rank.data.train.sampler
     assert isinstance(sampler, EpochSampler), "rank_data's train loaders sample by epoch"
-    sampler.set_epoch(epoch)
-    on_step = partial(between_steps, ctx, progress, rank.clock, rank.batch_size, started, epoch)
-    train = train_one_epoch(ddp_model, rank.data.train, rank.state.optimizer, rank.state.scaler,
-                            rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock,
-                            warmup=rank.warmup, frozen=rank.frozen)
+    if isinstance(sampler, PositionedSampler):
+        sampler.set_epoch(epoch, start)
+    else:
+        sampler.set_epoch(epoch)  # tar shards: a state is parked only at an epoch's start (regrouping.Position)
+    train = PassSums()
+    on_step = partial(between_steps, ctx, progress, rank.clock, rank.batch_size, started, position, grow, train,
+                      epoch)
+    train_one_epoch(ddp_model, rank.data.train, rank.state.optimizer, rank.state.scaler,
+                    rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock,
+                    warmup=rank.warmup, frozen=rank.frozen, sums=train)
     trained_at = time.monotonic()
     sync_buffers(rank.state.model)
     val = validate(ctx, rank.state.model, rank.data.val, rank.val_inputs, epoch)
@@ -459,12 +490,20 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
     rows = gang_rows(rank.clock.totals(), time.monotonic() - trained_at, trained_at - started, int(train.count),
                      ctx.rank, ctx.world_size)
     totals = all_reduce_sum([*sums, *rows], rank.device)
+    carried = position.carried if start else None  # the formations before's part of the epoch (regrouping.Position)
+    if carried:
+        for index, part in enumerate(carried.sums):
+            totals[index] += part
     record = epoch_record(epoch, totals[:len(sums)], rank.state.optimizer, time.monotonic() - started)
     timing = epoch_timing(split_rows(totals[len(sums):]), rank.input_advice, rank.decode_cost)
     record["time"] = timing.model_dump()
     record["images_per_s"] = timing.images_per_s
     record["data_wait_pct"] = round(100 * timing.shares["data"], 1)
-    record["unreadable"] = unreadable.pool(train.unreadable | val.unreadable, record["epoch"])  # first met this epoch
+    met = train.unreadable | val.unreadable | set(carried.unreadable if carried else ())
+    record["unreadable"] = unreadable.pool(met, record["epoch"])  # first met this epoch
+    if start:  # taken over mid-epoch: the images before `start` without sums (a rank lost with them) counted too
+        record["taken_over_at_sample"] = start
+        record["train_samples"] += carried.uncounted if carried else start
     return record, int(train.count)
 
 
@@ -509,37 +548,155 @@ class Checkpointing:
         self.schedule.saved(time.monotonic() - started)
 
 
+@dataclass
+class Leaving:
+    """How a rank of an elastic gang leaves its formation: its state parked for the next one
+    (tasks/training/regrouping.py); a fixed-size gang's ranks park nothing."""
+
+    ctx: RankContext
+    state: TrainingState
+    position: Position
+    sampler: Any
+    history: list[dict[str, Any]]
+    fingerprint: dict[str, Any]
+    warmup: Warmup
+    kept: BestWeights
+
+    def regroup(self, progress: ProgressReporter, trained: EpochSoFar | None) -> NoReturn:
+        """Asked to regroup larger, at an epoch's end or mid-epoch: park, and leave for the larger formation."""
+        sample = self.position.global_position(self.sampler)
+        where = (f"after epoch {self.position.epoch}" if not sample
+                 else f"at sample {sample} of epoch {self.position.epoch + 1}")
+        said = (f"A worker came free: the gang of {self.ctx.world_size} ranks forms again larger {where}, "
+                "its state kept in memory")
+        progress.note(self.position.epoch + (sample / self.sampler.size if sample else 0), said)
+        run_logger().log(logging.INFO if self.ctx.is_main else logging.DEBUG, said)
+        self._park(trained)
+        raise GangRegroup(f"rank {self.ctx.rank} regroups {where}")
+
+    def after_failure(self) -> None:
+        """A peer was lost, or this rank failed: park what the survivors may hand over (best effort);
+        before its first step a formation passes on what it took over whole."""
+        if self.ctx.elastic:
+            self._park(self.position.carried if self.position.samples == 0 else None)
+
+    def _park(self, trained: EpochSoFar | None = None) -> None:
+        # Mid-epoch the model has moved past every recorded epoch: kept best weights go along whatever their epoch.
+        own = self.position.epoch if self.position.global_position(self.sampler) == 0 else None
+        best = self.kept.unwritten(own)
+        park_state(self.ctx, self.state, self.position, self.sampler, self.history, self.fingerprint, self.warmup,
+                   best, trained)
+
+
+@dataclass
+class GrowChecks:
+    """Where an elastic gang's ranks ask whether to regroup larger (tasks/gang/resizing.py): after
+    every `every` optimizer steps of an epoch (0: never mid-epoch) and at the end of each epoch
+    but the last. Every rank asks at the same step (`regroup_requested` is a collective: rank 0
+    reads the flag, all get its answer), so all leave together, or none. Each ask costs one
+    one-integer broadcast; the flag itself is read at most once a second (bench/RESULTS.md,
+    bench.elastic's boundary part)."""
+
+    ctx: RankContext
+    leaving: Leaving
+    progress: ProgressReporter
+    writer: BackgroundWriter
+    every: int
+    epochs: int
+
+    @classmethod
+    def of(cls, ctx: RankContext, cfg: TrainingConfig, leaving: Leaving, progress: ProgressReporter,
+           writer: BackgroundWriter) -> GrowChecks | None:
+        """None for a fixed-size gang; mid-epoch asks only where a formation can take over mid-epoch
+        (a PositionedSampler: tar shards' epochs start only at their beginning)."""
+        if not ctx.elastic:
+            return None
+        every = cfg.regroup_every_steps if isinstance(leaving.sampler, PositionedSampler) else 0
+        return cls(ctx, leaving, progress, writer, every, cfg.epochs)
+
+    def after_step(self, done: int, total: int, sums: PassSums) -> None:
+        """Mid-epoch: the epoch's train sums and unreadable images so far go along, gathered over
+        the whole gang (every rank is here), so the epoch's record covers every image of it."""
+        if self.every and done % self.every == 0 and done < total and self.ctx.regroup_requested():
+            position = self.leaving.position
+            # From a failure: the images up to its start counted, without sums.
+            before = position.carried or EpochSoFar(uncounted=position.start)
+            self._leave(before.plus(all_reduce_sum(sums.sums(), self.ctx.device),
+                                    all_gather_strings(sorted(sums.unreadable), self.ctx.device)))
+
+    def after_epoch(self, epoch: int) -> None:
+        if epoch < self.epochs - 1 and self.ctx.regroup_requested():
+            self._leave(None)
+
+    def _leave(self, trained: EpochSoFar | None) -> NoReturn:
+        self.writer.wait()  # a failed write fails the rank here, not unseen in the regroup
+        self.leaving.regroup(self.progress, trained)
+
+
 def train_classifier(ctx: RankContext, job: TrainJob) -> RankResult:
     """Per-rank entry point: train, validate, checkpoint; rank 0 keeps the best epoch's model.
 
     Every rank stops early together when a sweep prunes the run, or when too many images
     turn out unreadable (prefect_ddp.tasks.training.unreadable): it then returns why, for the flow to fail with.
     """
-    log = run_logger()
-    # Rank 0 speaks for the gang; the others log at debug so the run's log stays readable.
-    level = logging.INFO if ctx.is_main else logging.DEBUG
-    rank = set_up_rank(ctx, job, log)
+    rank = set_up_rank(ctx, job, run_logger())
     model, state = rank.state.model, rank.state
     output = rank.data.output_options
     checkpoint_url = child_url(job.output.url, "checkpoints", CHECKPOINT)
     fingerprint = job_fingerprint(job.manifest.classes, job.split.digest(job.manifest), job.model, job.training)
-    resumed = state.resume(checkpoint_url, output, fingerprint, ctx.world_size, scales_lr(job.training), rank.device)
-    start_epoch, history = resumed.next_epoch, resumed.history
-    rank.warmup.done = start_epoch * len(rank.data.train)  # a resumed run's warmup is behind it
+    kept = BestWeights(ctx, job, ctx.trial.selection if ctx.trial else Selection(), output)
+    handed = ctx.hand_over(rank.device) if ctx.elastic else None  # a survivor's state, in memory
+    resumed = state.resume(checkpoint_url, output, fingerprint, ctx.world_size, scales_lr(job.training), rank.device,
+                           handed=handed.data if handed else None)
+    start_epoch, history, start_position = resumed.next_epoch, resumed.history, resumed.position
+    carried = EpochSoFar.from_dict(resumed.trained) if resumed.trained else None
+    kept.after_resume(model, resumed)
+    del resumed  # the best epoch's weights it may carry: kept by `kept` alone
+    # Where the rank is, and its way out of an elastic gang's formation: from here on, a failure
+    # parks the state for the next formation (the one handed over, until a step is taken).
+    position = Position(start_epoch, start=start_position, carried=carried)
+    leaving = Leaving(ctx, state, position, rank.data.train.sampler, history, fingerprint, rank.warmup, kept)
+    try:
+        return train_formation(ctx, job, rank, kept, position, leaving, history, handed is not None,
+                               (checkpoint_url, fingerprint))
+    except GangRegroup:
+        raise
+    except BaseException:
+        leaving.after_failure()
+        raise
+
+
+def train_formation(ctx: RankContext, job: TrainJob, rank: RankSetup, kept: BestWeights, position: Position,
+                    leaving: Leaving, history: list[dict[str, Any]], handed: bool,
+                    checkpoint: tuple[str, dict[str, Any]]) -> RankResult:
+    """train_classifier's epochs on this formation of the gang, from `position` on."""
+    log = run_logger()
+    # Rank 0 speaks for the gang; the others log at debug so the run's log stays readable.
+    level = logging.INFO if ctx.is_main else logging.DEBUG
+    model, state, output = rank.state.model, rank.state, rank.data.output_options
+    checkpoint_url, fingerprint = checkpoint
+    start_epoch, start_position = position.epoch, position.start
+    # A resumed run's warmup is behind it, as far as it got.
+    rank.warmup.done = start_epoch * len(rank.data.train) + start_position // (rank.batch_size * ctx.world_size)
     ddp_model = wrap_ddp(model, rank.device)
     time_gradient_sync(ddp_model, rank.clock)
-    kept = BestWeights(ctx, job, ctx.trial.selection if ctx.trial else Selection(), output)
     unreadable = UnreadableTally(job.unreadable, job.manifest, rank.device, announce=ctx.is_main)
     unreadable.after_resume(history)
-    if start_epoch:
+    if handed:
+        log.log(level, "Rank %d took over epoch %d at sample %d from the state a rank of the gang's last "
+                "formation kept in memory; the checkpoint was not read", ctx.rank, start_epoch + 1, start_position)
+    elif start_epoch:
         log.log(level, "Rank %d resumed from %s after epoch %d", ctx.rank, checkpoint_url, start_epoch)
     attempts = record_attempt(child_url(job.output.url, "checkpoints", ATTEMPTS), output, ctx.attempt + 1,
-                              ctx.world_size, start_epoch) if ctx.is_main else []
-    # Failures seen: the attempts before this one, a Prefect retry's earlier ones too (rank 0's record).
-    schedule = CheckpointSchedule.for_run(job.training, failures=max(len(attempts), ctx.attempt + 1) - 1,
-                                          history=history, every_epoch=ctx.trial is not None)
+                              ctx.world_size, start_epoch, start_position, handed, ctx.regroups) if ctx.is_main else []
+    schedule = CheckpointSchedule.for_run(job.training, failures=failures_seen(attempts, ctx.attempt, ctx.regroups),
+                                          history=history,
+                                          every_epoch=ctx.trial is not None)
     saves = Checkpointing(ctx, state, schedule, checkpoint_url, output, fingerprint)
     progress = ProgressReporter(ctx, job.training.epochs, log, job.tracked)
+    if handed:
+        progress.note(start_epoch + start_position / len(job.split.train), f"The gang went on with {ctx.world_size} "
+                      f"ranks at epoch {start_epoch + 1}, sample {start_position}, from the state a rank kept in memory")
     local_train_samples: list[int] = []
     # Per epoch trained here, outside the record (which the checkpoint holds): the seconds training
     # waited for rank 0's copies to memory and writes; the wait for the last writes joins the last.
@@ -547,11 +704,12 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> RankResult:
     pruned_at = stopped = None
     # Right before each write, in the writing thread: a rank whose gang lost its worker writes nothing more.
     with BackgroundWriter(before_write=ctx.check_lease if ctx.is_main else lambda: None) as writer:
-        kept.after_resume(model, resumed, writer)
-        del resumed  # the best epoch's weights it may carry: written, or kept by `kept` alone
+        kept.write_after_checkpoint(writer)  # a resumed best epoch model.pt may lack
+        grow = GrowChecks.of(ctx, job.training, leaving, progress, writer)
         try:
             for epoch in range(start_epoch, job.training.epochs):
-                record, trained = run_epoch(ctx, rank, ddp_model, progress, unreadable, epoch)
+                record, trained = run_epoch(ctx, rank, ddp_model, progress, unreadable, position, epoch,
+                                            start=start_position if epoch == start_epoch else 0, grow=grow)
                 stopped = unreadable.exceeded(record["epoch"])  # the gang's count: every rank stops here, or none
                 if stopped:
                     log.log(level, "Stopped after epoch %d, keeping nothing of it: %s", record["epoch"], stopped)
@@ -559,6 +717,7 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> RankResult:
                 local_train_samples.append(trained)
                 step_scheduler(state.scheduler, record["val_loss"])
                 history.append(record)
+                position.epoch_done(epoch)
                 log.log(level, "epoch %d/%d %s", record["epoch"], job.training.epochs, record)
                 ctx.progress("checkpoint", epoch=record["epoch"])
                 waiting = time.monotonic()
@@ -571,6 +730,8 @@ def train_classifier(ctx: RankContext, job: TrainJob) -> RankResult:
                     pruned_at = record["epoch"]
                     log.log(level, "Pruned by the sweep after epoch %d", pruned_at)
                     break
+                if grow:
+                    grow.after_epoch(epoch)
             waiting = time.monotonic()
             writer.wait()  # the last checkpoint and model.pt exist once the rank returns
             if checkpoint_s:
