@@ -61,7 +61,7 @@ def test_a_custom_run_from_the_form_completes_with_its_artifacts(ui, on_demand_i
     ui.choose(block, "str")
     block.locator("textarea").fill("test-images")
     ui.field("Epochs (Optional)", ui.field("training (Optional)")).locator("input").fill("1")
-    name = ui.submit_run(on_demand_id)
+    name = ui.submit_run(on_demand_id, output_url=str(output))
 
     run = flow_run_by_name(name)
     assert run.parameters["data"]["block"] == "test-images" and run.parameters["training"]["epochs"] == 1

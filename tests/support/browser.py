@@ -21,13 +21,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from playwright.sync_api import Locator, Page, expect, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterName
 
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser")
 HOW_TO_GET_CHROMIUM = "apt-get update && apt-get install -y chromium   (Debian's package; .ci/run does this)"
 VIEWPORT = {"width": 1440, "height": 1000}
 UI_WAIT_MS = 180_000
+CLICK_WAIT_MS = 60_000  # a Submit's wait for the page to move on before the API is asked
 
 
 def chromium_path() -> str | None:
@@ -85,11 +87,31 @@ class PrefectUI:
         """Pick `option` in a field that may be several types (`DataConfig | None`, `str | None`)."""
         field.get_by_role("button", name=option, exact=True).click()
 
-    def submit_run(self, deployment_id: str) -> str:
-        """Submit the Run form; returns the new flow run's name, from the UI's toast."""
-        self.page.get_by_role("button", name="Submit", exact=True).click()
-        self.page.wait_for_url(f"**/deployments/deployment/{deployment_id}?tab=Runs")
-        return self.page.locator(".toast-flow-run-create__message--emphasized").first.inner_text()
+    def submit_run(self, deployment_id: str, output_url: str | None = None) -> str:
+        """Submit the Run form; returns the new flow run's name (with `output_url`, the run of
+        the deployment whose output.url it is: other tests may start runs of it meanwhile).
+
+        Asserts the outcome in the API, not the page alone: on a loaded machine a Submit once
+        created no flow run and the page stayed on the form for 180 s (a click the busy page
+        lost). So Submit is clicked again while the API holds no new run of the deployment,
+        as a person would, and a run the API holds counts whether or not the page moved on;
+        no run after UI_WAIT_MS fails, naming what the page showed.
+        """
+        before = deployment_run_names(deployment_id, output_url)
+        deadline = time.monotonic() + UI_WAIT_MS / 1000
+        while True:
+            self.page.get_by_role("button", name="Submit", exact=True).click()
+            try:
+                self.page.wait_for_url(f"**/deployments/deployment/{deployment_id}?tab=Runs", timeout=CLICK_WAIT_MS)
+            except PlaywrightTimeoutError:
+                pass
+            created = deployment_run_names(deployment_id, output_url) - before
+            if created:  # two, where a click the page seemed to lose reached the server late: alike
+                return sorted(created)[0]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"Submit created no flow run of deployment {deployment_id} in "
+                                     f"{UI_WAIT_MS / 1000:.0f} s; the page at {self.page.url} shows: "
+                                     f"{self.page.locator('body').inner_text()[:2000]}")
 
     def open_flow_run(self, flow_run_id: str) -> Locator:
         """The flow run's page; returns its run graph once painted."""
@@ -134,6 +156,15 @@ def prefect_ui(base_url: str) -> Iterator[PrefectUI]:
             yield PrefectUI(page, base_url)
         finally:
             browser.close()
+
+
+def deployment_run_names(deployment_id: str, output_url: str | None = None) -> set[str]:
+    """The names of the deployment's flow runs the API holds now (with `output_url`, of those
+    whose output.url parameter it is)."""
+    with get_client(sync_client=True) as api:
+        runs = api.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+    return {run.name for run in runs
+            if output_url is None or (run.parameters.get("output") or {}).get("url") == output_url}
 
 
 def flow_run_by_name(name: str):
