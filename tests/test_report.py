@@ -87,6 +87,6 @@ def test_the_report_lists_each_change_of_the_gang_s_size_where_it_went_on_from_a
     assert [r.reformed_s for r in rows] == [None, 2.5, 1.0]
     report = attempts_markdown(rows)
     assert "Its size changed: 3 -> 2 ranks, 2 -> 3 ranks." in report
-    assert "| 2 | 2 | a, c | in epoch 2 at sample 24, handed over in memory | 2.5 | 30 | regrouped:" in report
-    assert "| 3 | 3 | a, c, d | after epoch 3, handed over in memory | 1 | 50 | completed |" in report
-    assert "| 1 | 3 | a, b, c | from the start |  | 40 |" in report
+    assert "| 2 | 00:17:22 | 2 | a, c | in epoch 2 at sample 24, handed over in memory | 2.5 | 30 | regrouped:" in report
+    assert "| 3 | 00:17:53 | 3 | a, c, d | after epoch 3, handed over in memory | 1 | 50 | completed |" in report
+    assert "| 1 | 00:16:40 | 3 | a, b, c | from the start |  | 40 |" in report

@@ -6,6 +6,7 @@ and what became of it: promoted to the deployment's kept model or not, and why.
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 from prefect import task
@@ -52,6 +53,11 @@ def promotion_markdown(promotion: Promotion | None, warm: WarmStart | None, prun
     return started + f"{outcome}: {promotion.reason}.\n" + (f"\n{compared}" if compared else "") + registry
 
 
+def started_text(started_at: float) -> str:
+    """When an attempt started, as the run's log shows times; empty for a record without it."""
+    return datetime.fromtimestamp(started_at, timezone.utc).strftime("%H:%M:%S") if started_at else ""
+
+
 def resumed_text(attempt: AttemptRow) -> str:
     if attempt.resumed_after_epoch is None:
         return "did not reach training"
@@ -62,11 +68,11 @@ def resumed_text(attempt: AttemptRow) -> str:
 
 def attempts_markdown(attempts: list[AttemptRow]) -> str:
     """How the gang got there: one line when it trained in one go, else every attempt, with the
-    changes of its size: from which to which, why (how the one before ended), and the seconds
-    between the two formations."""
+    changes of its size: when, from which to which, why (how the one before ended), and the
+    seconds between the two formations."""
     if len(attempts) <= 1:
         return "Trained in one gang attempt, without a restart.\n\n"
-    rows = [[a.number, a.world_size, ", ".join(a.workers), resumed_text(a),
+    rows = [[a.number, started_text(a.started_at), a.world_size, ", ".join(a.workers), resumed_text(a),
              "" if a.reformed_s is None else f"{a.reformed_s:g}", f"{a.seconds:.0f}", a.ended] for a in attempts]
     changes = [f"{before.world_size} -> {after.world_size} ranks" for before, after in zip(attempts, attempts[1:])
                if before.world_size != after.world_size]
@@ -74,7 +80,8 @@ def attempts_markdown(attempts: list[AttemptRow]) -> str:
     return (
         f"**The gang was re-formed: {len(attempts)} attempts.**{sizes} Each went on from the state a rank of "
         "the one before kept in memory, or from its last checkpoint.\n\n"
-        + markdown_table(["attempt", "ranks", "workers", "went on", "re-formed in s", "seconds", "ended"], rows) + "\n"
+        + markdown_table(["attempt", "started (UTC)", "ranks", "workers", "went on", "re-formed in s", "seconds",
+                          "ended"], rows) + "\n"
     )
 
 
