@@ -34,7 +34,8 @@ def test_two_runs_of_one_name_get_their_own_folders_and_both_train(earlier_run, 
     second_dir = Path(state.result()["files"]["model.pt"]).parent
     assert second_dir != first_dir and second_dir.name.startswith("same-name-")
     attempts = json.loads((second_dir / "checkpoints" / "attempts.json").read_text())
-    assert attempts == [{"attempt": 1, "world_size": 1, "resumed_after_epoch": 0}]  # trained, not "resumed"
+    assert [{key: a[key] for key in ("attempt", "world_size", "resumed_after_epoch", "at_sample")} for a in attempts] == [
+        {"attempt": 1, "world_size": 1, "resumed_after_epoch": 0, "at_sample": 0}]  # trained, not "resumed"
     assert state.result()["history"][0]["train_samples"] > 0
     assert {k: v for k, v in snapshot(output).items() if k in before} == before
     run_record = json.loads((second_dir / "run.json").read_text())

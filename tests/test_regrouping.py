@@ -77,7 +77,7 @@ def test_the_recipe_grows_mid_epoch_at_its_step_boundary_and_the_larger_gang_tra
     assert first["taken_over_at_sample"] == at and "taken_over_at_sample" not in second
     # The first formation's train sums of the epoch went along, added up over both its ranks: the
     # epoch's loss and accuracy cover its images too, not the second formation's part alone.
-    assert [r["parked_trained"][2] for r in ranks[:2]] == [at, at]
+    assert [r["parked_trained"]["sums"][2] for r in ranks[:2]] == [at, at]
     assert ranks[0]["parked_trained"] == ranks[1]["parked_trained"]
     # Each epoch trained the train set once, up to the sampler's bounded remainder (fewer than 3
     # repeats, at most 3 left out), the grown epoch counting both formations' images.

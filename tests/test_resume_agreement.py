@@ -42,8 +42,9 @@ def resume_as_rank(rank: int, tmp_path: Path, port: int) -> None:
                        master_port=port, timeout=timedelta(seconds=60)):
         state = tiny_state(seed=100 + rank)  # each rank starts from weights of its own
         try:
-            epoch, history, _ = state.resume(str(tmp_path / f"rank{rank}" / "checkpoint.pt"), {}, FINGERPRINT,
-                                          world_size=2, scale_lr=False)
+            resumed = state.resume(str(tmp_path / f"rank{rank}" / "checkpoint.pt"), {}, FINGERPRINT,
+                                   world_size=2, scale_lr=False)
+            epoch, history = resumed.next_epoch, resumed.history
         except CheckpointMismatch as exc:
             outcome = {"refused": str(exc)}
         else:
