@@ -96,6 +96,19 @@ def test_a_killed_worker_is_noticed_and_the_gang_re_formed(dask_cluster):
     assert_no_task_run_left_running(state.state_details.flow_run_id)
 
 
+def test_a_worker_lost_after_its_rank_finished_re_forms_the_gang_instead_of_waiting_for_the_result(dask_cluster):
+    # Dask keeps a result on its worker until it is fetched; fetched from a lost worker, the
+    # rank's task waits to run again on that worker alone, and the flow waited with it forever.
+    state = gang_flow(dask_cluster.scheduler_address, "dies_when_fetched", {}, max_restarts=1, return_state=True)
+    results = state.result()
+    assert [r["ctx"].attempt for r in results] == [1, 1]
+    first, second = results.attempts
+    assert first.workers[1] in first.ended and first.workers[1] not in second.workers
+    assert "after its rank finished, before the flow had its result" in first.ended, first.ended
+    assert second.ended == "completed"
+    assert_no_task_run_left_running(state.state_details.flow_run_id)
+
+
 def test_the_timeout_covers_all_attempts_and_stops_the_ranks_without_re_forming(dask_cluster):
     started = time.monotonic()
     state = gang_flow(dask_cluster.scheduler_address, "sleep", {"seconds": 600}, timeout_s=2, max_restarts=2,

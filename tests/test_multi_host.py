@@ -140,8 +140,9 @@ def worker_pid(hosts: Hosts, name: str) -> int:
 
 def kill_after_first_checkpoint(fs: s3fs.S3FileSystem, prefix: str, pid: int, flow_ended: threading.Event,
                                 seen: dict[str, Any]) -> None:
-    """SIGKILL `pid` as soon as the run's first checkpoint is on S3: mid-training, with an
-    epoch still to go (an epoch takes seconds here, a look at S3 milliseconds)."""
+    """SIGKILL `pid` as soon as the run's first checkpoint is on S3: mid-training, most often
+    with an epoch still to go (an epoch takes seconds here, a look at S3 milliseconds; on a
+    loaded machine the look took longer than the last epoch)."""
     while not flow_ended.is_set():
         fs.invalidate_cache()  # s3fs would answer from the listing it cached before the run wrote
         if fs.glob(f"{prefix}/*/checkpoints/checkpoint.pt"):
@@ -200,10 +201,11 @@ def test_ranks_on_two_hosts_train_meet_at_rank_0s_address_and_survive_a_killed_w
         assert workers == attempt["workers"] and master == host_of(workers[0]), (logged, attempt)
         assert not ipaddress.ip_address(master).is_loopback
     # The nanny restarted the killed worker (a new port on the same host); the re-formed
-    # gang resumed after epoch 1, the one checkpoint written before the kill.
+    # gang resumed from a checkpoint the first wrote: epoch 1's, or epoch 2's where the
+    # kill came late (seen under load), never from the start.
     assert first["ended"] != "completed" and second["ended"] == "completed", summary["attempts"]
     assert set(second["workers"]) != set(first["workers"])
-    assert second["resumed_after_epoch"] == 1
+    assert 1 <= second["resumed_after_epoch"] <= EPOCHS, second
     assert [h["epoch"] for h in summary["history"]] == list(range(1, EPOCHS + 1))
     assert summary["files"]["model.pt"].startswith(f"s3://{prefix}/")
     s3_fs.invalidate_cache()

@@ -85,8 +85,9 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, leases: dict[str, str], 
         try:
             for ctx in contexts:
                 futures.append(_submit(runner, spec, ctx, threads[ctx.worker_address]))
-            supervise(client, futures, contexts, spec.deadline, hang, grow=grow)
-            return [future.result() for future in futures]
+            states = supervise(client, futures, contexts, spec.deadline, hang, grow=grow)
+            # Synchronously in an async flow too, as PrefectDaskFuture.result reads a state.
+            return [state.result(_sync=True) for state in states]  # type: ignore[call-overload]
         except BaseException as error:  # cancellation and Ctrl-C too: never leave ranks behind
             stop(client, flag, futures, contexts, hung=isinstance(error, GangHung))
             raise

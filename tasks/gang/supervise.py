@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 import distributed
+from prefect.client.schemas.objects import State
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_ddp.tasks.gang.context import RankContext
@@ -43,6 +44,9 @@ DEPARTURE_CONFIRM_S = 1.0
 # What a rank reports when a peer, not itself, went wrong (gloo and NCCL wordings).
 PEER_LOSS = re.compile(r"closed by peer|reset by peer|Broken pipe|remote process exited|Connection refused", re.I)
 WORKER_RETURN_TIMEOUT_S = 60.0
+# A finished rank's result waits on its worker until the supervisor fetches it: how long one
+# fetch waits before the supervisor asks whether that worker is still there.
+RESULT_FETCH_WAIT_S = 5.0
 # How often the supervisor asks the scheduler how far the ranks have got.
 HANG_POLL_S = 2.0
 
@@ -88,22 +92,23 @@ def supervise(
     client: distributed.Client, futures: list[PrefectDaskFuture[Any]],
     contexts: list[RankContext], deadline: Deadline, hang: HangWatch | None = None, poll_s: float = 1.0,
     grow: GrowWatch | None = None,
-) -> None:
-    """Return once every rank completed; raise GangError at the first sign of trouble
-    (GangHung when no rank made progress for the hang limit). `grow`: ask the ranks to regroup
-    larger once a worker is free (a gang formed with a size range)."""
+) -> list[State]:
+    """Each rank's final state, in rank order, once every rank completed; raise GangError at the
+    first sign of trouble (GangHung when no rank made progress for the hang limit). `grow`: ask
+    the ranks to regroup larger once a worker is free (a gang formed with a size range)."""
     pending = dict(zip((f.wrapped_future for f in futures), contexts))
+    states: dict[int, State] = {}
     next_hang_check = time.monotonic() + HANG_POLL_S
     while pending:
         wait_for(client, list(pending), poll_s, return_when="FIRST_COMPLETED")
-        failures = _collect_failures(pending)
+        failures = _collect_failures(client, pending, states, deadline)
         gone = _departed(client, pending)
         if failures:
             # Only peers on workers still there can fail in the window: a rank whose worker
             # left never finishes (its task waits in `no-worker`), and waiting for it only
             # delays the next attempt.
             wait_for(client, [f for f, c in pending.items() if c not in gone], PEER_FAILURE_WINDOW_S)
-            failures += _collect_failures(pending)
+            failures += _collect_failures(client, pending, states, deadline)
             gone += _departed(client, {f: c for f, c in pending.items() if c not in gone})  # left during the window
         failures = [
             f"Worker {c.worker_address} of rank {c.rank} left the cluster (killed, out of memory or lost) while training"
@@ -122,6 +127,7 @@ def supervise(
             raise deadline.exceeded(
                 f"ranks {[c.rank for c in running]} were still running on {[c.worker_address for c in running]}"
             )
+    return [states[c.rank] for c in contexts]
 
 
 def _departed(client: distributed.Client, pending: dict[distributed.Future[Any], RankContext]) -> list[RankContext]:
@@ -139,8 +145,10 @@ def _departed(client: distributed.Client, pending: dict[distributed.Future[Any],
     return gone
 
 
-def _collect_failures(pending: dict[distributed.Future[Any], RankContext]) -> list[str]:
-    """Take the finished ranks out of `pending`; returns why each one that did not complete failed."""
+def _collect_failures(client: distributed.Client, pending: dict[distributed.Future[Any], RankContext],
+                      states: dict[int, State], deadline: Deadline) -> list[str]:
+    """Take the finished ranks out of `pending`, a completed one's state into `states` by rank;
+    returns why each one that did not complete failed."""
     failures = []
     for dask_future in [f for f in pending if f.done()]:
         ctx = pending.pop(dask_future)
@@ -149,9 +157,34 @@ def _collect_failures(pending: dict[distributed.Future[Any], RankContext]) -> li
             failures.append(f"{where} was cancelled in Dask before it finished")
         elif dask_future.status == "error":
             failures.append(f"{where} failed in Dask: {dask_future.exception()!r}")
-        elif not (state := dask_future.result()).is_completed():
+        elif (state := _finished_state(client, dask_future, ctx, deadline)) is None:
+            failures.append(f"Worker {ctx.worker_address} of rank {ctx.rank} left the cluster (killed, out of "
+                            "memory or lost) after its rank finished, before the flow had its result")
+        elif not state.is_completed():
             failures.append(f"{where} ended {state.type.value}: {state.message}")
+        else:
+            states[ctx.rank] = state
     return failures
+
+
+def _finished_state(client: distributed.Client, future: distributed.Future[Any], ctx: RankContext,
+                    deadline: Deadline) -> State | None:
+    """A finished rank's final state, fetched from its worker; None once that worker has left.
+
+    Dask keeps a task's result on its worker until a client fetches it. Fetched from a worker
+    that has left, Dask runs the task again, and a rank's task may run on that worker alone
+    (attempt._submit): the fetch waited for it forever (a worker killed as its rank returned
+    hung the flow run: tests/test_gang_workers.py).
+    """
+    while True:
+        try:
+            state: State = future.result(timeout=RESULT_FETCH_WAIT_S)
+            return state
+        except TimeoutError:  # distributed.TimeoutError is the same class
+            if ctx.worker_address not in set(cluster_workers(client)):
+                return None
+            if deadline.passed():
+                raise deadline.exceeded(f"rank {ctx.rank}'s result was still being fetched from {ctx.worker_address}")
 
 
 def root_cause_first(failures: list[str]) -> str:

@@ -57,6 +57,25 @@ def kill_worker_on_rank_1(ctx: RankContext, config: dict) -> dict:
     return report_rank(ctx, config)
 
 
+class KillsItsWorkerWhenSent:
+    """A rank's result that SIGKILLs the worker process holding it as Dask sends it to the flow."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.pid = pid
+
+    def __reduce__(self) -> tuple:
+        if self.pid == os.getpid():
+            os.kill(self.pid, signal.SIGKILL)
+        return (KillsItsWorkerWhenSent, ())
+
+
+def die_when_fetched_on_rank_1(ctx: RankContext, config: dict) -> dict | KillsItsWorkerWhenSent:
+    """The first attempt's rank 1 finishes, and its worker is lost before the flow has the result."""
+    if ctx.rank == 1 and ctx.attempt == 0:
+        return KillsItsWorkerWhenSent(os.getpid())
+    return report_rank(ctx, config)
+
+
 def sleep_past_the_deadline(ctx: RankContext, config: dict) -> dict:
     """A rank that will not stop by itself (as one blocked in a collective would not)."""
     time.sleep(config["seconds"])
@@ -196,6 +215,7 @@ def child_pids() -> list[int]:
 
 
 RANK_FUNCTIONS = {"report": report_rank, "loader_then_fail": loader_then_fail, "loader_sum": loader_sum, "train": train_job, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
+                  "dies_when_fetched": die_when_fetched_on_rank_1,
                   "sleep": sleep_past_the_deadline, "asleep_in_c": asleep_in_c, "hold": hold_worker, "loop": loop_until_stopped}
 
 
