@@ -14,9 +14,10 @@ import pytest
 from prefect.client.orchestration import get_client
 
 from prefect_ddp.tasks.gang import GangError, GangTimeout
+import prefect_ddp.tasks.gang.supervise as supervision
 from prefect_ddp.tasks.gang.supervise import FAILURE_GRACE_S
 from tests.support.api_helpers import all_logs, assert_no_task_run_left_running, rank_task_runs
-from tests.support.gang_functions import child_pids, gang_flow
+from tests.support.gang_functions import SlowToSend, child_pids, gang_flow
 
 
 # The session's cluster has 2 workers on this host's cores: a rank takes half of them.
@@ -107,6 +108,15 @@ def test_a_worker_lost_after_its_rank_finished_re_forms_the_gang_instead_of_wait
     assert "after its rank finished, before the flow had its result" in first.ended, first.ended
     assert second.ended == "completed"
     assert_no_task_run_left_running(state.state_details.flow_run_id)
+
+
+def test_a_result_slower_to_send_than_the_supervisor_looks_still_arrives(dask_cluster, monkeypatch):
+    # The supervisor looks every RESULT_FETCH_WAIT_S without cancelling the fetch in progress:
+    # a fetch cancelled at each look would start over and never finish.
+    monkeypatch.setattr(supervision, "RESULT_FETCH_WAIT_S", 0.5)
+    state = gang_flow(dask_cluster.scheduler_address, "slow_to_send", {"seconds": 2.0}, return_state=True)
+    results = state.result()
+    assert isinstance(results[1], SlowToSend) and [a.ended for a in results.attempts] == ["completed"]
 
 
 def test_the_timeout_covers_all_attempts_and_stops_the_ranks_without_re_forming(dask_cluster):

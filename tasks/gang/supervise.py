@@ -9,7 +9,9 @@ in a collective cannot be interrupted, only its worker restarted.
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
@@ -157,9 +159,8 @@ def _collect_failures(client: distributed.Client, pending: dict[distributed.Futu
             failures.append(f"{where} was cancelled in Dask before it finished")
         elif dask_future.status == "error":
             failures.append(f"{where} failed in Dask: {dask_future.exception()!r}")
-        elif (state := _finished_state(client, dask_future, ctx, deadline)) is None:
-            failures.append(f"Worker {ctx.worker_address} of rank {ctx.rank} left the cluster (killed, out of "
-                            "memory or lost) after its rank finished, before the flow had its result")
+        elif isinstance(state := _finished_state(client, dask_future, ctx, deadline), str):
+            failures.append(state)
         elif not state.is_completed():
             failures.append(f"{where} ended {state.type.value}: {state.message}")
         else:
@@ -168,23 +169,35 @@ def _collect_failures(client: distributed.Client, pending: dict[distributed.Futu
 
 
 def _finished_state(client: distributed.Client, future: distributed.Future[Any], ctx: RankContext,
-                    deadline: Deadline) -> State | None:
-    """A finished rank's final state, fetched from its worker; None once that worker has left.
+                    deadline: Deadline) -> State | str:
+    """A finished rank's final state, fetched from its worker; or why the flow could not have it.
 
     Dask keeps a task's result on its worker until a client fetches it. Fetched from a worker
     that has left, Dask runs the task again, and a rank's task may run on that worker alone
     (attempt._submit): the fetch waited for it forever (a worker killed as its rank returned
-    hung the flow run: tests/test_gang_workers.py).
+    hung the flow run: tests/test_gang.py). One fetch runs in a thread of its own, looked at every
+    few seconds: a fetch given a timeout is cancelled at it and starts over, so a result slower
+    to send than the timeout would never arrive.
     """
-    while True:
-        try:
-            state: State = future.result(timeout=RESULT_FETCH_WAIT_S)
-            return state
-        except TimeoutError:  # distributed.TimeoutError is the same class
-            if ctx.worker_address not in set(cluster_workers(client)):
-                return None
-            if deadline.passed():
-                raise deadline.exceeded(f"rank {ctx.rank}'s result was still being fetched from {ctx.worker_address}")
+    fetched: concurrent.futures.Future[State] = concurrent.futures.Future()
+    threading.Thread(target=_fetch, args=(future, fetched), name=f"rank-{ctx.rank}-result", daemon=True).start()
+    while not concurrent.futures.wait([fetched], timeout=RESULT_FETCH_WAIT_S).done:
+        if ctx.worker_address not in set(cluster_workers(client)):
+            return (f"Worker {ctx.worker_address} of rank {ctx.rank} left the cluster (killed, out of memory or "
+                    "lost) after its rank finished, before the flow had its result")
+        if deadline.passed():
+            raise deadline.exceeded(f"rank {ctx.rank}'s result was still being fetched from {ctx.worker_address}")
+    if (error := fetched.exception()) is not None:
+        return f"Rank {ctx.rank} on {ctx.worker_address} finished, but the flow could not fetch its result: {error!r}"
+    return fetched.result()
+
+
+def _fetch(future: distributed.Future[Any], into: concurrent.futures.Future[State]) -> None:
+    """`future`'s result into `into`. A fetch from a lost worker ends when the gang's stop cancels `future`."""
+    try:
+        into.set_result(future.result())
+    except BaseException as exc:
+        into.set_exception(exc)
 
 
 def root_cause_first(failures: list[str]) -> str:

@@ -69,11 +69,27 @@ class KillsItsWorkerWhenSent:
         return (KillsItsWorkerWhenSent, ())
 
 
+class SlowToSend:
+    """A rank's result that its worker takes `seconds` to send (a large one, or a slow link)."""
+
+    def __init__(self, seconds: float = 0.0, pid: int | None = None) -> None:
+        self.seconds, self.pid = seconds, pid
+
+    def __reduce__(self) -> tuple:
+        if self.pid == os.getpid():
+            time.sleep(self.seconds)
+        return (SlowToSend, ())
+
+
+def slow_to_send_on_rank_1(ctx: RankContext, config: dict) -> dict | SlowToSend:
+    reported = report_rank(ctx, config)  # with its peer's collective
+    return SlowToSend(config["seconds"], os.getpid()) if ctx.rank == 1 else reported
+
+
 def die_when_fetched_on_rank_1(ctx: RankContext, config: dict) -> dict | KillsItsWorkerWhenSent:
     """The first attempt's rank 1 finishes, and its worker is lost before the flow has the result."""
-    if ctx.rank == 1 and ctx.attempt == 0:
-        return KillsItsWorkerWhenSent(os.getpid())
-    return report_rank(ctx, config)
+    reported = report_rank(ctx, config)  # with its peer's collective
+    return KillsItsWorkerWhenSent(os.getpid()) if ctx.rank == 1 and ctx.attempt == 0 else reported
 
 
 def sleep_past_the_deadline(ctx: RankContext, config: dict) -> dict:
@@ -215,7 +231,7 @@ def child_pids() -> list[int]:
 
 
 RANK_FUNCTIONS = {"report": report_rank, "loader_then_fail": loader_then_fail, "loader_sum": loader_sum, "train": train_job, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
-                  "dies_when_fetched": die_when_fetched_on_rank_1,
+                  "dies_when_fetched": die_when_fetched_on_rank_1, "slow_to_send": slow_to_send_on_rank_1,
                   "sleep": sleep_past_the_deadline, "asleep_in_c": asleep_in_c, "hold": hold_worker, "loop": loop_until_stopped}
 
 
