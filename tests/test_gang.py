@@ -114,9 +114,21 @@ def test_a_result_slower_to_send_than_the_supervisor_looks_still_arrives(dask_cl
     # The supervisor looks every RESULT_FETCH_WAIT_S without cancelling the fetch in progress:
     # a fetch cancelled at each look would start over and never finish.
     monkeypatch.setattr(supervision, "RESULT_FETCH_WAIT_S", 0.5)
-    state = gang_flow(dask_cluster.scheduler_address, "slow_to_send", {"seconds": 2.0}, return_state=True)
+    state = gang_flow(dask_cluster.scheduler_address, "slow_to_send", {"seconds": 2.0}, timeout_s=60,
+                      return_state=True)
     results = state.result()
     assert isinstance(results[1], SlowToSend) and [a.ended for a in results.attempts] == ["completed"]
+
+
+def test_a_result_that_cannot_be_sent_fails_the_run_at_once_naming_its_rank(dask_cluster):
+    # The same each attempt: re-forming would train again for nothing.
+    state = gang_flow(dask_cluster.scheduler_address, "unsendable", {}, max_restarts=1, timeout_s=120,
+                      return_state=True)
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match=r"Rank 1 on tcp://\S+ finished, but the flow could not fetch its result"):
+        state.result()
+    runs = assert_no_task_run_left_running(state.state_details.flow_run_id)
+    assert len([r for r in runs if r.name.startswith("rank-")]) == 2  # one attempt, not two
 
 
 def test_the_timeout_covers_all_attempts_and_stops_the_ranks_without_re_forming(dask_cluster):

@@ -170,7 +170,7 @@ def _collect_failures(client: distributed.Client, pending: dict[distributed.Futu
 
 def _finished_state(client: distributed.Client, future: distributed.Future[Any], ctx: RankContext,
                     deadline: Deadline) -> State | str:
-    """A finished rank's final state, fetched from its worker; or why the flow could not have it.
+    """A finished rank's final state, fetched from its worker; or, its worker gone, why the flow cannot have it.
 
     Dask keeps a task's result on its worker until a client fetches it. Fetched from a worker
     that has left, Dask runs the task again, and a rank's task may run on that worker alone
@@ -187,8 +187,9 @@ def _finished_state(client: distributed.Client, future: distributed.Future[Any],
                     "lost) after its rank finished, before the flow had its result")
         if deadline.passed():
             raise deadline.exceeded(f"rank {ctx.rank}'s result was still being fetched from {ctx.worker_address}")
-    if (error := fetched.exception()) is not None:
-        return f"Rank {ctx.rank} on {ctx.worker_address} finished, but the flow could not fetch its result: {error!r}"
+    if (error := fetched.exception()) is not None:  # e.g. a result that cannot be sent: the same each attempt
+        raise RuntimeError(f"Rank {ctx.rank} on {ctx.worker_address} finished, but the flow could not fetch its "
+                           f"result: {error!r}") from error
     return fetched.result()
 
 

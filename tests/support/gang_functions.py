@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -84,6 +85,11 @@ class SlowToSend:
 def slow_to_send_on_rank_1(ctx: RankContext, config: dict) -> dict | SlowToSend:
     reported = report_rank(ctx, config)  # with its peer's collective
     return SlowToSend(config["seconds"], os.getpid()) if ctx.rank == 1 else reported
+
+
+def unsendable_on_rank_1(ctx: RankContext, config: dict) -> dict | object:
+    reported = report_rank(ctx, config)  # with its peer's collective
+    return threading.Lock() if ctx.rank == 1 else reported  # no pickle can send a lock
 
 
 def die_when_fetched_on_rank_1(ctx: RankContext, config: dict) -> dict | KillsItsWorkerWhenSent:
@@ -232,6 +238,7 @@ def child_pids() -> list[int]:
 
 RANK_FUNCTIONS = {"report": report_rank, "loader_then_fail": loader_then_fail, "loader_sum": loader_sum, "train": train_job, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
                   "dies_when_fetched": die_when_fetched_on_rank_1, "slow_to_send": slow_to_send_on_rank_1,
+                  "unsendable": unsendable_on_rank_1,
                   "sleep": sleep_past_the_deadline, "asleep_in_c": asleep_in_c, "hold": hold_worker, "loop": loop_until_stopped}
 
 
