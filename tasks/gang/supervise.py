@@ -182,7 +182,7 @@ def _finished_state(client: distributed.Client, future: distributed.Future[Any],
     fetched: concurrent.futures.Future[State] = concurrent.futures.Future()
     threading.Thread(target=_fetch, args=(future, fetched), name=f"rank-{ctx.rank}-result", daemon=True).start()
     while not concurrent.futures.wait([fetched], timeout=RESULT_FETCH_WAIT_S).done:
-        if ctx.worker_address not in set(cluster_workers(client)):
+        if _departed(client, {future: ctx}):  # confirmed by a second read, as for a running rank
             return (f"Worker {ctx.worker_address} of rank {ctx.rank} left the cluster (killed, out of memory or "
                     "lost) after its rank finished, before the flow had its result")
         if deadline.passed():
