@@ -17,7 +17,7 @@ from prefect_ddp.tasks.gang import GangError, GangTimeout
 import prefect_ddp.tasks.gang.supervise as supervision
 from prefect_ddp.tasks.gang.supervise import FAILURE_GRACE_S
 from tests.support.api_helpers import all_logs, assert_no_task_run_left_running, rank_task_runs
-from tests.support.gang_functions import SlowToSend, child_pids, gang_flow
+from tests.support.gang_functions import SlowToSend, child_pids, gang_flow, resident_mb
 
 
 # The session's cluster has 2 workers on this host's cores: a rank takes half of them.
@@ -234,3 +234,17 @@ def test_a_rank_that_failed_with_a_loader_alive_leaves_no_loader_processes_and_t
     assert not any(left.values()), f"loader processes left on the workers: {left}"
     results = gang_flow(address, "loader_sum", {})
     assert [r["sum"] for r in results] == [2 * 2016.0] * 2
+
+
+def test_a_finished_rank_gives_the_memory_it_freed_back_to_the_operating_system(dask_cluster):
+    """A rank's thread is new each gang and glibc kept what it freed: a worker grew run after
+    run (bench/RESULTS.md, "Worker memory over many runs"). This rank frees ~200 MB around
+    blocks it keeps, the holes glibc never returns by itself."""
+    address = dask_cluster.scheduler_address
+    (rank,) = gang_flow(address, "leave_holes", {}, world_size=1)
+    with distributed.Client(address) as client:
+        after = client.run(resident_mb, workers=[rank["worker"]])[rank["worker"]]
+    grown = rank["peak"] - rank["before"]
+    assert grown > 150, f"the rank allocated only {grown} MB: the test proves nothing"
+    assert after - rank["before"] < grown / 2, (
+        f"worker at {after} MB after the rank, {rank['before']} before it, {rank['peak']} at its peak")

@@ -8,7 +8,6 @@ not Failed, so the report tells a stop from the failure that caused it.
 
 from __future__ import annotations
 
-import gc
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,6 +22,7 @@ from prefect.states import Cancelled, State
 from prefect_ddp.tasks.gang.context import RankContext
 from prefect_ddp.tasks.gang.errors import GangRegroup, GangStopped
 from prefect_ddp.tasks.gang.fencing import fenced
+from prefect_ddp.tasks.gang.freed_memory import return_freed_memory
 from prefect_ddp.tasks.gang.plan import host_of
 from prefect_ddp.tasks.gang.process_group import process_group
 from prefect_ddp.tasks.gang.progress import forget_progress, send_progress
@@ -61,13 +61,17 @@ def run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankCo
     """One rank: join the process group, run the training function, always leave the group.
 
     While it runs, its worker process knows it (`stale.running`): a later gang that finds it
-    there, its own gang gone, stops it before starting a rank beside it."""
+    there, its own gang gone, stops it before starting a rank beside it. When it ends, what
+    it freed goes back to the operating system (`freed_memory`), or each gang would leave
+    its worker larger."""
     with running(ctx.worker_address, ctx.rank, holder, ctx.stop_flag, task_run.get_id()):
         try:
             return _run_rank(train_fn, config, ctx, threads)
         except BaseException as error:
             let_go_of_failed_rank(error)
             raise
+        finally:
+            return_freed_memory()
 
 
 def let_go_of_failed_rank(error: BaseException) -> None:
@@ -79,10 +83,10 @@ def let_go_of_failed_rank(error: BaseException) -> None:
     of that lived on in the worker: the next gang there forked its loaders beside the old
     iterators, which failed in the children ("can only test a child process", a segfault,
     "DataLoader worker exited unexpectedly"), gang after gang (issue 33's soak). Clearing the
-    finished frames keeps the traceback's text; the collection frees the cycles at once.
+    finished frames keeps the traceback's text; `return_freed_memory`, as every rank ends,
+    collects the cycles at once.
     """
     traceback.clear_frames(error.__traceback__)
-    gc.collect()
 
 
 def _run_rank(train_fn: Callable[[RankContext, Any], R], config: Any, ctx: RankContext, threads: int) -> R | State:

@@ -231,12 +231,30 @@ def loader_sum(ctx: RankContext, config: dict) -> dict:
     return {"sum": all_reduce_sum([total])[0], "children": child_pids()}
 
 
+KEPT_BLOCKS: list[bytes] = []  # what leave_holes keeps in its worker, for the rest of the session
+
+
+def leave_holes(ctx: RankContext, config: dict) -> dict:
+    """Allocate about 200 MB in 1 kB blocks and keep every 64th, as a worker keeps a few objects
+    of every run: the rest is freed as the rank returns, in holes glibc keeps for its thread."""
+    before = resident_mb()
+    blocks = [bytes(1000 + (i & 1)) for i in range(200_000)]
+    peak = resident_mb()
+    KEPT_BLOCKS.extend(blocks[::64])
+    return {"worker": ctx.worker_address, "before": before, "peak": peak}
+
+
+def resident_mb() -> int:
+    """This process's resident memory (also with `client.run`, on a worker)."""
+    return psutil.Process().memory_info().rss >> 20
+
+
 def child_pids() -> list[int]:
     """The processes this one started that still run (also with `client.run`, on a worker)."""
     return sorted(child.pid for child in psutil.Process().children(recursive=True))
 
 
-RANK_FUNCTIONS = {"report": report_rank, "loader_then_fail": loader_then_fail, "loader_sum": loader_sum, "train": train_job, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
+RANK_FUNCTIONS = {"report": report_rank, "loader_then_fail": loader_then_fail, "loader_sum": loader_sum, "leave_holes": leave_holes, "train": train_job, "freeze": freeze_rank_1, "slow": slow_but_alive, "fail": fail_on_rank_1, "kill": kill_worker_on_rank_1,
                   "dies_when_fetched": die_when_fetched_on_rank_1, "slow_to_send": slow_to_send_on_rank_1,
                   "unsendable": unsendable_on_rank_1,
                   "sleep": sleep_past_the_deadline, "asleep_in_c": asleep_in_c, "hold": hold_worker, "loop": loop_until_stopped}
