@@ -1,13 +1,16 @@
 """Give the memory a finished rank freed back to the operating system.
 
-A rank runs in a thread of its own (`rank.leave_worker_thread_pool`), new for every gang, and
-glibc serves each thread from an arena that keeps what the thread freed, in holes between
-blocks still in use, for the next allocation. A worker that runs gang after gang kept growing:
+A rank runs in a thread of its own (`rank.leave_worker_thread_pool`: a pool thread that leaves
+the pool, replaced by a new one, so each gang's ranks run in other threads), and glibc serves
+each thread from an arena that keeps what the thread freed, in holes between blocks still in
+use, for the next allocation. A worker that runs gang after gang kept growing:
 two workers of a LocalCluster, the training flow 12 times (mobilenet_v3_small), went
 893 -> 1,198 and 865 -> 1,048 MB, and a `malloc_trim(0)` at the end took them back to 928 and
 911 (bench/RESULTS.md, "Worker memory over many runs"). Dask's answer, the nanny's
 `MALLOC_TRIM_THRESHOLD_`, trims during training and made it slower, so the gang drops it
-(blocks/cluster.py); trimming once, when a rank ends, costs nothing to training.
+(blocks/cluster.py). Trimming once, after a rank's training, costs training nothing: about 0.3 s
+for 2 GB freed (collection and trim), during which other threads of the worker wait only if
+they share the rank's arena (`MALLOC_ARENA_MAX=1`).
 """
 
 from __future__ import annotations

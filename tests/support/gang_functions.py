@@ -24,6 +24,7 @@ from prefect_dask import DaskTaskRunner
 from torch.utils.data import DataLoader, TensorDataset
 
 from prefect_ddp.tasks.gang import GangStopped, RankContext, all_reduce_sum, run_gang
+from prefect_ddp.tasks.gang.freed_memory import return_freed_memory
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
 from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
 from prefect_ddp.tasks.sweeps.sweep import sweep
@@ -236,7 +237,10 @@ KEPT_BLOCKS: list[bytes] = []  # what leave_holes keeps in its worker, for the r
 
 def leave_holes(ctx: RankContext, config: dict) -> dict:
     """Allocate about 200 MB in 1 kB blocks and keep every 64th, as a worker keeps a few objects
-    of every run: the rest is freed as the rank returns, in holes glibc keeps for its thread."""
+    of every run: the rest is freed as the rank returns, in holes glibc keeps for its thread.
+    The thread may have run other tasks before: what they left free in its arena is first
+    given back, so that the blocks take new pages and the growth is seen."""
+    return_freed_memory()
     before = resident_mb()
     blocks = [bytes(1000 + (i & 1)) for i in range(200_000)]
     peak = resident_mb()
