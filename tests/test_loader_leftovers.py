@@ -9,10 +9,12 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -90,6 +92,20 @@ def test_a_killed_loader_s_temp_folder_is_removed_and_a_live_one_s_kept(short_tm
     remove_dead_loader_folders()
     assert temp_entries(str(tmp_path)) == both - left  # the live loader's folder stays
     assert next(alive).shape == (4, 4)  # and it still sends batches through it
+
+
+def test_a_killed_loader_its_rank_has_not_reaped_yet_is_dead(short_tmp, monkeypatch, default_sigchld):
+    """A persistent loader killed after the epoch's last batch stays a zombie while its rank holds
+    the loader, as it does when its clean-up looks: its folder was left (issue 33's flows soak)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
+    killed = loader_with_a_batch_sent()
+    (victim,) = killed._workers
+    os.kill(victim.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while psutil.Process(victim.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, psutil.Process(victim.pid).status()
+        time.sleep(0.05)
+    assert [p.name for p in dead_loader_folders(str(short_tmp))] == sorted(temp_entries(str(short_tmp)))
 
 
 def test_a_folder_whose_pid_now_belongs_to_a_later_process_is_dead(tmp_path):

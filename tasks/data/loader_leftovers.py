@@ -11,7 +11,7 @@ processes binding theirs.
 So each of the recipe's loader processes makes its multiprocessing temp folder itself, first
 thing (`use_own_temp_folder`, run by the DataLoader's `worker_init_fn`), named for the process:
 its pid and start time. Any rank on the host can then tell a dead process's folder for sure,
-the pid gone or reused by a process started at another time, and removes it
+the pid gone, a zombie, or reused by a process started at another time, and removes it
 (`remove_dead_loader_folders`, when a rank starts loaders and when it ends).
 """
 
@@ -55,11 +55,17 @@ def started_ms(process: psutil.Process) -> int:
 
 
 def owner_is_gone(name: str) -> bool:
-    """Whether the process a folder is named for (`PREFIX` pid - start ms in hex) no longer runs."""
+    """Whether the process a folder is named for (`PREFIX` pid - start ms in hex) no longer runs.
+
+    A killed loader that its rank has not reaped yet is a zombie, and is gone: one killed after
+    the epoch's last batch stays a zombie until the rank's loader is freed, after the rank's own
+    clean-up has looked (the flows soak found its folder left; bench/RESULTS.md, issue 33)."""
     pid_text, started_text = name.removeprefix(PREFIX).split("-")[:2]
     pid, started = int(pid_text), int(started_text, 16)
     try:
-        return abs(started_ms(psutil.Process(pid)) - started) > 1000  # the pid reused by a later process
+        process = psutil.Process(pid)
+        reused = abs(started_ms(process) - started) > 1000  # the pid now belongs to a later process
+        return reused or process.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
 
