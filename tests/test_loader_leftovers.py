@@ -7,6 +7,8 @@ import multiprocessing.process
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -20,7 +22,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from prefect_ddp.tasks.data.dataset import forked_workers
-from prefect_ddp.tasks.data.loader_leftovers import PREFIX, dead_loader_folders, remove_dead_loader_folders
+from prefect_ddp.tasks.data.loader_leftovers import (PREFIX, dead_loader_folders, owner_is_gone,
+                                                     remove_dead_loader_folders, started_ms)
 
 
 class Tensors(Dataset[torch.Tensor]):
@@ -101,11 +104,45 @@ def test_a_killed_loader_its_rank_has_not_reaped_yet_is_dead(short_tmp, monkeypa
     killed = loader_with_a_batch_sent()
     (victim,) = killed._workers
     os.kill(victim.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while psutil.Process(victim.pid).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, psutil.Process(victim.pid).status()
-        time.sleep(0.05)
+    wait_until_dead(victim.pid)
     assert [p.name for p in dead_loader_folders(str(short_tmp))] == sorted(temp_entries(str(short_tmp)))
+
+
+def wait_until_dead(pid: int) -> None:
+    """Until `pid` is a zombie whose threads have all ended (they end a moment after the main
+    one), or reaped already (a process started meanwhile reaps every finished child of this
+    one: the session's nanny restarting a worker, say)."""
+    deadline = time.monotonic() + 60
+    try:
+        process = psutil.Process(pid)
+        while process.status() != psutil.STATUS_ZOMBIE or process.num_threads() > 1:
+            assert time.monotonic() < deadline, f"pid {pid} still runs 60 s after SIGKILL"
+            time.sleep(0.05)
+    except psutil.NoSuchProcess:
+        pass
+
+
+# A process whose main thread ends (native code can) while another thread runs on.
+MAIN_THREAD_ENDS = """
+import ctypes, threading, time
+threading.Thread(target=lambda: time.sleep(600)).start()
+ctypes.CDLL("libc.so.6").pthread_exit(None)
+"""
+
+
+def test_a_live_process_whose_main_thread_ended_is_not_dead():
+    """Its status reads zombie, but it still runs, and may still use its folder."""
+    with subprocess.Popen([sys.executable, "-c", MAIN_THREAD_ENDS]) as child:
+        try:
+            process = psutil.Process(child.pid)
+            deadline = time.monotonic() + 60
+            while process.status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline, process.status()
+                time.sleep(0.05)
+            assert process.num_threads() == 2
+            assert not owner_is_gone(f"{PREFIX}{child.pid}-{started_ms(process):x}")
+        finally:
+            child.kill()
 
 
 def test_a_folder_whose_pid_now_belongs_to_a_later_process_is_dead(tmp_path):

@@ -59,13 +59,15 @@ def owner_is_gone(name: str) -> bool:
 
     A killed loader that its rank has not reaped yet is a zombie, and is gone: one killed after
     the epoch's last batch stays a zombie until the rank's loader is freed, after the rank's own
-    clean-up has looked (the flows soak found its folder left; bench/RESULTS.md, issue 33)."""
+    clean-up has looked (the flows soak found its folder left; bench/RESULTS.md, issue 33). Only
+    a zombie without threads: a process whose main thread ended while others run (native code
+    can) also reads as a zombie, and still uses its folder."""
     pid_text, started_text = name.removeprefix(PREFIX).split("-")[:2]
     pid, started = int(pid_text), int(started_text, 16)
     try:
         process = psutil.Process(pid)
         reused = abs(started_ms(process) - started) > 1000  # the pid now belongs to a later process
-        return reused or process.status() == psutil.STATUS_ZOMBIE
+        return reused or (process.status() == psutil.STATUS_ZOMBIE and process.num_threads() <= 1)
     except psutil.NoSuchProcess:
         return True
 
