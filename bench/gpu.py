@@ -10,11 +10,16 @@ in the same run:
   augments them on the device (`training.decode_on="device"`, tasks/data/device_batches.py).
 
 It prints images/s of each and the ratio of each S3 row to the synthetic one (target:
-at least 0.9). Written for the lent GPU machine; `--device cpu` with a small model and
-few images runs the same code here, to check it, not to measure anything.
+at least 0.9). Each S3 row iterates its DataLoader epoch after epoch, as training does, so
+the timed steps may span epoch starts (the defaults: 1,536 images make epochs of 12 batches
+of 128, and the 3 warm-up and 30 timed steps cross two of them), which training pays too.
+Written for the lent GPU machine; `--device cpu` with a small model and few images runs the
+same code here, to check it, not to measure anything.
 
-    .venv/bin/python -m bench.gpu                                     # on a GPU machine
+    source .gpu/setup.sh && python -m bench.gpu                       # on the lent GPU machine
     .venv/bin/python -m bench.gpu --device cpu --model resnet18 --per-class 8 --steps 4 --batch-size 8
+
+bench/gpu_check.py runs it on the GPU machine together with the gpu-marked tests.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -53,7 +59,9 @@ from prefect_ddp.tasks.training.recipe import autocast_dtype
 
 IMAGE_SIZE = 224
 CLASSES = 3
+WARMUP_STEPS = 3
 log = logging.getLogger("bench.gpu")
+Batch = TypeVar("Batch")
 
 
 @dataclass
@@ -93,20 +101,39 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, amp_dtype:
 
 
 def timed(name: str, batches: Iterable, inputs: ToDevice, step: Callable, steps: int, batch_size: int) -> Row:
-    """Images/s over `steps` steps, after warm-up steps that fork workers and fill the pipeline."""
-    warmup = 3
-    started = None
-    for done, (images, labels) in enumerate(batches):
-        if done == warmup:
+    """Images/s over `steps` steps, after warm-up steps that fork workers and fill the pipeline.
+
+    `batches` must not run out (`synthetic_batches`, or a loader through `epochs`)."""
+    started = time.perf_counter()
+    done = 0
+    for done, (images, labels) in enumerate(batches, start=1):
+        if done == WARMUP_STEPS + 1:
             synchronize(inputs.device)
             started = time.perf_counter()
         step(*inputs(images, labels))
-        if done + 1 == warmup + steps:
+        if done == WARMUP_STEPS + steps:
             break
     else:
-        raise ValueError(f"{name}: the loader ran out after {done + 1} batches; give more --per-class images.")
+        raise ValueError(f"{name}: the batches ran out after {done} of {WARMUP_STEPS + steps}; "
+                         "pass a loader through epochs(), which starts it again as training does.")
     synchronize(inputs.device)
     return Row(name, steps * batch_size / (time.perf_counter() - started))
+
+
+def epochs(loader: DataLoader[Batch], name: str) -> Iterator[Batch]:
+    """The loader's batches, epoch after epoch, as training iterates it: a timed window that
+    spans an epoch's start pays what training pays there, and a short dataset cannot run out.
+
+    Raises ValueError where an epoch makes no batch at all (fewer images than a batch with
+    `drop_last`), which would otherwise loop for ever."""
+    while True:
+        made = 0
+        for made, batch in enumerate(loader, start=1):
+            yield batch
+        if not made:
+            raise ValueError(f"{name}: an epoch of {len(loader.dataset)} images makes no batch of "  # type: ignore[arg-type]
+                             f"{loader.batch_size} (drop_last); give --per-class at least "
+                             f"{-(-(loader.batch_size or 1) // CLASSES)} or a smaller --batch-size.")
 
 
 def synchronize(device: torch.device) -> None:
@@ -134,21 +161,21 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
     cfg = TrainingConfig(image_size=IMAGE_SIZE, batch_size=args.batch_size)
-    model = build_model(ModelConfig(backbone=args.model), CLASSES).to(device, memory_format=torch.channels_last)
+    model = build_model(ModelConfig(backbone=args.model), CLASSES).to(device).to(memory_format=torch.channels_last)
     step = training_step(model, build_optimizer(model, cfg, world_size=1), autocast_dtype(cfg, device, log))
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-gpu-")))
         write_files(work / "images" / "photo", photo_dataset(args.per_class))
         front = stack.enter_context(latency_endpoint(work, BUCKET, work / "images", args.latency_ms))
         source = Source(work / "images" / "photo", "photo", train_transform(IMAGE_SIZE), front.url)
+        on_cpu = f"S3 (+{args.latency_ms:g} ms), decoded by {args.workers} loader workers"
+        on_device = f"S3 (+{args.latency_ms:g} ms), decoded on the device"
         rows = [
             timed("synthetic tensors on the device", synthetic_batches(device, args.batch_size),
                   ToDevice(device, channels_last=True), step, args.steps, args.batch_size),
-            timed(f"S3 (+{args.latency_ms:g} ms), decoded by {args.workers} loader workers",
-                  s3_loader(source, args, on_device=False), ToDevice(device, channels_last=True),
-                  step, args.steps, args.batch_size),
-            timed(f"S3 (+{args.latency_ms:g} ms), decoded on the device",
-                  s3_loader(source, args, on_device=True),
+            timed(on_cpu, epochs(s3_loader(source, args, on_device=False), on_cpu),
+                  ToDevice(device, channels_last=True), step, args.steps, args.batch_size),
+            timed(on_device, epochs(s3_loader(source, args, on_device=True), on_device),
                   ToDevice(device, channels_last=True, transform=train_transform(IMAGE_SIZE)),
                   step, args.steps, args.batch_size),
         ]
@@ -160,7 +187,11 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
     print(f"Machine: {machine()}")
     print(f"Command: {' '.join([os.path.relpath(sys.executable), '-m', 'bench.gpu', *sys.argv[1:]])}")
     print(f"{args.model}, batch {args.batch_size}, {args.steps} timed steps, channels-last, "
-          f"autocast {autocast_dtype(TrainingConfig(), torch.device(args.device), log) or 'off'}\n")
+          f"autocast {autocast_dtype(TrainingConfig(), torch.device(args.device), log) or 'off'}")
+    per_epoch = CLASSES * args.per_class // args.batch_size
+    print(f"S3 rows: an epoch is {per_epoch} batches ({CLASSES * args.per_class} images), so their "
+          f"{WARMUP_STEPS} warm-up and {args.steps} timed steps span "
+          f"{-(-(WARMUP_STEPS + args.steps) // per_epoch)} epochs\n")
     print("| feed | images/s | ratio to synthetic (target >= 0.9) |\n|---|---:|---:|")
     for row in rows:
         print(f"| {row.name} | {row.images_per_s:,.1f} | {row.images_per_s / rows[0].images_per_s:.2f}x |")

@@ -177,9 +177,10 @@ class TrainingConfig(_Strict):
         "for when the CPUs cannot keep the GPU fed). Non-JPEG images decode on the CPU either way.",
     )
     num_workers: int | None = Field(
-        2, ge=0, le=64, description="DataLoader worker processes per rank (0: load inline; "
-        "empty: one per CPU core the rank has, its host's cores shared among the ranks there, "
-        "less one for the rank itself: what a GPU rank needs to keep fed).",
+        None, ge=0, le=64, description="DataLoader worker processes per rank (0: load inline). Empty "
+        "(the default): one per CPU the rank has (the CPUs its worker may run on, shared among the "
+        "workers that may run on them) less one for the rank itself, at most 32: what a GPU rank needs "
+        "to keep fed. The run's log says what it chose and why.",
     )
     fetch_threads: int | None = Field(
         None, ge=1, le=4096, description="Images fetched concurrently per batch. Empty: the batch "

@@ -3,6 +3,7 @@ tests skip (tests/conftest.py)."""
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.device_batches import ToDevice
@@ -13,7 +14,21 @@ from prefect_ddp.tasks.training.step_times import PARTS, StepClock
 
 
 def tiny_loader(device_batches=3):
-    return [(torch.rand(4, 3, 32, 32), torch.randint(0, 3, (4,))) for _ in range(device_batches)]
+    """Batches of 4 random 32 px images, in a DataLoader as the recipe gets (it reads `len()`
+    and `.dataset` of its loader)."""
+    images, labels = torch.rand(4 * device_batches, 3, 32, 32), torch.randint(0, 3, (4 * device_batches,))
+    return DataLoader(TensorDataset(images, labels), batch_size=4)
+
+
+# GradScaler starts at a scale of 2**16; while the scaled gradients overflow float16 it skips
+# the step and halves the scale, so a float16 run's first steps may all be skipped (3 were,
+# on an H200). What float16 training must do: leave the weights alone on a skipped step,
+# find a scale within a bounded number of steps, and then move the weights.
+MAX_STEPS_TO_FIND_A_SCALE = 24  # 2**16 halved 24 times is 2**-8: gradients still inf there are broken
+
+
+def parameters_of(model):
+    return [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.unit
@@ -21,14 +36,30 @@ def tiny_loader(device_batches=3):
 @pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16])
 def test_amp_training_step_on_cuda_updates_weights(amp_dtype):
     device = torch.device("cuda:0")
-    model = build_model(ModelConfig(backbone="resnet18"), 3).to(device, memory_format=torch.channels_last)
-    before = model.fc.weight.detach().clone()
+    # Module.to's documented forms take a device or a memory_format, not both in one call.
+    model = build_model(ModelConfig(backbone="resnet18"), 3).to(device).to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model, TrainingConfig(), world_size=1)
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
     inputs = ToDevice(device, channels_last=True)
-    sums = train_one_epoch(model, tiny_loader(), optimizer, scaler, inputs, amp_dtype)
-    assert sums.count == 12 and torch.isfinite(torch.tensor(sums.loss_sum))
-    assert not torch.equal(before, model.fc.weight.detach())
+    skipped = []
+    for _ in range(MAX_STEPS_TO_FIND_A_SCALE):
+        before, fc_before, scale = parameters_of(model), model.fc.weight.detach().clone(), scaler.get_scale()
+        sums = train_one_epoch(model, tiny_loader(device_batches=1), optimizer, scaler, inputs, amp_dtype)
+        loss_sum, _, count = sums.sums()
+        assert count == 4 and torch.isfinite(torch.tensor(loss_sum))
+        after = parameters_of(model)
+        if scaler.is_enabled() and scaler.get_scale() < scale:  # inf/nan found: the step was skipped
+            assert all(torch.equal(b, a) for b, a in zip(before, after)), f"a skipped step at scale {scale} moved weights"
+            skipped.append(scale)
+            continue
+        assert not torch.equal(fc_before, model.fc.weight.detach()), f"a step taken at scale {scale} left fc.weight as it was"
+        assert all(torch.isfinite(a).all() for a in after)
+        break
+    else:
+        pytest.fail(f"{amp_dtype}: every one of {MAX_STEPS_TO_FIND_A_SCALE} steps was skipped, the scale halved "
+                    f"from {skipped[0]:g} to {scaler.get_scale():g}: the gradients are inf/nan at any scale")
+    if amp_dtype == torch.bfloat16:
+        assert skipped == []  # no scaler: bfloat16 has float32's range
     assert evaluate(model, tiny_loader(), inputs).count == 12
 
 

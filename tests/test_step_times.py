@@ -22,7 +22,7 @@ from prefect_ddp.tasks.data.indexing import build_manifest
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.gang import free_port
 from prefect_ddp.tasks.data.dataset import train_transform
-from prefect_ddp.tasks.training.decode_cost import DecodeProbe, probe_decode
+from prefect_ddp.tasks.training.decode_cost import DecodeCost, DecodeProbe, probe_decode
 from prefect_ddp.tasks.training.recipe import TrainJob
 from prefect_ddp.tasks.training import step_times
 from prefect_ddp.tasks.training.step_times import PARTS, StepClock, epoch_timing, input_advice
@@ -41,7 +41,8 @@ def row(data=1.0, forward=2.0, backward=4.0, sync=0.5, optimizer=0.4, other=0.1,
 
 @pytest.mark.unit
 def test_a_rank_that_waits_for_data_most_of_each_step_is_input_bound_with_the_object_store_advice():
-    timing = epoch_timing([row(data=6.0), row(data=6.0)], input_advice(TrainingConfig(), from_object_store=True))
+    timing = epoch_timing([row(data=6.0), row(data=6.0)], input_advice(TrainingConfig(), from_object_store=True,
+                                                                                 loader_processes=2))
     assert timing.verdict.startswith("input-bound: 46% of each step waits for data; ")
     assert "training.images_per_shard" in timing.verdict and "training.cache_gb" in timing.verdict
     assert timing.images_per_s == round(200 / 13.0, 1)  # both ranks' images over the slower pass
@@ -49,10 +50,25 @@ def test_a_rank_that_waits_for_data_most_of_each_step_is_input_bound_with_the_ob
 
 @pytest.mark.unit
 def test_input_advice_follows_the_run_settings():
-    local = input_advice(TrainingConfig(num_workers=0), from_object_store=False)
+    local = input_advice(TrainingConfig(num_workers=0), from_object_store=False, loader_processes=0)
     assert "training.num_workers" in local and "images_per_shard" not in local
-    sharded = input_advice(TrainingConfig(images_per_shard=64, cache_gb=1.0), from_object_store=True)
+    sharded = input_advice(TrainingConfig(images_per_shard=64, cache_gb=1.0), from_object_store=True,
+                           loader_processes=3)
     assert "images_per_shard" not in sharded and "cache_gb" not in sharded and "more loader workers" in sharded
+
+
+@pytest.mark.unit
+def test_an_input_bound_rank_whose_loaders_are_busy_decoding_is_cpu_bound_with_the_cores_it_needs():
+    # Each rank: 100 images in a 13 s pass (7.7/s), 6.4 s of compute (64 ms per image).
+    busy = DecodeCost(megapixels=0.2, original_s=0.1, resized_s=0.04, side=96)  # 7.7 s of decoding: 1 process busy
+    timing = epoch_timing([row(data=6.0), row(data=6.0)], "advice", lambda: busy, loader_processes=1)
+    assert timing.verdict.startswith("CPU-bound: 46% of each step waits for data while its 1 loader process(es)")
+    # 100 ms of decoding per image at 64 ms of compute: 2 loader processes, and the rank itself.
+    assert "a rank needs about 3 cores (on a GPU host, 3 per GPU)" in timing.verdict
+    assert "it has 2" in timing.verdict
+    # The same decoding spread over 8 loader processes leaves them mostly idle: the storage is what it waits for.
+    idle = epoch_timing([row(data=6.0), row(data=6.0)], "advice", lambda: busy, loader_processes=8)
+    assert idle.verdict.startswith("input-bound: 46% of each step waits for data; advice")
 
 
 @pytest.mark.unit

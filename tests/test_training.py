@@ -1,13 +1,16 @@
 """The recipe at world size 1 (no process group): the real loop, checkpoints and resume."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
-from prefect_ddp.tasks.data.loaders import loader_workers, rank_data
+from prefect_ddp.tasks.data.loaders import MAX_DEFAULT_LOADER_WORKERS, LoaderWorkers, loader_workers, rank_data
+from prefect_ddp.tasks.gang.plan import thread_shares
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.data.storage import save_torch
 from prefect_ddp.tasks.gang import RankContext
@@ -25,7 +28,9 @@ from prefect_ddp.tasks.training.recipe import (
     batch_inputs,
     evaluate,
     train_classifier,
+    train_one_epoch,
 )
+from prefect_ddp.tasks.data.device_batches import ToDevice
 from tests.support.image_folders import local_image_folder
 
 
@@ -221,12 +226,56 @@ def test_loader_workers_default_to_the_ranks_share_of_cores_less_one():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(4)  # as limit_threads sets it: the host's cores over its workers
-        assert loader_workers(TrainingConfig(num_workers=None)) == 3
+        chosen = loader_workers(TrainingConfig(num_workers=None))
+        assert chosen.workers == 3 and "share of its host is 4 CPU(s)" in chosen.why
+        assert "less one for the rank itself" in chosen.why
         torch.set_num_threads(1)
-        assert loader_workers(TrainingConfig(num_workers=None)) == 0
-        assert loader_workers(TrainingConfig(num_workers=2)) == 2
+        assert loader_workers(TrainingConfig(num_workers=None)).workers == 0
+        assert "loads its batches itself" in loader_workers(TrainingConfig(num_workers=None)).why
+        torch.set_num_threads(96)  # a 96-core host with one GPU: capped, and it says so
+        chosen = loader_workers(TrainingConfig(num_workers=None))
+        assert chosen.workers == MAX_DEFAULT_LOADER_WORKERS and "at most 32 by default" in chosen.why
+        assert loader_workers(TrainingConfig(num_workers=2)) == LoaderWorkers(2, "training.num_workers=2, as set")
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.unit
+def test_the_default_loader_workers_are_the_default():
+    assert TrainingConfig().num_workers is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("cpu_sets", "expected"), [
+    ({"tcp://gpu-host:1": tuple(range(16))}, 15),  # a 16-core host with one GPU worker
+    ({"tcp://gpu-host:1": tuple(range(16)), "tcp://gpu-host:2": tuple(range(16))}, 7),  # two workers, no affinity
+    ({"tcp://gpu-host:1": tuple(range(8)), "tcp://gpu-host:2": tuple(range(8, 16))}, 7),  # dask-cuda's pinning
+    ({"tcp://gpu-host:1": tuple(range(16)), "tcp://other-host:1": tuple(range(16))}, 15),  # another host's
+])
+def test_affinity_and_the_workers_sharing_a_host_decide_the_loader_workers(cpu_sets, expected):
+    """The chain a rank goes through: the gang's share (plan.thread_shares), the rank's torch threads
+    set to it (rank.limit_threads), the loader's default from them."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(thread_shares(cpu_sets, ["tcp://gpu-host:1"])["tcp://gpu-host:1"])
+        assert loader_workers(TrainingConfig()).workers == expected
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_process_pinned_to_one_cpu_loads_its_batches_itself():
+    """A real affinity: a process that may run on one CPU gets a share of one, and no loader process."""
+    script = (
+        "import os, torch\n"
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+        "from prefect_ddp.tasks.gang.plan import cpu_set, thread_shares\n"
+        "torch.set_num_threads(thread_shares({'tcp://h:1': cpu_set()}, ['tcp://h:1'])['tcp://h:1'])\n"
+        "from prefect_ddp.tasks.config import TrainingConfig\n"
+        "from prefect_ddp.tasks.data.loaders import loader_workers\n"
+        "print(loader_workers(TrainingConfig()).why)\n"
+    )
+    why = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "is 1 CPU(s), the 1 its worker may run on" in why and "loads its batches itself" in why
 
 
 @pytest.mark.unit
@@ -280,3 +329,30 @@ def test_a_frozen_backbone_without_starting_weights_is_warned_about():
     assert frozen_random_backbone(ModelConfig(freeze_backbone=True, weights="DEFAULT"), warm_started=False) is None
     assert frozen_random_backbone(ModelConfig(freeze_backbone=True), warm_started=True) is None
     assert frozen_random_backbone(ModelConfig(), warm_started=False) is None
+
+
+class KeyedTensors(list):
+    """Batches of a loader whose dataset names its images (stand-ins name theirs by position)."""
+
+    class dataset:  # noqa: N801 - the attribute a DataLoader has
+        keys = [f"img-{i}.jpg" for i in range(8)]
+
+
+@pytest.mark.unit
+def test_a_training_pass_reads_no_value_off_the_device_until_it_is_asked(monkeypatch):
+    """A value read per step (`.item()`) makes a CUDA rank's CPU wait for every step before it can
+    queue the next (tasks/training/pass_sums.py): the pass's sums are read once, when asked."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    # Every batch holds a stand-in for the unreadable image at position 6 (label -7).
+    loader = KeyedTensors((torch.randn(4, 3, 2, 2), torch.tensor([0, 1, -7, 2])) for _ in range(5))
+    reads: list[str] = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    sums = train_one_epoch(model, loader, torch.optim.SGD(model.parameters(), lr=0.1),
+                           torch.amp.GradScaler("cpu", enabled=False), ToDevice(torch.device("cpu")), None)
+    assert reads == []
+    loss_sum, correct, count = sums.sums()
+    assert count == 15 and 0 <= correct <= 15 and loss_sum > 0
+    assert sums.unreadable == {"img-6.jpg"}

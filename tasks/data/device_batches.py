@@ -5,11 +5,18 @@ rank copies finished tensors to its device. A GPU can outrun the CPUs that feed 
 ResNet-50 step on an H100 takes a few ms; decoding 256 photo-sized JPEGs on one core takes
 about a second), so `training.decode_on="device"` moves the decode there instead: the
 loader hands over each image's encoded bytes and the rank decodes the batch's JPEGs in one
-call to torchvision's nvjpeg decoder (`torchvision.io.decode_jpeg(..., device="cuda")`),
-then augments on the GPU with the same torchvision transforms. Images that are not JPEGs
-(PNG, 16-bit, CMYK) are still decoded on the CPU by `prefect_ddp.tasks.data.decoding.open_rgb`.
-nvjpeg ignores EXIF orientation, so each JPEG's tag is read on the CPU (from its header) and
-applied to the decoded tensor (`upright`), as `open_rgb` applies it on the CPU path.
+call to torchvision's nvjpeg decoder (`torchvision.io.decode_jpeg(..., device="cuda")`).
+Images that are not JPEGs (PNG, 16-bit, CMYK) are still decoded on the CPU by
+`prefect_ddp.tasks.data.decoding.open_rgb`. nvjpeg ignores EXIF orientation, so each JPEG's
+tag is read on the CPU (from its header) and applied to the decoded tensor (`upright`), as
+`open_rgb` applies it on the CPU path.
+
+The loader's transform then runs on the batch (`BatchTransform`), not image by image: only
+the crop and resize are per image (the images differ in size until then); the flips are
+applied to the stacked batch, and the dtype conversion and normalisation run once on it.
+Image by image, each of the transform's steps costs the rank's thread a Python call and a
+small kernel per image; batched, the same random draws (torch's CPU generator) make the same
+tensors, and nothing is read back from the device.
 
 An image whose decode fails there (or that is gone: its bytes arrive empty) is left out as
 the loader leaves out those it decodes itself (prefect_ddp.tasks.data.dataset): a stand-in takes its place,
@@ -33,11 +40,10 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 from prefect_ddp.tasks.data.dataset import (
+    BLANK_SIDE,
     EncodedImage,
-    blank_image,
     decoded,
     unreadable_label,
-    with_stand_ins,
 )
 from prefect_ddp.tasks.data.decoding import orientation
 
@@ -87,12 +93,35 @@ def decode_on(device: torch.device, images: list[torch.Tensor]) -> list[torch.Te
 
 
 def jpeg_orientation(data: torch.Tensor) -> int:
-    """The EXIF orientation tag of an encoded JPEG (1 when it has none or its header does not parse)."""
+    """The EXIF orientation tag of an encoded JPEG (1 when it has none or its header does not parse).
+
+    PIL finds the tag in EXIF or XMP, both kept in APP1 segments: a JPEG with none (as the byte
+    cache and shards store their resized copies, `stored_resized`) is upright without opening
+    it, which saves the rank's thread about 70 us an image here."""
+    if not has_app1_segment(data.numpy().data):
+        return 1
     try:
         with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
             return orientation(image)
     except Exception:  # a header the decoder did not mind but PIL cannot read: leave the image as decoded
         return 1
+
+
+APP1, START_OF_SCAN = 0xE1, 0xDA
+
+
+def has_app1_segment(jpeg: memoryview) -> bool:
+    """Whether a JPEG's header (its segments before the image data) holds an APP1 segment; True
+    where the header is not a plain run of segments, so that PIL reads it (`jpeg_orientation`)."""
+    at = 2  # past the start-of-image marker (FF D8): the first segment's marker
+    while at + 4 <= len(jpeg) and jpeg[at] == 0xFF:
+        marker = jpeg[at + 1]
+        if marker == START_OF_SCAN:
+            return False
+        if marker in (APP1, 0xFF):  # APP1, or fill bytes before a marker
+            return True
+        at += 2 + (jpeg[at + 2] << 8 | jpeg[at + 3])  # the marker, then the segment's length, which counts itself
+    return True
 
 
 # EXIF orientation -> the turns that make the stored image upright, as PIL's exif_transpose
@@ -116,6 +145,94 @@ def decode_other(device: torch.device, data: torch.Tensor) -> torch.Tensor | Non
     return None if image is None else v2.functional.pil_to_tensor(image).to(device)
 
 
+# The steps of a loader's transform (prefect_ddp.tasks.data.dataset) by where the device path runs
+# them, in the order they must come: per image (sizing it), per image drawn and applied to the
+# batch (the flip), on the stacked batch. PILToTensor is left out: the decode made the tensor.
+SIZING_STEPS = (v2.RandomResizedCrop, v2.Resize, v2.CenterCrop)
+FLIP_STEPS = (v2.RandomHorizontalFlip,)
+BATCH_STEPS = (v2.ToDtype, v2.Normalize)
+STEP_GROUPS = (SIZING_STEPS, FLIP_STEPS, BATCH_STEPS)
+
+
+def step_group(step: Callable[..., Any]) -> int:
+    """Which of STEP_GROUPS `step` belongs to (its place in the order the steps must come)."""
+    group = next((number for number, group in enumerate(STEP_GROUPS) if isinstance(step, group)), None)
+    if group is None:
+        allowed = ", ".join(kind.__name__ for group in STEP_GROUPS for kind in group)
+        raise TypeError(f"Decoding on the device runs the loader's transform on a batch; it got a {type(step).__name__} "
+                        f"step, and runs only these: PILToTensor, {allowed}. Give it a transform made of them "
+                        "(train_transform, eval_transform), or decode in the loader (decode_on='loader').")
+    return group
+
+
+class Sized(NamedTuple):
+    """An image sized for its batch (uint8 CHW on the device) and whether the batch flips it."""
+
+    image: torch.Tensor
+    flipped: bool
+
+
+class BatchTransform:
+    """A loader's transform (`train_transform`, `eval_transform`) run on a batch of decoded images,
+    making the tensors it makes image by image (module docstring).
+
+    Each image is sized by the transform's crop and resize steps, which draw their parameters
+    as the transform does (`make_params`, from torch's CPU generator), and the flip is drawn
+    after them, per image, as the transform draws it: a seed gives the same crops and flips.
+    The flips are then applied to the stacked batch at once, and so are the dtype conversion
+    and normalisation. Nothing reads a value back from the device.
+
+    >>> from prefect_ddp.tasks.data.dataset import eval_transform
+    >>> batch = BatchTransform(eval_transform(8))
+    >>> images = [batch.sized(torch.zeros(3, 12, 20, dtype=torch.uint8)) for _ in range(2)]
+    >>> tuple(batch.finished(images, torch.contiguous_format).shape)
+    (2, 3, 8, 8)
+    """
+
+    def __init__(self, transform: Callable[..., Any]) -> None:
+        given: list[Any] = transform.transforms if isinstance(transform, v2.Compose) else [transform]
+        steps = [step for step in given if not isinstance(step, v2.PILToTensor)]
+        groups = [step_group(step) for step in steps]
+        if groups != sorted(groups):
+            raise TypeError(f"Decoding on the device sizes each image, then flips, then converts the batch; the "
+                            f"transform's steps come in another order: {[type(step).__name__ for step in steps]}. "
+                            "Order them so (as train_transform does), or decode in the loader (decode_on='loader').")
+        self.sizing = [step for step, group in zip(steps, groups) if group == 0]
+        self.flips = [step for step, group in zip(steps, groups) if group == 1]
+        self.batch_steps = [step for step, group in zip(steps, groups) if group == 2]
+
+    def sized(self, image: torch.Tensor) -> Sized:
+        """`image` (uint8 CHW) cropped and resized by the transform's steps, with its flip drawn."""
+        for step in self.sizing:
+            image = step.transform(image, step.make_params([image]))
+        flipped = False
+        for flip in self.flips:  # RandomHorizontalFlip's own draw: flipped when below p
+            flipped ^= bool(torch.rand(1) < flip.p)
+        return Sized(image, flipped)
+
+    def finished(self, images: Sequence[Sized], memory_format: torch.memory_format) -> torch.Tensor:
+        """`images` stacked in `memory_format`, the flips applied, then the transform's batch steps."""
+        # Laid out on the uint8 stack, a quarter of the float batch's size; the steps keep the layout.
+        batch = torch.stack([image for image, _ in images]).contiguous(memory_format=memory_format)
+        flipped = [flipped for _, flipped in images]
+        if any(flipped):  # the choices are on the host: the mask is copied over, never read back
+            mask = torch.tensor(flipped).to(batch.device, non_blocking=True).view(-1, 1, 1, 1)
+            batch = torch.where(mask, batch.flip(-1), batch)
+        for step in self.batch_steps:
+            batch = step(batch)
+        return batch.contiguous(memory_format=memory_format)
+
+
+def with_sized_stand_ins(images: list[Sized | None], blank: Callable[[], Sized]) -> list[Sized]:
+    """`images` with each unreadable one (None) replaced as a loader's batch replaces it
+    (`prefect_ddp.tasks.data.dataset.with_stand_ins`): by the batch's first readable image,
+    flipped alike, or by `blank()` where none is readable."""
+    stand_in = next((image for image in images if image is not None), None)
+    if stand_in is None:
+        stand_in = blank()
+    return [stand_in if image is None else image for image in images]
+
+
 class ToDevice:
     """Moves (and, for encoded batches, decodes and transforms) a loader's batches onto `device`.
 
@@ -123,8 +240,9 @@ class ToDevice:
         device: the rank's device.
         channels_last: lay images out channels-last, to match a model converted with
             `model.to(memory_format=torch.channels_last)` (faster convolutions on tensor cores).
-        transform: for encoded batches, the per-image transform to run on the device after
-            decoding (the loader's own transform when it decodes). None: batches arrive decoded.
+        transform: for encoded batches, the loader's transform (`train_transform`,
+            `eval_transform`) to run on the device after decoding, on the whole batch
+            (`BatchTransform`). None: batches arrive decoded.
 
     >>> images, labels = ToDevice(torch.device("cpu"))(torch.zeros(2, 3, 8, 8), torch.tensor([0, 1]))
     >>> tuple(images.shape), labels.tolist()
@@ -136,12 +254,13 @@ class ToDevice:
         self.device = device
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.transform = transform
+        self.batched = None if transform is None else BatchTransform(transform)
 
     def __call__(self, images: torch.Tensor | EncodedBatch, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's images and labels on the device; an encoded image that does not decode is
         left out there: a stand-in labelled `unreadable_label(position)` takes its place."""
-        transform = self.transform
-        if transform is None:
+        batched = self.batched
+        if batched is None:
             if isinstance(images, EncodedBatch):
                 raise TypeError("ToDevice got a batch of encoded images but has no transform to run after "
                                 "decoding them: give it the loader's transform (decode_on='device').")
@@ -151,11 +270,15 @@ class ToDevice:
             raise TypeError(f"ToDevice has a transform to run after decoding, so it takes encoded batches "
                             f"(encoded_collate's); got a {type(images).__name__}: give it no transform "
                             "for a loader that decodes.")
-        samples: list[tuple[torch.Tensor | None, int]] = [
-            (None, unreadable_label(position)) if image is None else (transform(image), label)
-            for image, label, position in zip(decode_on(self.device, images.data), labels.tolist(),
-                                              images.positions.tolist())
-        ]
-        ready = with_stand_ins(samples, lambda: blank_image(transform).to(self.device))
-        batch = torch.stack([image for image, _ in ready]).contiguous(memory_format=self.memory_format)
-        return batch, torch.tensor([label for _, label in ready], device=self.device)
+        sized = [None if image is None else batched.sized(image) for image in decode_on(self.device, images.data)]
+        kept_labels = [label if image is not None else unreadable_label(position)
+                       for image, label, position in zip(sized, labels.tolist(), images.positions.tolist())]
+        ready = with_sized_stand_ins(sized, lambda: batched.sized(self.blank()))
+        # Copied without blocking: a blocking copy would first wait for all the work queued on the
+        # device (the previous step), which this batch's work could otherwise overlap.
+        return (batched.finished(ready, self.memory_format),
+                torch.tensor(kept_labels).to(self.device, non_blocking=True))
+
+    def blank(self) -> torch.Tensor:
+        """The black image `prefect_ddp.tasks.data.dataset.blank_image` starts from, decoded on the device."""
+        return torch.zeros(3, BLANK_SIDE, BLANK_SIDE, dtype=torch.uint8, device=self.device)

@@ -26,6 +26,7 @@ from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform
 from prefect_ddp.tasks.data.device_batches import encoded_collate
+from prefect_ddp.tasks.data.epoch_ahead import EpochAhead
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.loader_leftovers import remove_dead_loader_folders
 from prefect_ddp.tasks.data.manifest import Manifest
@@ -33,7 +34,7 @@ from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
 from prefect_ddp.tasks.data.shard_writer import shard_format
 from prefect_ddp.tasks.data.splitting import Split
-from prefect_ddp.tasks.gang import RankContext
+from prefect_ddp.tasks.gang import RankContext, cpu_set
 from prefect_ddp.tasks.location import Location
 
 
@@ -69,6 +70,8 @@ class RankData:
     # a decoding cost for rank 0 to measure (prefect_ddp.tasks.training.decode_cost). Through the
     # byte cache it decodes them in the first epoch, and from then on the resized copies it keeps.
     decodes_originals: bool
+    loader_workers: LoaderWorkers  # how many loader processes each loader has, and why
+    train_epochs: EpochAhead  # the train loader's epochs, the next started while this one validates
 
     @property
     def source_options(self) -> dict[str, Any]:
@@ -99,7 +102,8 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
     val_tf = None if on_device else eval_transform(cfg.image_size)
     collate: dict[str, Any] = {"collate_fn": encoded_collate} if on_device else {}
     val_set = dataset(split.val, val_tf)
-    workers = loader_workers(cfg)
+    chosen = loader_workers(cfg)
+    workers = chosen.workers
     loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": ctx.device.startswith("cuda")}
     if workers:
         require_non_daemonic(workers)
@@ -123,15 +127,54 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
         train_loader = FetchAheadLoader(train_set, sampler, cfg.batch_size, **collate, **loader_options)
         stored_resized = False
     return RankData(train_loader, val_loader, images, output_options,
-                    decodes_originals=not on_device and not stored_resized)
+                    decodes_originals=not on_device and not stored_resized, loader_workers=chosen,
+                    train_epochs=EpochAhead(train_loader))
 
 
-def loader_workers(cfg: TrainingConfig) -> int:
-    """training.num_workers, or with none given, the rank's share of its host's cores less one.
+# The most loader processes a rank starts by default, however many cores it has: each holds its
+# prefetched batches in shared memory (2 x 128 images at 224 px are 154 MB), and a 96-core host with
+# one GPU would otherwise start 95 for training and 95 for validation. Set training.num_workers for more.
+MAX_DEFAULT_LOADER_WORKERS = 32
 
-    The gang sets each rank's torch threads to that share (prefect_ddp.tasks.gang.plan.thread_shares).
+
+@dataclass(frozen=True)
+class LoaderWorkers:
+    """How many loader processes a rank starts, and why: the run says both (docs/running.md)."""
+
+    workers: int
+    why: str
+
+
+def loader_workers(cfg: TrainingConfig) -> LoaderWorkers:
+    """training.num_workers where it is set, else `default_loader_workers()`."""
+    if cfg.num_workers is not None:
+        return LoaderWorkers(cfg.num_workers, f"training.num_workers={cfg.num_workers}, as set")
+    return default_loader_workers()
+
+
+def default_loader_workers() -> LoaderWorkers:
+    """One loader process per CPU of this rank's share of its host, less one for the rank itself.
+
+    The share is the CPUs its worker may run on (its affinity: dask-cuda pins each GPU's worker to
+    the cores near that GPU, and the loader processes inherit it) over the workers of the cluster
+    that may run on the same CPUs; the gang sets each rank's torch threads to it
+    (prefect_ddp.tasks.gang.plan.thread_shares) before the recipe asks. A constant would starve a
+    GPU host's ranks (2 loader processes fed an H200 at a tenth of its ceiling, bench/RESULTS.md)
+    or crowd a small host's. At most MAX_DEFAULT_LOADER_WORKERS.
+
+    >>> chosen = default_loader_workers()
+    >>> chosen.workers == min(MAX_DEFAULT_LOADER_WORKERS, torch.get_num_threads() - 1)
+    True
     """
-    return cfg.num_workers if cfg.num_workers is not None else max(0, torch.get_num_threads() - 1)
+    share = torch.get_num_threads()
+    cpus = len(cpu_set())
+    workers = min(MAX_DEFAULT_LOADER_WORKERS, max(0, share - 1))
+    sharers = max(1, round(cpus / max(share, 1)))
+    why = (f"training.num_workers empty: this rank's share of its host is {share} CPU(s), the {cpus} its "
+           f"worker may run on over the {sharers} worker(s) that share them, less one for the rank itself")
+    if share - 1 > MAX_DEFAULT_LOADER_WORKERS:
+        why += f", at most {MAX_DEFAULT_LOADER_WORKERS} by default"
+    return LoaderWorkers(workers, why + ("" if workers else ": the rank loads its batches itself"))
 
 
 def require_non_daemonic(num_workers: int) -> None:

@@ -22,8 +22,9 @@ packs the training images into tar shards once and reads those instead:
   decoded (reduced-size for a JPEG, upright: `open_rgb`), resized so that side is `side`
   and stored as a JPEG at `quality`; one no larger is stored as it is. A 12-MP photo that
   costs training ~60-200 ms of decoding per epoch then costs ~2 ms (docs/architecture.md,
-  "Data: pre-resized shards"). The writer decodes on threads (PIL releases the GIL) and
-  records the bytes it read and wrote and the CPU time its decoding took.
+  "Data: pre-resized shards"). The writer decodes on every core its worker may use
+  (prefect_ddp.tasks.data.cpu_share) and records the bytes it read and wrote and the CPU
+  time its decoding took.
 - KEY digests the source root, the training images (paths, sizes, labels), the classes, the
   order's seed and the format (shard size, side, quality), so a later run over the same
   data, split and format reuses the shards, and a changed image (another size), another
@@ -37,11 +38,9 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import random
 import tarfile
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -53,6 +52,7 @@ from prefect_dask import DaskTaskRunner
 from pydantic import BaseModel
 
 from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.cpu_share import map_on_cpus
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, decode_side
 from prefect_ddp.tasks.data.decoding import RESIZED_QUALITY, Stored, stored_resized
 from prefect_ddp.tasks.data.manifest import Manifest
@@ -309,8 +309,7 @@ def pack(source: S3ImageFolder, chunk: ShardChunk, fmt: ShardFormat) -> tuple[by
     fetched = source.fetch(indices)
     stored = [Stored(data) for data in fetched]
     if fmt.side:
-        with ThreadPoolExecutor(max_workers=os.cpu_count()) as threads:
-            stored = list(threads.map(partial(stored_resized, side=fmt.side, quality=fmt.quality), fetched))
+        stored = map_on_cpus(partial(stored_resized, side=fmt.side, quality=fmt.quality), fetched)
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for i, image in zip(indices, stored):

@@ -24,6 +24,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_ddp.tasks.config import DataConfig
 from prefect_ddp.tasks.data.check_memory import CheckMemory, DecodeResult
+from prefect_ddp.tasks.data.cpu_share import map_on_cpus
 from prefect_ddp.tasks.data.dataset import SHOWN_KEYS, FetchTimeout
 from prefect_ddp.tasks.data.decoding import decode_upright
 from prefect_ddp.tasks.data.manifest import Manifest
@@ -35,6 +36,8 @@ from prefect_ddp.tasks.reporting import markdown_table
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.urls import is_s3
 
+# Images per decode-check task. Each chunk decodes on every core its worker may use (decode_chunk), so a
+# worker of one thread keeps its cores busy on one chunk: on 16 cores, 16 images a thread.
 CHUNK_SIZE = 256
 FETCH_CONCURRENCY = 32
 FETCH_ATTEMPTS = 4
@@ -129,7 +132,8 @@ def _excluded(position: int, error: Exception) -> DecodeResult:
 
 @task(name="decode-check", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient)
 def decode_chunk(location: Location, keys: list[str], positions: list[int]) -> list[DecodeResult]:
-    """Fetch and decode one chunk of images on a Dask worker.
+    """Fetch and decode one chunk of images on a Dask worker, decoding on every core the worker may
+    use, not on the one thread a GPU cluster's worker has (prefect_ddp.tasks.data.cpu_share).
 
     Only images that fail to decode or are missing are left out. A fetch that still fails
     after retries (throttling, a reset connection) says nothing about the image, so it
@@ -142,7 +146,8 @@ def decode_chunk(location: Location, keys: list[str], positions: list[int]) -> l
     # obstore started here would leave them reading with s3fs (prefect_ddp.tasks.data.object_reads.fetch_objects).
     fetched = fetch_objects(fs, paths, FETCH_CONCURRENCY, FETCH_ATTEMPTS, keep_fork_safe=True)
     found = raise_fetch_failures(location, fetched)
-    return [decode_result(position, found[path]) for position, path in zip(positions, paths)]
+    checks = [(position, found[path]) for position, path in zip(positions, paths)]
+    return map_on_cpus(lambda check: decode_result(*check), checks)
 
 
 def raise_fetch_failures(location: Location, fetched: dict[str, bytes | Exception],

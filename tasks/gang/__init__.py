@@ -46,7 +46,7 @@ from prefect_ddp.tasks.gang.errors import (
     GangTimeout,
 )
 from prefect_ddp.tasks.gang.gpu_claims import GpuClaim, claim_gpu
-from prefect_ddp.tasks.gang.plan import cluster_workers, free_port
+from prefect_ddp.tasks.gang.plan import cluster_workers, cpu_set, free_port
 from prefect_ddp.tasks.gang.process_group import (
     all_gather_strings,
     all_reduce_sum,
@@ -72,7 +72,7 @@ from prefect_ddp.tasks.gang.worker_checks import OutputMarker, output_marker, vi
 __all__ = [
     "PRUNED_AT", "REPORTED_AT", "GangAttempt", "GangError", "GangRefused", "GangRegroup", "GangResults", "GangStopped",
     "GangTimeout", "GpuClaim", "OutputMarker", "RankContext", "TrialLink", "all_gather_strings", "all_reduce_sum",
-    "broadcast_bytes", "claim_gpu", "cluster_workers", "crash_unfinished_task_runs", "current_dask_runner",
+    "broadcast_bytes", "claim_gpu", "cluster_workers", "cpu_set", "crash_unfinished_task_runs", "current_dask_runner",
     "current_trial", "free_port", "output_marker", "process_group", "run_gang", "scheduler_queue", "stop_all_gangs",
     "stop_scope", "sync_buffers", "training_trial", "visible_gpus", "wrap_ddp",
 ]

@@ -225,7 +225,8 @@ def find_problems(probes: dict[str, dict[str, Any]], flow_api: str, needs_child_
         if probe["daemon"]:
             add(address, "distributed.worker.daemon=True",
                 "its processes are daemonic, so a rank there cannot start DataLoader worker processes"
-                + (", and this gang's ranks start them (training.num_workers > 0)." if needs_child_processes
+                + (", and this gang's ranks may start them (training.num_workers is not 0; empty starts one "
+                   "per core a rank has, less one)." if needs_child_processes
                    else "; this gang's ranks start none, but training.num_workers > 0 would fail."),
                 "start the workers with `DASK_DISTRIBUTED__WORKER__DAEMON=False dask worker ...` "
                 "(or `dask worker --no-nanny ...`)", needs_child_processes)

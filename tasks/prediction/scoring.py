@@ -22,6 +22,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import distributed
@@ -34,6 +35,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from pydantic import BaseModel
 from torch import nn
 
+from prefect_ddp.tasks.data.cpu_share import map_on_cpus
 from prefect_ddp.tasks.data.dataset import (
     DEFAULT_FETCH_TIMEOUT_S,
     FETCH_ATTEMPTS,
@@ -174,7 +176,8 @@ def score_chunk(job: ScoringJob, index: int, keys: list[str]) -> ChunkOutcome:
 
 def fetch_images(source: Location, keys: Sequence[str], transform: Callable,
                  timeout_s: float) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """({key: transformed image}, {key: why unreadable}) for `keys`, fetched at once.
+    """({key: transformed image}, {key: why unreadable}) for `keys`, fetched at once, decoded and
+    transformed on every core the worker may use (prefect_ddp.tasks.data.cpu_share).
 
     Through s3fs, not obstore (`keep_fork_safe`), as decode-check: these Dask workers may run
     a training gang later, whose ranks fork DataLoader workers, and obstore started here
@@ -184,21 +187,22 @@ def fetch_images(source: Location, keys: Sequence[str], transform: Callable,
     fs, root = filesystem(source.url, options)
     paths = {key: f"{root}/{key}" for key in keys}
     fetched = fetch_objects(fs, list(paths.values()), len(keys), FETCH_ATTEMPTS, timeout_s, keep_fork_safe=True)
-    raise_fetch_failures(source, {key: fetched[path] for key, path in paths.items()}, timeout_s)
-    images, unreadable = {}, {}
-    for key, path in paths.items():
-        data = fetched[path]
-        if isinstance(data, FileNotFoundError):
-            unreadable[key] = f"FileNotFoundError: {data}"
-            continue
-        assert not isinstance(data, Exception), "raise_fetch_failures raised for every other failure"
-        try:
-            image = open_rgb(data, needed_side(transform))
-        except Exception as exc:  # any decoder error means unreadable, as decode-check takes it
-            unreadable[key] = f"{type(exc).__name__}: {exc}"
-            continue
-        images[key] = transform(image)
+    found = raise_fetch_failures(source, {key: fetched[path] for key, path in paths.items()}, timeout_s)
+    outcomes = map_on_cpus(partial(transformed, transform=transform), list(found.values()))
+    images = {key: outcome for key, outcome in zip(found, outcomes) if isinstance(outcome, torch.Tensor)}
+    unreadable = {key: outcome for key, outcome in zip(found, outcomes) if isinstance(outcome, str)}
     return images, unreadable
+
+
+def transformed(data: bytes | FileNotFoundError, transform: Callable) -> torch.Tensor | str:
+    """The image `data` holds, transformed; or why it is unreadable, as decode-check words it."""
+    if isinstance(data, FileNotFoundError):
+        return f"FileNotFoundError: {data}"
+    try:
+        image = open_rgb(data, needed_side(transform))
+    except Exception as exc:  # any decoder error means unreadable, as decode-check takes it
+        return f"{type(exc).__name__}: {exc}"
+    return transform(image)
 
 
 def predictions(loaded: LoadedModel, images: dict[str, torch.Tensor], top_k: int) -> pa.Table:

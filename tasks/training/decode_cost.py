@@ -26,6 +26,9 @@ from prefect_ddp.tasks.data.dataset import decode_side, prepare
 from prefect_ddp.tasks.data.decoding import stored_resized
 
 PROBE_IMAGES = 3
+# A rank's loader processes count as busy (the input CPU-bound) when decoding its images takes this
+# share of their time.
+CPU_BUSY = 0.7
 # Decoding originals counts as what bounds the input when it costs this many times a pre-resized copy
 # (and more than the model's compute per image: `DecodeCost.bounds`).
 DECODE_BOUND = 3.0
@@ -39,6 +42,11 @@ class DecodeCost:
     original_s: float
     resized_s: float
     side: int
+
+    def keeps_busy(self, images_per_s: float, loader_processes: int) -> bool:
+        """Whether decoding `images_per_s` keeps a rank's loader processes (its own process where it
+        has none) busy: then its input is bound by its CPUs, not by the storage's round trips."""
+        return self.original_s * images_per_s >= CPU_BUSY * max(1, loader_processes)
 
     def bounds(self, compute_s_per_image: float) -> bool:
         """Whether decoding is what starves the model: one core of it cannot keep up with the model's
@@ -95,11 +103,38 @@ def megapixels(data: bytes) -> float:
         return image.width * image.height / 1e6
 
 
+def cores_needed(seconds_per_image: float, compute_s_per_image: float) -> int:
+    """The cores that decode at `seconds_per_image` each as fast as the model takes images.
+
+    >>> cores_needed(0.010, 0.001), cores_needed(0.001, 0.010)
+    (10, 1)
+    """
+    return max(1, round(seconds_per_image / max(compute_s_per_image, 1e-6)))
+
+
+def cpu_verdict(cost: DecodeCost, data_share: float, compute_s_per_image: float, loader_processes: int) -> str:
+    """The input-bound verdict when the rank's CPUs are what it waits for: its loader processes are
+    busy decoding, so only more cores per GPU, or less decoding per image, would feed it faster.
+
+    >>> cpu_verdict(DecodeCost(0.2, 0.005, 0.004, 96), 0.6, 0.0005, 1)[:60]
+    'CPU-bound: 60% of each step waits for data while its 1 loade'
+    """
+    needed = cores_needed(cost.original_s, compute_s_per_image) + 1  # and one for the rank itself
+    return (
+        f"CPU-bound: {data_share:.0%} of each step waits for data while its {loader_processes} loader "
+        f"process(es) are busy decoding and augmenting, {cost.original_s * 1e3:.1f} ms per image per core. At "
+        f"this model's {compute_s_per_image * 1e3:.2f} ms of compute per image a rank needs about {needed} "
+        f"cores (on a GPU host, {needed} per GPU) to keep its device busy; it has {loader_processes + 1}. "
+        "Run fewer ranks per host, on hosts with more cores per GPU, or decode on the device "
+        "(training.decode_on='device')."
+    )
+
+
 def decode_verdict(cost: DecodeCost, data_share: float, compute_s_per_image: float) -> str:
     """The input-bound verdict when decoding originals dominates: what it costs, what pre-resized shards
     would, and the cores a rank needs for this model either way."""
     def cores(seconds: float) -> str:
-        count = max(1, round(seconds / max(compute_s_per_image, 1e-6)))
+        count = cores_needed(seconds, compute_s_per_image)
         return f"{count} core{'s' if count > 1 else ''}"
 
     return (

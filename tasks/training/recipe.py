@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, Protocol, runtime_checkable
 
@@ -35,7 +35,6 @@ from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.dataset import (
     eval_transform,
     train_transform,
-    unreadable_positions,
 )
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.data.loader_leftovers import remove_dead_loader_folders
@@ -90,6 +89,7 @@ from prefect_ddp.tasks.training.optimization import (
     sync_batchnorm,
     warmup_epochs,
 )
+from prefect_ddp.tasks.training.pass_sums import PassSums
 from prefect_ddp.tasks.training.progress import ProgressReporter
 from prefect_ddp.tasks.training.rank_result import RankResult
 from prefect_ddp.tasks.training.regrouping import EpochSoFar, Position, park_state
@@ -131,48 +131,10 @@ class TrainJob(BaseModel):
 
 
 @runtime_checkable
-class KeyedImages(Protocol):
-    """A dataset whose stand-ins for unreadable images name them by position in `keys`
-    (S3ImageFolder, ShardDataset: prefect_ddp.tasks.data.dataset.unreadable_label)."""
-
-    @property
-    def keys(self) -> Sequence[str]: ...
-
-
-@runtime_checkable
 class EpochSampler(Protocol):
     """A sampler told each epoch, to shuffle it anew: a PositionedSampler, or a ShardLoader's."""
 
     def set_epoch(self, epoch: int) -> None: ...
-
-
-@dataclass
-class PassSums:
-    """One pass over a rank's batches: the sums the gang's metrics add up, and what it left out.
-
-    `count` counts only the images trained or validated on: the stand-ins for unreadable
-    images (prefect_ddp.tasks.data.dataset) add nothing to the sums, and their keys go to `unreadable`.
-    """
-
-    loss_sum: float = 0.0
-    correct: float = 0.0
-    count: float = 0.0
-    unreadable: set[str] = field(default_factory=set)
-
-    def add(self, loader: DataLoader, logits: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor,
-            readable: torch.Tensor) -> None:
-        """Add one batch: its logits, labels and `readable_loss`."""
-        count = int(readable.item())
-        self.loss_sum += loss_sum.item()
-        self.correct += (logits.argmax(1) == labels).sum().item()  # a stand-in's negative label matches no class
-        self.count += count
-        if count < len(labels):
-            dataset = loader.dataset
-            assert isinstance(dataset, KeyedImages), "only datasets with keys hand over stand-ins"
-            self.unreadable.update(dataset.keys[p] for p in unreadable_positions(labels))
-
-    def sums(self) -> list[float]:
-        return [self.loss_sum, self.correct, self.count]
 
 
 def readable_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +154,7 @@ def train_one_epoch(
     scaler: torch.amp.GradScaler, inputs: ToDevice, amp_dtype: torch.dtype | None,
     on_step: Callable[[int, int], None] | None = None, clock: StepClock | None = None,
     warmup: Warmup | None = None, frozen: Sequence[nn.Module] = (), sums: PassSums | None = None,
+    batches: Iterable[Any] | None = None,
 ) -> PassSums:
     """One pass over this rank's shard; returns the rank's local sums.
 
@@ -203,6 +166,8 @@ def train_one_epoch(
     `warmup` scales each step's learning rate while it lasts; the BatchNorm layers in
     `frozen` stay in eval mode (prefect_ddp.tasks.training.optimization). `sums`: where to
     add the pass's sums (a new PassSums by default), for a caller that reads them mid-pass.
+    `batches`: the loader's batches for this pass where the caller began them (an epoch started
+    ahead, tasks/data/epoch_ahead.py); the loader's own otherwise.
     The loss is the mean over the batch's readable images; a batch with none still steps,
     with a zero loss: which batches hold readable images differs between ranks, and a rank
     that skipped its step would leave the others waiting in DDP's all-reduce.
@@ -212,7 +177,7 @@ def train_one_epoch(
     sums = sums if sums is not None else PassSums()
     clock = clock or StepClock(inputs.device)
     clock.start()
-    for step, (images, labels) in enumerate(loader, start=1):
+    for step, (images, labels) in enumerate(loader if batches is None else batches, start=1):
         images, labels = inputs(images, labels)
         clock.mark("data")
         with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -412,6 +377,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     download_weights(job.model, partial(ctx.progress, "download"))
     ctx.progress("data")
     data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training)
+    (log.info if ctx.is_main else log.debug)("Loader processes per loader of rank %d: %d (%s).", ctx.rank,
+                                             data.loader_workers.workers, data.loader_workers.why)
     model = build_model(job.model, len(job.manifest.classes), data.source_options)
     if job.warm_start:
         load_warm_start(model, job.warm_start)
@@ -423,7 +390,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     optimizer = build_optimizer(model, job.training, ctx.world_size)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler)
-    advice = input_advice(job.training, from_object_store="://" in job.manifest.root)
+    advice = input_advice(job.training, from_object_store="://" in job.manifest.root,
+                          loader_processes=data.loader_workers.workers)
     warm_epochs = warmup_epochs(job.training, ctx.world_size)
     scaled_by = ctx.world_size if scales_lr(job.training) else 1
     warmup = Warmup(warm_epochs * len(data.train), start=1 / scaled_by if scaled_by > 1 else 0.0)
@@ -459,10 +427,12 @@ def decode_probe(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> D
 
 def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress: ProgressReporter,
               unreadable: UnreadableTally, position: Position, epoch: int,
-              start: int = 0, grow: GrowChecks | None = None) -> tuple[dict[str, Any], int]:
+              start: int = 0, grow: GrowChecks | None = None,
+              next_epoch: int | None = None) -> tuple[dict[str, Any], int]:
     """Train and validate one epoch, from global sample position `start` (an elastic gang's
     formation that took over mid-epoch); returns the gang's record of it and the images this
-    rank trained on.
+    rank trained on. `next_epoch`: the epoch the run trains after this one, if any, whose loading
+    starts while this one validates.
 
     The record's `time` is where the gang's time went (prefect_ddp.tasks.training.step_times):
     every rank's row of it travels in the same all-reduce as the metrics. An epoch taken over
@@ -471,19 +441,17 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
     left whole, to grow (its sums carried in `position`), else only the part trained here.
     """
     started = time.monotonic()
-    sampler = rank.data.train.sampler
-    assert isinstance(sampler, EpochSampler), "rank_data's train loaders sample by epoch"
-    if isinstance(sampler, PositionedSampler):
-        sampler.set_epoch(epoch, start)
-    else:
-        sampler.set_epoch(epoch)  # tar shards: a state is parked only at an epoch's start (regrouping.Position)
+    assert isinstance(rank.data.train.sampler, EpochSampler), "rank_data's train loaders sample by epoch"
     train = PassSums()
     on_step = partial(between_steps, ctx, progress, rank.clock, rank.batch_size, started, position, grow, train,
                       epoch)
     train_one_epoch(ddp_model, rank.data.train, rank.state.optimizer, rank.state.scaler,
                     rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock,
-                    warmup=rank.warmup, frozen=rank.frozen, sums=train)
+                    warmup=rank.warmup, frozen=rank.frozen, sums=train,
+                    batches=rank.data.train_epochs.batches(epoch, start))
     trained_at = time.monotonic()
+    if next_epoch is not None:  # its first batches load while this epoch validates (tasks/data/epoch_ahead.py)
+        rank.data.train_epochs.start(next_epoch)
     sync_buffers(rank.state.model)
     val = validate(ctx, rank.state.model, rank.data.val, rank.val_inputs, epoch)
     sums = [*train.sums(), *val.sums()]
@@ -495,7 +463,8 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
         for index, part in enumerate(carried.sums):
             totals[index] += part
     record = epoch_record(epoch, totals[:len(sums)], rank.state.optimizer, time.monotonic() - started)
-    timing = epoch_timing(split_rows(totals[len(sums):]), rank.input_advice, rank.decode_cost)
+    timing = epoch_timing(split_rows(totals[len(sums):]), rank.input_advice, rank.decode_cost,
+                          rank.data.loader_workers.workers)
     record["time"] = timing.model_dump()
     record["images_per_s"] = timing.images_per_s
     record["data_wait_pct"] = round(100 * timing.shares["data"], 1)
@@ -709,7 +678,8 @@ def train_formation(ctx: RankContext, job: TrainJob, rank: RankSetup, kept: Best
         try:
             for epoch in range(start_epoch, job.training.epochs):
                 record, trained = run_epoch(ctx, rank, ddp_model, progress, unreadable, position, epoch,
-                                            start=start_position if epoch == start_epoch else 0, grow=grow)
+                                            start=start_position if epoch == start_epoch else 0, grow=grow,
+                                            next_epoch=epoch + 1 if epoch + 1 < job.training.epochs else None)
                 stopped = unreadable.exceeded(record["epoch"])  # the gang's count: every rank stops here, or none
                 if stopped:
                     log.log(level, "Stopped after epoch %d, keeping nothing of it: %s", record["epoch"], stopped)

@@ -1,0 +1,54 @@
+"""The CPU-bound steps outside training (decode-check, shard writing, batch-predict's decoding) on
+every core their Dask worker may use, not on the one thread that runs their task.
+
+dask-cuda's LocalCUDACluster runs one worker per GPU with one thread, pinned to that GPU's
+cores: a task that decoded its images in its own thread used one core of them. PIL's JPEG
+decode and resize release the GIL, so threads of one process decode in parallel
+(docs/architecture.md, "Data: CPU steps on every core").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import distributed
+
+from prefect_ddp.tasks.gang import cpu_set
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+def cpu_threads() -> int:
+    """Threads for one CPU-bound step in this process: the CPUs it may run on (its affinity) over the
+    Dask worker threads that share them, at least 1.
+
+    Called in a task's thread: each of a worker's threads may run such a step at once, so each
+    takes its share. Outside a Dask worker (a script, the flow's own process) the step is alone.
+    """
+    return max(1, len(cpu_set()) // worker_threads())
+
+
+def worker_threads() -> int:
+    """The threads of the Dask worker running this task; 1 outside a worker."""
+    try:
+        nthreads: int = distributed.get_worker().state.nthreads
+    except ValueError:  # get_worker's "No worker found"
+        return 1
+    return nthreads
+
+
+def map_on_cpus(function: Callable[[Item], Result], items: Sequence[Item]) -> list[Result]:
+    """`[function(item) for item in items]`, in order, on `cpu_threads()` threads.
+
+    For functions that spend their time where the GIL is released (PIL's decode and resize,
+    torch's operators). An exception `function` raises is raised here, the first in `items`'
+    order, as in the list comprehension; items not started by then are not run. The threads
+    are this call's own and carry no context: `function` sees no Prefect run context and no
+    Dask worker.
+    """
+    size = max(1, min(cpu_threads(), len(items)))
+    with ThreadPoolExecutor(max_workers=size, thread_name_prefix="cpu-share") as threads:
+        return list(threads.map(function, items))
