@@ -1,4 +1,5 @@
-"""The GPU check in one command (issue 45): bench.gpu's table and the gpu-marked tests, in under 8 minutes.
+"""The GPU check in one command (issue 45): the flow against the GPU's ceiling, bench.gpu's table and the
+gpu-marked tests, in under 8 minutes.
 
 A lent GPU machine gives a session 15 minutes, start-up included, so everything that needs
 the GPU runs from one command, each part in a process group of its own under its own time
@@ -71,6 +72,14 @@ def bench_gpu_argv(device: str) -> list[str]:
             "--steps", "2", "--batch-size", "4", "--workers", "1"]
 
 
+def input_pipeline_argv(device: str) -> list[str]:
+    """bench.input_pipeline's rows: the ceiling, the bare loader and the flow's recipe with its defaults."""
+    if device == "cuda":
+        return ["-m", "bench.input_pipeline", "--device", "cuda"]  # ResNet-50, 224 px, batch 128: 15 and 100 steps
+    return ["-m", "bench.input_pipeline", "--short-steps", "3", "--short-epochs", "2", "--long-steps", "0",
+            "--batch-size", "4"]
+
+
 def gpu_test_files() -> list[str]:
     """Every test file that marks a test `gpu` (pyproject's markers), found by its text so a new
     one is run without editing this list; collecting the whole suite would import test modules
@@ -82,7 +91,7 @@ def gpu_test_files() -> list[str]:
 def gpu_tests_argv(device: str) -> list[str]:
     # One process (-n 0): a few tests, and one Prefect server and moto instead of one per xdist
     # worker. --timeout: one hung test fails alone, well inside the part's limit.
-    return ["-m", "pytest", "-m", "gpu", "-n", "0", "--timeout", "150", "-p", "no:cacheprovider", "-q",
+    return ["-m", "pytest", "-m", "gpu", "-n", "0", "--timeout", "100", "-p", "no:cacheprovider", "-q",
             "-rfEs", *gpu_test_files()]
 
 
@@ -102,12 +111,14 @@ def pytest_summary(output: str) -> str:
     return "\n".join(lines[found[-1]:] if found else lines[-5:])
 
 
-# The check's parts, run in this order. Append a measurement here (issue 45: the flow's own
-# loader) as one more Part; the budget keeps the whole check under 8 minutes.
+# The check's parts, run in this order, the flow's first (what issue 48 measures above all). Append
+# a measurement here as one more Part; the budget keeps the whole check under 8 minutes.
 PARTS: list[Part] = [
-    Part("bench.gpu: synthetic ceiling, bare loader, decoded on the device", bench_gpu_argv, 270,
+    Part("bench.input_pipeline: ceiling, bare loader, the flow with its defaults", input_pipeline_argv, 210,
+         from_line("# The flow's input pipeline")),
+    Part("bench.gpu: synthetic ceiling, bare loader, decoded on the device", bench_gpu_argv, 150,
          from_line("# GPU data path")),
-    Part("gpu-marked tests", gpu_tests_argv, 180, pytest_summary),
+    Part("gpu-marked tests", gpu_tests_argv, 120, pytest_summary),
 ]
 
 

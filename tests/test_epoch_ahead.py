@@ -7,16 +7,22 @@ Real forked, persistent loader processes over a dataset that records, in a file,
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from prefect_ddp.tasks.data.dataset import forked_workers
 from prefect_ddp.tasks.data.epoch_ahead import EpochAhead
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
+from prefect_ddp.tasks.data.loader_leftovers import PREFIX, remove_dead_loader_folders
 from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
+from prefect_ddp.tasks.training.pass_sums import PassSums
+from prefect_ddp.tasks.training.regrouping import Position
 
 SIZE, BATCH = 24, 4
 DEADLINE_S = 120  # generous: forked processes on a loaded 2-core machine
@@ -41,15 +47,15 @@ def loaded(log: Path) -> list[list[int]]:
     return [list(map(int, line.split())) for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def persistent_loader(log: Path) -> FetchAheadLoader:
-    sampler = PositionedSampler(SIZE, num_replicas=1, rank=0, seed=3, batch_size=BATCH)
+def persistent_loader(log: Path, size: int = SIZE, ranks: int = 1) -> FetchAheadLoader:
+    sampler = PositionedSampler(size, num_replicas=ranks, rank=0, seed=3, batch_size=BATCH)
     return FetchAheadLoader(Recorded(log), sampler, BATCH, num_workers=1, persistent_workers=True,
                             **forked_workers())
 
 
-def epoch_batches(log: Path, epoch: int, start: int = 0) -> list[list[int]]:
+def epoch_batches(log: Path, epoch: int, start: int = 0, size: int = SIZE, ranks: int = 1) -> list[list[int]]:
     """The batches a fresh loader gives for `epoch` from `start`, as the recipe would read them without starting ahead."""
-    return [batch.tolist() for batch in EpochAhead(persistent_loader(log)).batches(epoch, start)]
+    return [batch.tolist() for batch in EpochAhead(persistent_loader(log, size, ranks)).batches(epoch, start)]
 
 
 def test_the_next_epoch_loads_before_it_is_asked_for_and_gives_its_own_batches(tmp_path):
@@ -95,3 +101,63 @@ def test_without_loader_processes_nothing_starts_early(tmp_path):
     epochs.start(1)
     assert loaded(log) == []  # no process to load it beside the rank: the rank would load it itself, now
     assert len(list(epochs.batches(epoch=1))) == SIZE // BATCH
+
+
+class SlowNextEpoch(Recorded):
+    """Items whose second epoch's batches take a minute each to load (a batch of camera originals
+    on a slow store): a loader process busy on one does not see a request to stop."""
+
+    def __getitems__(self, indices: list[int]) -> list[int]:
+        if self.log.exists() and len(loaded(self.log)) >= SIZE // BATCH:
+            time.sleep(60)
+            with self.log.open("a") as out:
+                out.write("slow batch done\n")
+        return super().__getitems__(indices)
+
+
+def test_closing_an_epoch_started_ahead_stops_its_busy_loader_processes_at_once_and_their_folders_go(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the loader processes' own temp folders go here
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    log = tmp_path / "slow.log"
+    sampler = PositionedSampler(SIZE, num_replicas=1, rank=0, seed=3, batch_size=BATCH)
+    loader = FetchAheadLoader(SlowNextEpoch(log), sampler, BATCH, num_workers=2, persistent_workers=True,
+                              **forked_workers())
+    epochs = EpochAhead(loader)
+    list(epochs.batches(epoch=0))
+    epochs.start(1)  # then the run is pruned, stopped, or regroups: epoch 1 is never trained
+    processes = list(loader._iterator._workers)
+    epochs.close()
+    assert not any(process.is_alive() for process in processes)
+    assert "slow batch done" not in log.read_text()  # not waited for
+    remove_dead_loader_folders()
+    assert not list(tmp_path.glob(f"{PREFIX}*"))
+
+
+def test_a_state_parked_while_the_next_epoch_loads_is_parked_where_this_epoch_ended(tmp_path):
+    """A gang lost during validation parks the epoch it trained, at its end, not a position of the next."""
+    size, start = 100, 40  # a formation of 2 ranks that took epoch 0 over at sample 40
+    sampler = PositionedSampler(size, num_replicas=2, rank=0, seed=3, batch_size=BATCH)
+    epochs = EpochAhead(FetchAheadLoader(Recorded(tmp_path / "log"), sampler, BATCH, num_workers=1,
+                                         persistent_workers=True, **forked_workers()))
+    position = Position(epoch=0, start=start)
+    trained = sum(len(batch) for batch in epochs.batches(epoch=0, start=start))
+    position.stepped(0, trained)
+    epochs.start(1)
+    assert position.global_position(sampler) == size
+    assert [batch.tolist() for batch in epochs.batches(epoch=1)] == epoch_batches(tmp_path / "plain", 1, 0, size, 2)
+
+
+def test_a_pass_that_keeps_its_batches_labels_holds_no_file_descriptor_per_batch():
+    """A CPU rank's labels are the loader process's tensors in shared memory, each holding a file
+    descriptor open while kept: a pass of 1,024 batches reached the usual limit of open files."""
+    loader = DataLoader([(torch.zeros(3), 0)] * 600, batch_size=2, num_workers=1, persistent_workers=True,
+                        **forked_workers())
+    sums, logits = PassSums(), torch.zeros(2, 3)
+    for _, labels in loader:  # warm: the loader's own descriptors are open
+        break
+    before = len(os.listdir("/proc/self/fd"))
+    for _, labels in loader:
+        sums.add(loader, logits, labels, torch.tensor(0.0), torch.tensor(2))
+    assert len(os.listdir("/proc/self/fd")) - before < 50
+    assert sums.count == 600

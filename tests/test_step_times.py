@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.indexing import build_manifest
+from prefect_ddp.tasks.data.loaders import LoaderWorkers
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.gang import free_port
 from prefect_ddp.tasks.data.dataset import train_transform
@@ -61,13 +62,19 @@ def test_input_advice_follows_the_run_settings():
 def test_an_input_bound_rank_whose_loaders_are_busy_decoding_is_cpu_bound_with_the_cores_it_needs():
     # Each rank: 100 images in a 13 s pass (7.7/s), 6.4 s of compute (64 ms per image).
     busy = DecodeCost(megapixels=0.2, original_s=0.1, resized_s=0.04, side=96)  # 7.7 s of decoding: 1 process busy
-    timing = epoch_timing([row(data=6.0), row(data=6.0)], "advice", lambda: busy, loader_processes=1)
+    rows = [row(data=6.0), row(data=6.0)]
+    timing = epoch_timing(rows, "advice", lambda: busy, LoaderWorkers(1, "", cpus=2))
     assert timing.verdict.startswith("CPU-bound: 46% of each step waits for data while its 1 loader process(es)")
     # 100 ms of decoding per image at 64 ms of compute: 2 loader processes, and the rank itself.
     assert "a rank needs about 3 cores (on a GPU host, 3 per GPU)" in timing.verdict
-    assert "it has 2" in timing.verdict
+    assert "it has 2. Run fewer ranks per host" in timing.verdict
+    # A rank that may use more cores than its loader processes and itself is told to use them.
+    capped = epoch_timing(rows, "advice", lambda: busy, LoaderWorkers(1, "", cpus=96))
+    assert capped.verdict.endswith("it may use 96 and uses 2: set training.num_workers=2.")
+    alone = epoch_timing(rows, "advice", lambda: busy, LoaderWorkers(0, "", cpus=1))
+    assert "while the rank decodes and augments its batches itself, 100.0 ms per image" in alone.verdict
     # The same decoding spread over 8 loader processes leaves them mostly idle: the storage is what it waits for.
-    idle = epoch_timing([row(data=6.0), row(data=6.0)], "advice", lambda: busy, loader_processes=8)
+    idle = epoch_timing(rows, "advice", lambda: busy, LoaderWorkers(8, "", cpus=9))
     assert idle.verdict.startswith("input-bound: 46% of each step waits for data; advice")
 
 

@@ -235,7 +235,7 @@ def test_loader_workers_default_to_the_ranks_share_of_cores_less_one():
         torch.set_num_threads(96)  # a 96-core host with one GPU: capped, and it says so
         chosen = loader_workers(TrainingConfig(num_workers=None))
         assert chosen.workers == MAX_DEFAULT_LOADER_WORKERS and "at most 32 by default" in chosen.why
-        assert loader_workers(TrainingConfig(num_workers=2)) == LoaderWorkers(2, "training.num_workers=2, as set")
+        assert loader_workers(TrainingConfig(num_workers=2)) == LoaderWorkers(2, "training.num_workers=2, as set", 96)
     finally:
         torch.set_num_threads(threads)
 
@@ -275,7 +275,7 @@ def test_a_process_pinned_to_one_cpu_loads_its_batches_itself():
         "print(loader_workers(TrainingConfig()).why)\n"
     )
     why = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120).stdout
-    assert "is 1 CPU(s), the 1 its worker may run on" in why and "loads its batches itself" in why
+    assert "is 1 CPU(s) of the 1 its worker may run on" in why and "loads its batches itself" in why
 
 
 @pytest.mark.unit

@@ -39,9 +39,20 @@ class EpochAhead:
         return bool(self.loader.num_workers) and self.loader.persistent_workers
 
     def start(self, epoch: int) -> None:
-        """Have the loader's processes begin `epoch` now, from its first sample."""
-        if self.starts_early:
-            self._started = (epoch, self._iterator(epoch, 0))
+        """Have the loader's processes begin `epoch` now, from its first sample.
+
+        A PositionedSampler is set back to the epoch under way once the iterator has drawn the next
+        epoch's order (a DataLoader with loader processes draws it as its iterator starts): until the
+        next pass begins, a state parked by a gang lost during validation takes its position from
+        the sampler (prefect_ddp.tasks.training.regrouping.Position), and it must be the epoch trained.
+        """
+        if not self.starts_early:
+            return
+        sampler = self.loader.sampler
+        under_way = (sampler.epoch, sampler.start) if isinstance(sampler, PositionedSampler) else None
+        self._started = (epoch, self._iterator(epoch, 0))
+        if isinstance(sampler, PositionedSampler) and under_way is not None:
+            sampler.set_epoch(*under_way)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
         """`epoch`'s batches from global sample position `start`: the ones `start` began, where it began this epoch.
@@ -50,8 +61,31 @@ class EpochAhead:
         loader's start as waiting for data (prefect_ddp.tasks.training.step_times)."""
         started, self._started = self._started, None
         if started is not None and started[0] == epoch and start == 0:
+            if isinstance(self.loader.sampler, PositionedSampler):
+                self.loader.sampler.set_epoch(epoch, 0)  # the epoch under way now
             return started[1]
         return self._begun_when_asked(epoch, start)
+
+    def close(self) -> None:
+        """Stop an epoch started ahead that will not be trained (the run stopped, was pruned, regroups
+        or failed), at once; nothing to do where none was started."""
+        started, self._started = self._started, None
+        if started is not None:
+            self._terminate()
+
+    def _terminate(self) -> None:
+        """Terminate the loader processes of the iterator started ahead, instead of letting DataLoader wait
+        for them: it waits up to 5 s for each process busy on a batch before it terminates it, so a
+        rank leaving beside 32 processes busy on large photos could wait minutes, and their temp folders
+        stayed behind until a later rank on the host (prefect_ddp.tasks.data.loader_leftovers). Dead and
+        reaped here, the caller's `remove_dead_loader_folders` removes them."""
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is None:
+            return
+        for process in getattr(iterator, "_workers", []):
+            process.terminate()
+        iterator._shutdown_workers()
+        self.loader._iterator = None  # a later iter() starts new processes
 
     def _begun_when_asked(self, epoch: int, start: int) -> Iterator[Any]:
         yield from self._iterator(epoch, start)

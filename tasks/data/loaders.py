@@ -143,12 +143,14 @@ class LoaderWorkers:
 
     workers: int
     why: str
+    cpus: int  # the rank's share of its host's CPUs, which the workers' default follows
 
 
 def loader_workers(cfg: TrainingConfig) -> LoaderWorkers:
     """training.num_workers where it is set, else `default_loader_workers()`."""
     if cfg.num_workers is not None:
-        return LoaderWorkers(cfg.num_workers, f"training.num_workers={cfg.num_workers}, as set")
+        return LoaderWorkers(cfg.num_workers, f"training.num_workers={cfg.num_workers}, as set",
+                             torch.get_num_threads())
     return default_loader_workers()
 
 
@@ -167,14 +169,13 @@ def default_loader_workers() -> LoaderWorkers:
     True
     """
     share = torch.get_num_threads()
-    cpus = len(cpu_set())
     workers = min(MAX_DEFAULT_LOADER_WORKERS, max(0, share - 1))
-    sharers = max(1, round(cpus / max(share, 1)))
-    why = (f"training.num_workers empty: this rank's share of its host is {share} CPU(s), the {cpus} its "
-           f"worker may run on over the {sharers} worker(s) that share them, less one for the rank itself")
+    why = (f"training.num_workers empty: this rank's share of its host is {share} CPU(s) of the {len(cpu_set())} "
+           "its worker may run on (shared among the cluster's workers that may run on them), less one for "
+           "the rank itself")
     if share - 1 > MAX_DEFAULT_LOADER_WORKERS:
         why += f", at most {MAX_DEFAULT_LOADER_WORKERS} by default"
-    return LoaderWorkers(workers, why + ("" if workers else ": the rank loads its batches itself"))
+    return LoaderWorkers(workers, why + ("" if workers else ": the rank loads its batches itself"), share)
 
 
 def require_non_daemonic(num_workers: int) -> None:

@@ -24,6 +24,7 @@ from PIL import Image
 
 from prefect_ddp.tasks.data.dataset import decode_side, prepare
 from prefect_ddp.tasks.data.decoding import stored_resized
+from prefect_ddp.tasks.data.loaders import LoaderWorkers
 
 PROBE_IMAGES = 3
 # A rank's loader processes count as busy (the input CPU-bound) when decoding its images takes this
@@ -112,21 +113,29 @@ def cores_needed(seconds_per_image: float, compute_s_per_image: float) -> int:
     return max(1, round(seconds_per_image / max(compute_s_per_image, 1e-6)))
 
 
-def cpu_verdict(cost: DecodeCost, data_share: float, compute_s_per_image: float, loader_processes: int) -> str:
-    """The input-bound verdict when the rank's CPUs are what it waits for: its loader processes are
-    busy decoding, so only more cores per GPU, or less decoding per image, would feed it faster.
+def cpu_verdict(cost: DecodeCost, data_share: float, compute_s_per_image: float, loaders: LoaderWorkers) -> str:
+    """The input-bound verdict when the rank's CPUs are what it waits for: its loader processes (or
+    the rank itself, without any) are busy decoding, so only more of its cores, more cores per GPU,
+    or less decoding per image would feed it faster.
 
-    >>> cpu_verdict(DecodeCost(0.2, 0.005, 0.004, 96), 0.6, 0.0005, 1)[:60]
+    >>> cpu_verdict(DecodeCost(0.2, 0.005, 0.004, 96), 0.6, 0.0005, LoaderWorkers(1, "", 16))[:60]
     'CPU-bound: 60% of each step waits for data while its 1 loade'
     """
     needed = cores_needed(cost.original_s, compute_s_per_image) + 1  # and one for the rank itself
+    busy = (f"its {loaders.workers} loader process(es) are busy decoding and augmenting" if loaders.workers
+            else "the rank decodes and augments its batches itself")
+    used = loaders.workers + 1
+    if used < min(needed, loaders.cpus):
+        fix = (f"it may use {loaders.cpus} and uses {used}: set training.num_workers="
+               f"{min(needed, loaders.cpus) - 1}.")
+    else:
+        fix = (f"it has {loaders.cpus}. Run fewer ranks per host, on hosts with more cores per GPU, or decode "
+               "on the device (training.decode_on='device').")
     return (
-        f"CPU-bound: {data_share:.0%} of each step waits for data while its {loader_processes} loader "
-        f"process(es) are busy decoding and augmenting, {cost.original_s * 1e3:.1f} ms per image per core. At "
-        f"this model's {compute_s_per_image * 1e3:.2f} ms of compute per image a rank needs about {needed} "
-        f"cores (on a GPU host, {needed} per GPU) to keep its device busy; it has {loader_processes + 1}. "
-        "Run fewer ranks per host, on hosts with more cores per GPU, or decode on the device "
-        "(training.decode_on='device')."
+        f"CPU-bound: {data_share:.0%} of each step waits for data while {busy}, "
+        f"{cost.original_s * 1e3:.1f} ms per image per core. At this model's {compute_s_per_image * 1e3:.2f} ms "
+        f"of compute per image a rank needs about {needed} cores (on a GPU host, {needed} per GPU) to keep its "
+        f"device busy; {fix}"
     )
 
 

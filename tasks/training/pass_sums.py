@@ -52,7 +52,9 @@ class PassSums:
         correct = (logits.argmax(1) == labels).sum()  # a stand-in's negative label matches no class
         step = torch.stack([loss_sum.detach().double(), correct.double(), readable.double()])
         self._totals = step if self._totals is None else self._totals + step
-        self._labels.append(labels.detach())
+        # A copy: a CPU rank's labels are the loader process's tensor in shared memory, and each one
+        # kept holds a file descriptor open (1,024 batches reached the usual limit).
+        self._labels.append(labels.detach().clone())
         self._dataset = loader.dataset if loader is not None else None
 
     def sums(self) -> list[float]:

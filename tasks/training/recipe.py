@@ -464,7 +464,7 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, progress:
             totals[index] += part
     record = epoch_record(epoch, totals[:len(sums)], rank.state.optimizer, time.monotonic() - started)
     timing = epoch_timing(split_rows(totals[len(sums):]), rank.input_advice, rank.decode_cost,
-                          rank.data.loader_workers.workers)
+                          rank.data.loader_workers)
     record["time"] = timing.model_dump()
     record["images_per_s"] = timing.images_per_s
     record["data_wait_pct"] = round(100 * timing.shares["data"], 1)
@@ -708,6 +708,7 @@ def train_formation(ctx: RankContext, job: TrainJob, rank: RankSetup, kept: Best
                 checkpoint_s[-1] = round(checkpoint_s[-1] + time.monotonic() - waiting, 3)
         finally:
             progress.close()
+            rank.data.train_epochs.close()  # an epoch started ahead and not trained: its processes stop now
             remove_dead_loader_folders()  # a killed peer's orphaned loader processes have exited by now
     # Every rank agrees on pruned_at and stopped: all score, or none does.
     comparison = (score_against_champion(ctx, job.champion, job.output.url, rank.data, rank.device, kept.epoch)

@@ -36,6 +36,7 @@ import torch
 from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
 
 from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.loaders import LoaderWorkers
 from prefect_ddp.tasks.training.decode_cost import DecodeCost, cpu_verdict, decode_verdict
 
 PARTS = ("data", "forward", "backward", "sync", "optimizer", "other")
@@ -220,13 +221,14 @@ class EpochTiming(BaseModel):
 
 
 def epoch_timing(rows: list[list[float]], advice: str,
-                 decode: Callable[[], DecodeCost | None] | None = None, loader_processes: int = 0) -> EpochTiming:
+                 decode: Callable[[], DecodeCost | None] | None = None,
+                 loaders: LoaderWorkers | None = None) -> EpochTiming:
     """The gang's time for one epoch from every rank's row: shares, rate, slowest rank, verdict.
 
     Shares are of the ranks' summed step time; images per second is the gang's images over
     its slowest rank's training pass (the others wait for it at every step). `decode`: what
     decoding this run's images costs (rank 0's probe), asked only for an input-bound verdict;
-    `loader_processes`: each rank's, which that cost keeps busy or not (`cpu_verdict`).
+    `loaders`: each rank's loader processes and CPUs, which that cost keeps busy or not (`cpu_verdict`).
 
     >>> fast = [1.0, 2.0, 4.0, 0.5, 0.4, 0.1, 1.0, 8.0, 100.0]
     >>> epoch_timing([fast, fast], "shards").verdict
@@ -254,13 +256,13 @@ def epoch_timing(rows: list[list[float]], advice: str,
         slower_by=round(slower_by, 2),
         verdict=verdict(shares, slowest, slower_by if straggles else None, ranks[slowest], advice, decode,
                         sum(r[p] for r in ranks for p in COMPUTE) / max(sum(r["images"] for r in ranks), 1),
-                        loader_processes),
+                        loaders),
     )
 
 
 def verdict(shares: dict[str, float], slowest: int, slower_by: float | None, slowest_parts: dict[str, float],
             advice: str, decode: Callable[[], DecodeCost | None] | None = None,
-            compute_s_per_image: float = 0.0, loader_processes: int = 0) -> str:
+            compute_s_per_image: float = 0.0, loaders: LoaderWorkers | None = None) -> str:
     """One line: what bounds the steps, and what would help; `slower_by` None when no rank straggles."""
     if slower_by is not None:
         cause = "waiting for its data" if slowest_parts["data"] >= max(
@@ -272,8 +274,8 @@ def verdict(shares: dict[str, float], slowest: int, slower_by: float | None, slo
     if cost is not None and cost.bounds(compute_s_per_image):
         return decode_verdict(cost, shares["data"], compute_s_per_image)
     rate = slowest_parts["images"] / max(slowest_parts["train_wall"], 1e-9)
-    if cost is not None and cost.keeps_busy(rate, loader_processes):
-        return cpu_verdict(cost, shares["data"], compute_s_per_image, loader_processes)
+    if cost is not None and loaders is not None and cost.keeps_busy(rate, loaders.workers):
+        return cpu_verdict(cost, shares["data"], compute_s_per_image, loaders)
     if shares["data"] >= INPUT_BOUND:
         return f"input-bound: {shares['data']:.0%} of each step waits for data; {advice}."
     if shares["sync"] >= SYNC_BOUND:
