@@ -21,6 +21,8 @@ BACKBONES = ("resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
 # measured at well under a millisecond against steps of tens of milliseconds or more (bench/RESULTS.md,
 # "An elastic gang's boundary"), while a worker come free waits at most this many steps.
 REGROUP_EVERY_STEPS = 50
+# The most DataLoader processes a rank may be given (training.num_workers).
+MAX_NUM_WORKERS = 64
 Backbone = Literal["resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0"]
 
 
@@ -177,7 +179,7 @@ class TrainingConfig(_Strict):
         "for when the CPUs cannot keep the GPU fed). Non-JPEG images decode on the CPU either way.",
     )
     num_workers: int | None = Field(
-        None, ge=0, le=64, description="DataLoader worker processes per rank (0: load inline). Empty "
+        None, ge=0, le=MAX_NUM_WORKERS, description="DataLoader worker processes per rank (0: load inline). Empty "
         "(the default): one per CPU the rank has (the CPUs its worker may run on, shared among the "
         "workers that may run on them) less one for the rank itself, at most 32: what a GPU rank needs "
         "to keep fed. The run's log says what it chose and why.",

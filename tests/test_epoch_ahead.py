@@ -8,7 +8,9 @@ Real forked, persistent loader processes over a dataset that records, in a file,
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -103,35 +105,69 @@ def test_without_loader_processes_nothing_starts_early(tmp_path):
     assert len(list(epochs.batches(epoch=1))) == SIZE // BATCH
 
 
-class SlowNextEpoch(Recorded):
-    """Items whose second epoch's batches take a minute each to load (a batch of camera originals
-    on a slow store): a loader process busy on one does not see a request to stop."""
+class SlowLater(Recorded):
+    """Items whose batches after the first `fast` take a minute each to load (camera originals on a
+    slow store): a loader process busy on one does not see a request to stop."""
+
+    def __init__(self, log: Path, fast: int) -> None:
+        super().__init__(log)
+        self.fast = fast
 
     def __getitems__(self, indices: list[int]) -> list[int]:
-        if self.log.exists() and len(loaded(self.log)) >= SIZE // BATCH:
+        if len(loaded(self.log)) >= self.fast:
             time.sleep(60)
             with self.log.open("a") as out:
-                out.write("slow batch done\n")
+                out.write("0\n")  # a slow batch done
         return super().__getitems__(indices)
 
 
-def test_closing_an_epoch_started_ahead_stops_its_busy_loader_processes_at_once_and_their_folders_go(
-        tmp_path, monkeypatch):
+@pytest.mark.parametrize("leaving", ["with an epoch started ahead", "mid-epoch"])
+def test_a_rank_leaving_stops_its_busy_loader_processes_at_once_and_their_folders_go(tmp_path, monkeypatch, leaving):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the loader processes' own temp folders go here
     monkeypatch.setattr(tempfile, "tempdir", None)
     log = tmp_path / "slow.log"
+    ahead = leaving == "with an epoch started ahead"
     sampler = PositionedSampler(SIZE, num_replicas=1, rank=0, seed=3, batch_size=BATCH)
-    loader = FetchAheadLoader(SlowNextEpoch(log), sampler, BATCH, num_workers=2, persistent_workers=True,
-                              **forked_workers())
+    loader = FetchAheadLoader(SlowLater(log, fast=SIZE // BATCH if ahead else 1), sampler, BATCH, num_workers=2,
+                              persistent_workers=True, **forked_workers())
     epochs = EpochAhead(loader)
-    list(epochs.batches(epoch=0))
-    epochs.start(1)  # then the run is pruned, stopped, or regroups: epoch 1 is never trained
+    if ahead:  # epoch 0 trained; then the run is pruned, stopped, or regroups before epoch 1
+        list(epochs.batches(epoch=0))
+        epochs.start(1)
+    else:  # a peer lost, the gang stopped, or a regroup mid-epoch
+        next(epochs.batches(epoch=0))
     processes = list(loader._iterator._workers)
     epochs.close()
     assert not any(process.is_alive() for process in processes)
-    assert "slow batch done" not in log.read_text()  # not waited for
+    assert len(loaded(log)) == (SIZE // BATCH if ahead else 1)  # no slow batch waited for
     remove_dead_loader_folders()
     assert not list(tmp_path.glob(f"{PREFIX}*"))
+
+
+def test_a_next_epoch_that_fails_to_start_leaves_the_sampler_on_the_epoch_trained(tmp_path):
+    """A loader process dead by the epoch's end (the OOM killer) fails the next epoch's start; the
+    rank then parks the epoch it trained, from the sampler, and must not find the next one there."""
+    sampler = PositionedSampler(100, num_replicas=2, rank=0, seed=3, batch_size=BATCH)
+    epochs = EpochAhead(FetchAheadLoader(Recorded(tmp_path / "log"), sampler, BATCH, num_workers=1,
+                                         persistent_workers=True, **forked_workers()))
+    failed: list[BaseException] = []
+
+    def epoch_then_start() -> None:  # in a thread, as a rank on a Dask worker: torch's SIGCHLD handler stays out
+        list(epochs.batches(epoch=4, start=40))
+        for process in epochs.loader._iterator._workers:
+            os.kill(process.pid, signal.SIGKILL)
+            process.join(DEADLINE_S)
+        try:
+            epochs.start(5)
+        except RuntimeError as error:
+            failed.append(error)
+
+    rank = threading.Thread(target=epoch_then_start)
+    rank.start()
+    rank.join(DEADLINE_S)
+    assert failed and "exited unexpectedly" in str(failed[0])
+    assert (sampler.epoch, sampler.start) == (4, 40)
+    epochs.close()
 
 
 def test_a_state_parked_while_the_next_epoch_loads_is_parked_where_this_epoch_ended(tmp_path):

@@ -71,6 +71,13 @@ def test_an_input_bound_rank_whose_loaders_are_busy_decoding_is_cpu_bound_with_t
     # A rank that may use more cores than its loader processes and itself is told to use them.
     capped = epoch_timing(rows, "advice", lambda: busy, LoaderWorkers(1, "", cpus=96))
     assert capped.verdict.endswith("it may use 96 and uses 2: set training.num_workers=2.")
+    # Never past training.num_workers's maximum, however many cores a rank has.
+    huge = epoch_timing(rows, "advice", lambda: DecodeCost(0.2, 10.0, 9.0, 96), LoaderWorkers(32, "", cpus=192))
+    assert huge.verdict.endswith("it may use 192 and uses 33: set training.num_workers=64.")
+    at_most = epoch_timing(rows, "advice", lambda: DecodeCost(0.2, 10.0, 9.0, 96), LoaderWorkers(64, "", cpus=192))
+    assert at_most.verdict.endswith("it uses 65 of its 192, the most training.num_workers allows (64): decode on "
+                                    "the device (training.decode_on='device') or read pre-resized shards "
+                                    "(training.images_per_shard).")
     alone = epoch_timing(rows, "advice", lambda: busy, LoaderWorkers(0, "", cpus=1))
     assert "while the rank decodes and augments its batches itself, 100.0 ms per image" in alone.verdict
     # The same decoding spread over 8 loader processes leaves them mostly idle: the storage is what it waits for.

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
+from torch.utils.data._utils import signal_handling
 
 from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
 
@@ -49,9 +50,13 @@ class EpochAhead:
         if not self.starts_early:
             return
         sampler = self.loader.sampler
-        under_way = (sampler.epoch, sampler.start) if isinstance(sampler, PositionedSampler) else None
-        self._started = (epoch, self._iterator(epoch, 0))
-        if isinstance(sampler, PositionedSampler) and under_way is not None:
+        if not isinstance(sampler, PositionedSampler):
+            self._started = (epoch, self._iterator(epoch, 0))
+            return
+        under_way = (sampler.epoch, sampler.start)
+        try:
+            self._started = (epoch, self._iterator(epoch, 0))
+        finally:  # also where the start fails (a loader process died): the rank then parks the epoch it trained
             sampler.set_epoch(*under_way)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[Any]:
@@ -67,25 +72,25 @@ class EpochAhead:
         return self._begun_when_asked(epoch, start)
 
     def close(self) -> None:
-        """Stop an epoch started ahead that will not be trained (the run stopped, was pruned, regroups
-        or failed), at once; nothing to do where none was started."""
-        started, self._started = self._started, None
-        if started is not None:
-            self._terminate()
+        """Stop the loader's processes at once, as the rank leaves (done, stopped, pruned, regrouping or
+        failed), whether busy on the epoch under way or on one started ahead.
 
-    def _terminate(self) -> None:
-        """Terminate the loader processes of the iterator started ahead, instead of letting DataLoader wait
-        for them: it waits up to 5 s for each process busy on a batch before it terminates it, so a
-        rank leaving beside 32 processes busy on large photos could wait minutes, and their temp folders
-        stayed behind until a later rank on the host (prefect_ddp.tasks.data.loader_leftovers). Dead and
-        reaped here, the caller's `remove_dead_loader_folders` removes them."""
+        DataLoader would wait up to 5 s for each process busy on a batch before it terminates it, so a
+        rank leaving beside 32 processes busy on large photos could wait minutes, and their temp
+        folders stayed behind until a later rank on the host (prefect_ddp.tasks.data.loader_leftovers).
+        Terminated and reaped here, the caller's `remove_dead_loader_folders` removes them. A later
+        `iter()` starts new processes."""
+        self._started = None
         iterator = getattr(self.loader, "_iterator", None)
-        if iterator is None:
+        if iterator is None or not getattr(iterator, "_workers", None):
             return
-        for process in getattr(iterator, "_workers", []):
+        if getattr(iterator, "_worker_pids_set", False):  # no "worker killed by signal" error for these
+            signal_handling._remove_worker_pids(id(iterator))
+            iterator._worker_pids_set = False
+        for process in iterator._workers:
             process.terminate()
         iterator._shutdown_workers()
-        self.loader._iterator = None  # a later iter() starts new processes
+        self.loader._iterator = None
 
     def _begun_when_asked(self, epoch: int, start: int) -> Iterator[Any]:
         yield from self._iterator(epoch, start)

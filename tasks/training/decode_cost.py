@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from prefect_ddp.tasks.config import MAX_NUM_WORKERS
 from prefect_ddp.tasks.data.dataset import decode_side, prepare
 from prefect_ddp.tasks.data.decoding import stored_resized
 from prefect_ddp.tasks.data.loaders import LoaderWorkers
@@ -125,9 +126,13 @@ def cpu_verdict(cost: DecodeCost, data_share: float, compute_s_per_image: float,
     busy = (f"its {loaders.workers} loader process(es) are busy decoding and augmenting" if loaders.workers
             else "the rank decodes and augments its batches itself")
     used = loaders.workers + 1
-    if used < min(needed, loaders.cpus):
-        fix = (f"it may use {loaders.cpus} and uses {used}: set training.num_workers="
-               f"{min(needed, loaders.cpus) - 1}.")
+    usable = min(needed, loaders.cpus, MAX_NUM_WORKERS + 1)
+    if used < usable:
+        fix = f"it may use {loaders.cpus} and uses {used}: set training.num_workers={usable - 1}."
+    elif used > MAX_NUM_WORKERS and loaders.cpus > used:
+        fix = (f"it uses {used} of its {loaders.cpus}, the most training.num_workers allows ({MAX_NUM_WORKERS}): "
+               "decode on the device (training.decode_on='device') or read pre-resized shards "
+               "(training.images_per_shard).")
     else:
         fix = (f"it has {loaders.cpus}. Run fewer ranks per host, on hosts with more cores per GPU, or decode "
                "on the device (training.decode_on='device').")

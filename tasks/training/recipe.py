@@ -708,7 +708,7 @@ def train_formation(ctx: RankContext, job: TrainJob, rank: RankSetup, kept: Best
                 checkpoint_s[-1] = round(checkpoint_s[-1] + time.monotonic() - waiting, 3)
         finally:
             progress.close()
-            rank.data.train_epochs.close()  # an epoch started ahead and not trained: its processes stop now
+            rank.data.train_epochs.close()  # its loader processes stop now, busy or not
             remove_dead_loader_folders()  # a killed peer's orphaned loader processes have exited by now
     # Every rank agrees on pruned_at and stopped: all score, or none does.
     comparison = (score_against_champion(ctx, job.champion, job.output.url, rank.data, rank.device, kept.epoch)
