@@ -285,3 +285,28 @@ def test_a_kept_model_of_other_classes_is_not_scored(tmp_path):
     manifest, split = manifest_and_split()
     pointer, kept = kept_model_of(tmp_path, classes=["cat", "dog"], train_keys=[])
     assert champion_to_beat(kept, pointer, manifest, split) is None
+
+
+def test_a_promotion_whose_pointer_reply_is_lost_keeps_its_model(front, s3_endpoint, tmp_path):
+    """S3 stored the pointer, the connection dropped before its reply, botocore sent the PUT again
+    and S3 answered 412: the write that landed is this run's own, not a rival's (issue 46). Taken for
+    a rival's, the promotion removed the version it had just kept, and the pointer named nothing."""
+    from prefect_ddp.deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, create_bucket
+
+    create_bucket(s3_endpoint, "lost-replies")
+    output = DataLocation(url=f"s3://lost-replies/{tmp_path.name}", endpoint_url=front.endpoint,
+                          region_name=MOTO_REGION, **MOTO_CREDENTIALS)
+    kept = kept_location(output, "nightly")
+    kept_at_start = None  # as the flow records it when the run begins: no model kept yet, then the first
+    for round_, acc in enumerate([0.7, 0.9]):  # the first model kept under a name, then a better one
+        run = run_with_model(output, f"run-{round_}", acc)
+        front.drop_replies("PUT", f"lost-replies/{tmp_path.name}/nightly/latest.json", times=1)
+        result = promote.fn(summary_of(acc), run, kept, {"name": f"run-{round_}", "flow_run_id": str(round_)},
+                            kept_at_start=kept_at_start)
+        assert front.methods["PUT"] > 0 and result.promoted, result.reason
+        pointer = read_json_document(f"{kept.url}/latest.json", kept.storage_options())
+        assert pointer["run"]["name"] == f"run-{round_}" and result.kept_url == pointer["version"]
+        options = kept.storage_options()
+        assert read_bytes(f"{pointer['version']}/model.pt", options) == f"weights of run-{round_} ".encode() * 20_000
+        assert json.loads(read_bytes(f"{pointer['version']}/metrics.json", options))["run"]["name"] == f"run-{round_}"
+        kept_at_start = pointer["version"]

@@ -136,14 +136,27 @@ def _update_s3(url: str, storage_options: dict[str, Any],
             fs.call_s3("put_object", Bucket=bucket, Key=key, Body=_encode(new),
                        ContentType="application/json", **condition)
         except OSError as error:
-            if _lost_race(error):
-                continue
-            raise
+            if not _lost_race(error):
+                raise
+            if _landed(url, storage_options, new):
+                return current, new
+            continue
         return current, new
     raise PointerConflict(
         f"{url} changed {MAX_ROUNDS} times while this run tried to update it; another writer keeps "
         "overtaking it. Retry later."
     )
+
+
+def _landed(url: str, storage_options: dict[str, Any], written: Document) -> bool:
+    """Whether the document is now `written`: a lost race that this writer itself won.
+
+    A PUT whose reply is lost (the connection dropped after S3 stored it) is sent again by
+    botocore, and S3 answers the repeat 412: the condition no longer holds, because the first
+    PUT changed the document. Taken for a rival's write, a promotion decided again against its
+    own new pointer and removed the version it had just kept (issue 46)."""
+    now = _read_s3(url, storage_options)[0]
+    return now is not None and _encode(now) == _encode(written)
 
 
 def _lost_race(error: OSError) -> bool:

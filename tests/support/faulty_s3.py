@@ -16,7 +16,9 @@ to break:
 Patterns are shell-style (fnmatch) and match "bucket/key" as the client asked for it,
 unquoted. A rule applies to the next `times` matching GETs (None: all of them, until
 `clear`); each GET uses the earliest rule still matching. Other methods (HEAD, PUT,
-LIST's GET of a bucket alone counts as a GET of "bucket") pass through untouched.
+LIST's GET of a bucket alone counts as a GET of "bucket") pass through untouched, but for
+`drop_replies`: `front.drop_replies("PUT", "bucket/out/latest.json", times=1)` forwards the
+next such PUT and drops the connection before its reply.
 Requests are forwarded with their own Host header, so signatures stay valid.
 """
 
@@ -47,9 +49,10 @@ NOT_FORWARDED = {"connection", "keep-alive", "transfer-encoding", "content-lengt
 @dataclass
 class _Rule:
     pattern: str
-    action: Literal["503", "reset", "stall"]
+    action: Literal["503", "reset", "stall", "drop reply"]
     remaining: int | None
     seconds: float = 0.0
+    method: str = "GET"
 
 
 # Storage options that pick each of the two S3 readers (tasks/data/object_reads.py):
@@ -84,6 +87,11 @@ class FaultyS3:
         """Hold the next `times` GETs matching `pattern` (None: all) for `seconds`, then answer."""
         self._add(_Rule(pattern, "stall", times, seconds))
 
+    def drop_replies(self, method: str, pattern: str, times: int) -> None:
+        """Forward the next `times` `method` requests matching `pattern` to the server, then drop the
+        connection instead of answering: the write happened, and the client never heard of it."""
+        self._add(_Rule(pattern, "drop reply", times, method=method))
+
     def clear(self) -> None:
         """Drop every rule; GETs already stalled still wait out their time."""
         with self._lock:
@@ -100,13 +108,14 @@ class FaultyS3:
         with self._lock:
             self._rules.append(rule)
 
-    def _take_rule(self, key: str) -> _Rule | None:
-        """Count a GET of `key` and return the rule it uses up, if any."""
+    def _take_rule(self, key: str, method: str = "GET") -> _Rule | None:
+        """Count a request for `key` and return the rule it uses up, if any."""
         with self._lock:
-            self.gets[key] += 1
-            self.methods["GET"] += 1
+            if method == "GET":
+                self.gets[key] += 1
+            self.methods[method] += 1
             for rule in self._rules:
-                if rule.remaining != 0 and fnmatch.fnmatchcase(key, rule.pattern):
+                if rule.method == method and rule.remaining != 0 and fnmatch.fnmatchcase(key, rule.pattern):
                     if rule.remaining is not None:
                         rule.remaining -= 1
                     return rule
@@ -140,11 +149,11 @@ def _handler(front: FaultyS3) -> type[BaseHTTPRequestHandler]:
                 self._discard_body()
                 self._answer(503, {"Content-Type": "application/xml"}, SLOW_DOWN)
                 return
-            if rule:
+            if rule and rule.action == "stall":
                 front._stall(rule.seconds)
-            self._forward()
+            self._forward(drop_reply=rule is not None and rule.action == "drop reply")
 
-        def _forward(self) -> None:
+        def _forward(self, drop_reply: bool = False) -> None:
             body = self._discard_body()
             headers = {k: v for k, v in self.headers.items() if k.lower() not in NOT_FORWARDED}
             upstream = http.client.HTTPConnection(*front.upstream, timeout=60)
@@ -152,6 +161,9 @@ def _handler(front: FaultyS3) -> type[BaseHTTPRequestHandler]:
                 upstream.request(self.command, self.path, body=body or None, headers=headers)
                 response = upstream.getresponse()
                 data = response.read()
+                if drop_reply:
+                    self._reset()
+                    return
                 answer = {k: v for k, v in response.getheaders() if k.lower() not in NOT_FORWARDED}
                 if self.command == "HEAD":  # no body, but the object's length
                     answer["Content-Length"] = response.getheader("Content-Length", "0")
@@ -160,9 +172,8 @@ def _handler(front: FaultyS3) -> type[BaseHTTPRequestHandler]:
                 upstream.close()
 
         def _pass_through(self) -> None:
-            with front._lock:
-                front.methods[self.command] += 1
-            self._forward()
+            rule = front._take_rule(unquote(urlsplit(self.path).path).lstrip("/"), self.command)
+            self._forward(drop_reply=rule is not None and rule.action == "drop reply")
 
         do_HEAD = do_PUT = do_POST = do_DELETE = _pass_through
 
