@@ -287,15 +287,19 @@ def test_a_kept_model_of_other_classes_is_not_scored(tmp_path):
     assert champion_to_beat(kept, pointer, manifest, split) is None
 
 
-def test_a_promotion_whose_pointer_reply_is_lost_keeps_its_model(front, s3_endpoint, tmp_path):
-    """S3 stored the pointer, the connection dropped before its reply, botocore sent the PUT again
-    and S3 answered 412: the write that landed is this run's own, not a rival's (issue 46). Taken for
-    a rival's, the promotion removed the version it had just kept, and the pointer named nothing."""
+def lost_replies_output(front, s3_endpoint, tmp_path, bucket: str = "lost-replies") -> DataLocation:
     from prefect_ddp.deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION, create_bucket
 
-    create_bucket(s3_endpoint, "lost-replies")
-    output = DataLocation(url=f"s3://lost-replies/{tmp_path.name}", endpoint_url=front.endpoint,
-                          region_name=MOTO_REGION, **MOTO_CREDENTIALS)
+    create_bucket(s3_endpoint, bucket)
+    return DataLocation(url=f"s3://{bucket}/{tmp_path.name}", endpoint_url=front.endpoint,
+                        region_name=MOTO_REGION, **MOTO_CREDENTIALS)
+
+
+def test_a_promotion_whose_pointer_reply_is_lost_keeps_its_model(front, s3_endpoint, tmp_path):
+    """S3 stored the pointer, the connection dropped before its reply, the PUT was sent again and S3
+    answered 412: the write that landed is this run's own, not a rival's (issue 46). Taken for a
+    rival's, the promotion removed the version it had just kept, and the pointer named nothing."""
+    output = lost_replies_output(front, s3_endpoint, tmp_path)
     kept = kept_location(output, "nightly")
     kept_at_start = None  # as the flow records it when the run begins: no model kept yet, then the first
     for round_, acc in enumerate([0.7, 0.9]):  # the first model kept under a name, then a better one
@@ -303,10 +307,44 @@ def test_a_promotion_whose_pointer_reply_is_lost_keeps_its_model(front, s3_endpo
         front.drop_replies("PUT", f"lost-replies/{tmp_path.name}/nightly/latest.json", times=1)
         result = promote.fn(summary_of(acc), run, kept, {"name": f"run-{round_}", "flow_run_id": str(round_)},
                             kept_at_start=kept_at_start)
-        assert front.methods["PUT"] > 0 and result.promoted, result.reason
+        assert front.rules_left() == 0 and result.promoted, result.reason  # the reply was lost, and yet
         pointer = read_json_document(f"{kept.url}/latest.json", kept.storage_options())
         assert pointer["run"]["name"] == f"run-{round_}" and result.kept_url == pointer["version"]
         options = kept.storage_options()
         assert read_bytes(f"{pointer['version']}/model.pt", options) == f"weights of run-{round_} ".encode() * 20_000
         assert json.loads(read_bytes(f"{pointer['version']}/metrics.json", options))["run"]["name"] == f"run-{round_}"
         kept_at_start = pointer["version"]
+
+
+def test_a_version_a_pointer_named_stays_when_a_rival_replaces_that_pointer(front, s3_endpoint, tmp_path):
+    """This run's pointer landed (its reply lost), a reader read it, and a better run's replaced it
+    before the PUT was sent again: the version the reader was given must still be there."""
+    output = lost_replies_output(front, s3_endpoint, tmp_path, "lost-then-overtaken")
+    kept = kept_location(output, "nightly")
+    run, rival = run_with_model(output, "run-a", 0.7), run_with_model(output, "run-b", 0.9)
+    read: list[str] = []
+
+    def reader_then_rival() -> None:
+        read.append(read_json_document(f"{kept.url}/latest.json", kept.storage_options())["version"])
+        promote.fn(summary_of(0.9), rival, kept, {"name": "run-b", "flow_run_id": "b"})
+
+    pointer_key = f"lost-then-overtaken/{tmp_path.name}/nightly/latest.json"
+    front.drop_replies("PUT", pointer_key, times=1)
+    front.before_forwarding("PUT", pointer_key, reader_then_rival)  # the resend of run-a's PUT
+    result = promote.fn(summary_of(0.7), run, kept, {"name": "run-a", "flow_run_id": "a"}, kept_at_start=None)
+    assert front.rules_left() == 0 and not result.promoted and "run-b" in result.reason
+    assert read == [f"{kept.url}/versions/run-a"]
+    assert read_bytes(f"{read[0]}/model.pt", kept.storage_options()) == b"weights of run-a " * 20_000
+
+
+@pytest.mark.unit
+def test_a_retried_promotion_whose_pointer_write_landed_reports_its_model_kept(tmp_path):
+    """A retry of the promote task after its pointer write landed finds its own version named: kept,
+    not 'the kept model changed while this run trained (now this run's)' (issue 46)."""
+    summary, run = finished_run(tmp_path, "run-a", 0.8)
+    kept = DataLocation(url=str(tmp_path / "kept"))
+    first = promote.fn(summary, run, kept, {"name": "run-a", "flow_run_id": "a"}, kept_at_start=None)
+    retried = promote.fn(summary, run, kept, {"name": "run-a", "flow_run_id": "a"}, kept_at_start=None)
+    assert first.promoted and retried.promoted and retried.kept_url == first.kept_url, retried.reason
+    assert retried.reason.startswith("kept already: the pointer names this run's version")
+    assert (Path(retried.kept_url) / "model.pt").exists()

@@ -75,6 +75,7 @@ def kept_location(output_base: LocationT, name: str) -> LocationT:
 
 # `kept_at_start` of a promotion that does not know which model was kept when its run began.
 NOT_RECORDED = "not recorded"
+ALREADY_KEPT = "kept already: the pointer names this run's version (a retry after its pointer write landed)"
 
 
 def decide(new_metric: float, current: Document | None, comparison: dict[str, Any] | None = None,
@@ -141,27 +142,36 @@ def promote(summary: TrainingSummary, run_output: Location, kept: Location,
     pointer_url = child_url(kept.url, POINTER)
     seen = read_pointer(kept)
     comparison = summary.comparison
-    promoted, reason = decide(metric, seen, comparison, min_improvement, kept_at_start)
-    registered = None
-    if promoted:  # write the candidate whole, then point at it if it still wins
+    retried = names_version(seen, version)  # a retry of this task after its pointer write landed
+    if retried:
+        promoted, reason, registered, seen = True, ALREADY_KEPT, (seen or {}).get("registered"), None
+    else:
+        registered = None
+        promoted, reason = decide(metric, seen, comparison, min_improvement, kept_at_start)
+    if promoted and not retried:  # write the candidate whole, then point at it if it still wins
         record = run | {"url": run_output.url, "promoted_at": datetime.now(timezone.utc).isoformat()}
         write_version(summary, run_output, version, record)
         registered = (register_version(registry.model, registry.name, version.url, pointer_url, comparison)
                       if registry and registry.model else None)
+        wrote = False
 
         def swap(current: Document | None) -> Document | None:
-            nonlocal promoted, reason, seen
+            nonlocal promoted, reason, seen, wrote
             seen = current
             promoted, reason = decide(metric, current, comparison, min_improvement, kept_at_start)
             pointer = {METRIC: metric, "version": version.url, "run": record} | pointer_fields(summary)
+            wrote = wrote or promoted
             return (pointer | ({"registered": registered} if registered else {})) if promoted else None
 
         update_json(pointer_url, kept.storage_options(), swap)
-        if not promoted:  # overtaken by a better model: nothing ever pointed at this version
+        if not promoted and not wrote:  # overtaken by a better model: nothing ever pointed at this version
             remove_tree(version.url, version.storage_options())
             if registered:
                 drop_version(registry.model, registered)
                 registered = None
+        elif not promoted:  # a pointer to it may have landed and been read before a rival's replaced it
+            run_logger().info("Left %s in place: this run's pointer to it may have been read before "
+                              "another run's replaced it.", version.url)
     run_logger().info("Model %s: %s.", "promoted" if promoted else "not promoted", reason)
     # Kept or not, the alias follows the pointer: this also repairs an earlier promotion's
     # registry failure (docs/architecture.md, "Tracking and the registry").
@@ -182,6 +192,12 @@ def promote(summary: TrainingSummary, run_output: Location, kept: Location,
         comparison=comparison, registered=registered, champion=check.now if check else None,
         registry_disagrees=check.disagreement() if check and not check.agrees else None,
     )
+
+
+def names_version(pointer: Document | None, version: Location) -> bool:
+    """Whether `pointer` names `version`: only this run's promotion writes a pointer to its own
+    version, so it is this run's success however the write's reply was lost (issue 46)."""
+    return pointer is not None and pointer.get("version") == version.url
 
 
 def version_location(kept: Location, run_output: Location) -> Location:

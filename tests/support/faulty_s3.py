@@ -30,7 +30,7 @@ import socket
 import struct
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,10 +49,17 @@ NOT_FORWARDED = {"connection", "keep-alive", "transfer-encoding", "content-lengt
 @dataclass
 class _Rule:
     pattern: str
-    action: Literal["503", "reset", "stall", "drop reply"]
+    kind: Literal["503", "reset", "stall", "drop reply", "call"]
     remaining: int | None
     seconds: float = 0.0
     method: str = "GET"
+    action: Callable[[], None] | None = None
+
+
+def _method(method: str) -> str:
+    if method.upper() not in {"GET", "HEAD", "PUT", "POST", "DELETE"}:
+        raise ValueError(f"method={method!r} is not an HTTP method the front serves: GET, HEAD, PUT, POST or DELETE.")
+    return method.upper()
 
 
 # Storage options that pick each of the two S3 readers (tasks/data/object_reads.py):
@@ -90,7 +97,17 @@ class FaultyS3:
     def drop_replies(self, method: str, pattern: str, times: int) -> None:
         """Forward the next `times` `method` requests matching `pattern` to the server, then drop the
         connection instead of answering: the write happened, and the client never heard of it."""
-        self._add(_Rule(pattern, "drop reply", times, method=method))
+        self._add(_Rule(pattern, "drop reply", times, method=_method(method)))
+
+    def before_forwarding(self, method: str, pattern: str, action: Callable[[], None], times: int = 1) -> None:
+        """Run `action` (another client's write, say) before forwarding the next `times` matching
+        requests, after any rule added earlier has been used up by the ones before them."""
+        self._add(_Rule(pattern, "call", times, method=_method(method), action=action))
+
+    def rules_left(self) -> int:
+        """How many rules still wait for a request to match them (a test's fault that never fired shows here)."""
+        with self._lock:
+            return sum(1 for rule in self._rules if rule.remaining != 0)
 
     def clear(self) -> None:
         """Drop every rule; GETs already stalled still wait out their time."""
@@ -142,16 +159,18 @@ def _handler(front: FaultyS3) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             rule = front._take_rule(unquote(urlsplit(self.path).path).lstrip("/"))
-            if rule and rule.action == "reset":
+            if rule and rule.kind == "reset":
                 self._reset()
                 return
-            if rule and rule.action == "503":
+            if rule and rule.kind == "503":
                 self._discard_body()
                 self._answer(503, {"Content-Type": "application/xml"}, SLOW_DOWN)
                 return
-            if rule and rule.action == "stall":
+            if rule and rule.kind == "stall":
                 front._stall(rule.seconds)
-            self._forward(drop_reply=rule is not None and rule.action == "drop reply")
+            if rule and rule.action:
+                rule.action()
+            self._forward(drop_reply=rule is not None and rule.kind == "drop reply")
 
         def _forward(self, drop_reply: bool = False) -> None:
             body = self._discard_body()
@@ -173,7 +192,9 @@ def _handler(front: FaultyS3) -> type[BaseHTTPRequestHandler]:
 
         def _pass_through(self) -> None:
             rule = front._take_rule(unquote(urlsplit(self.path).path).lstrip("/"), self.command)
-            self._forward(drop_reply=rule is not None and rule.action == "drop reply")
+            if rule and rule.action:
+                rule.action()
+            self._forward(drop_reply=rule is not None and rule.kind == "drop reply")
 
         do_HEAD = do_PUT = do_POST = do_DELETE = _pass_through
 
