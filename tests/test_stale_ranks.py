@@ -218,8 +218,11 @@ def test_a_lease_renewed_after_its_name_was_closed_counts_as_gone_and_is_dropped
                 assert time.monotonic() < deadline, "the frozen client's lease never expired"
                 time.sleep(0.2)
             lease_module._tidy(client)  # another gang ended: the name, held by nobody, is closed
-            frozen.refresh_leases = True  # it wakes and renews
-            time.sleep(1.0)  # more than one renewal (every 1 s / 5)
+            frozen.refresh_leases = True  # it wakes and renews: the scheduler holds its lease again
+            deadline = time.monotonic() + 60  # renewals come every 1 s / 5; generous for a loaded machine
+            while not client.run_on_scheduler(leases_under, fencing.lock_name(worker)):
+                assert time.monotonic() < deadline, "the woken client's renewal never reached the scheduler"
+                time.sleep(0.2)
         assert fenced_on(client, worker, lease)
         assert lease_module._tidy(client) == {}  # dropped, not reported held by "unknown"
         with leased_workers(client, world_size=1, holder="the next gang", timeout_s=30) as leases:
