@@ -1,6 +1,8 @@
 """The recipe at world size 1 (no process group): the real loop, checkpoints and resume."""
 
 import json
+import logging
+import os
 import subprocess
 import sys
 
@@ -356,3 +358,21 @@ def test_a_training_pass_reads_no_value_off_the_device_until_it_is_asked(monkeyp
     loss_sum, correct, count = sums.sums()
     assert count == 15 and 0 <= correct <= 15 and loss_sum > 0
     assert sums.unreadable == {"img-6.jpg"}
+
+
+@pytest.mark.unit
+def test_rank_zero_says_how_many_loader_processes_it_starts_and_why(tmp_path, caplog):
+    job = local_job(tmp_path, epochs=1)
+    job.training = job.training.model_copy(update={"num_workers": None})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # a share of one CPU: no loader process (the unit tier starts none)
+        with caplog.at_level(logging.INFO):
+            train_classifier(CTX, job)
+    finally:
+        torch.set_num_threads(threads)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Loader processes per loader")]
+    assert said == ["Loader processes per loader of rank 0: 0 (training.num_workers empty: this rank's share of "
+                    f"its host is 1 CPU(s) of the {len(os.sched_getaffinity(0))} its worker may run on (shared among "
+                    "the cluster's workers that may run on them), less one for the rank itself: the rank loads its "
+                    "batches itself)."]

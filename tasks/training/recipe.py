@@ -377,8 +377,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     download_weights(job.model, partial(ctx.progress, "download"))
     ctx.progress("data")
     data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training)
-    (log.info if ctx.is_main else log.debug)("Loader processes per loader of rank %d: %d (%s).", ctx.rank,
-                                             data.loader_workers.workers, data.loader_workers.why)
+    log.log(logging.INFO if ctx.is_main else logging.DEBUG, "Loader processes per loader of rank %d: %d (%s).",
+            ctx.rank, data.loader_workers.workers, data.loader_workers.why)
     model = build_model(job.model, len(job.manifest.classes), data.source_options)
     if job.warm_start:
         load_warm_start(model, job.warm_start)
