@@ -208,11 +208,11 @@ class DaskCluster(Block):
     _block_type_slug = "dask-cluster"
     _description = "An existing Dask scheduler address, or the spec of a local cluster."
 
-    address: str | None = Field(None, description="tcp://host:8786 of a running scheduler.")
-    n_workers: int = Field(2, ge=1, description="Workers of a local CPU cluster.")
-    threads_per_worker: int = Field(1, ge=1, description="Threads per local worker.")
+    address: str | None = Field(default=None, description="tcp://host:8786 of a running scheduler.")
+    n_workers: int = Field(default=2, ge=1, description="Workers of a local CPU cluster.")
+    threads_per_worker: int = Field(default=1, ge=1, description="Threads per local worker.")
     gpu: bool | None = Field(
-        None, description="Local cluster on GPUs: empty decides by torch.cuda.device_count()."
+        default=None, description="Local cluster on GPUs: empty decides by torch.cuda.device_count()."
     )
 
     def uses_gpu(self) -> bool:

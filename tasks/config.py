@@ -35,24 +35,24 @@ class DataConfig(_Strict):
     """Where the images are and how they are checked and split."""
 
     url: str | None = Field(
-        None,
+        default=None,
         description="Image folder laid out as URL/CLASS/IMAGE.jpg: s3://bucket/prefix, "
         "file:///path or a local path. Overrides the block's url when both are given.",
     )
     block: str | None = Field(
-        None,
+        default=None,
         description="Name of a saved `data-location` block holding the S3 endpoint, region "
         "and credentials (and a default url).",
     )
-    val_fraction: float = Field(0.2, gt=0, lt=1, description="Share of each class held out.")
-    seed: int = Field(0, ge=0, description="Seed of the stratified train/val split.")
+    val_fraction: float = Field(default=0.2, gt=0, lt=1, description="Share of each class held out.")
+    seed: int = Field(default=0, ge=0, description="Seed of the stratified train/val split.")
     validate_sample: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="Decode-check this many images per class; empty checks every image.",
     )
     max_unreadable_fraction: float = Field(
-        0.1,
+        default=0.1,
         ge=0,
         le=1,
         description="Largest share of images that may fail to decode (or be missing) and be "
@@ -60,7 +60,7 @@ class DataConfig(_Strict):
         "end of an epoch when training meets them. 0 allows none, 1 any.",
     )
     index_cache_minutes: int = Field(
-        60,
+        default=60,
         ge=0,
         le=7 * 24 * 60,
         description="Reuse the listing of an unchanged url for this long; 0 lists every run.",
@@ -80,16 +80,16 @@ class DataConfig(_Strict):
 class ModelConfig(_Strict):
     """Which torchvision backbone to fine-tune and where its starting weights come from."""
 
-    backbone: Backbone = Field("resnet18", description="torchvision model name.")
+    backbone: Backbone = Field(default="resnet18", description="torchvision model name.")
     weights: str | None = Field(
-        None,
+        default=None,
         description="Empty: random init. A torchvision weights name (DEFAULT, IMAGENET1K_V1): "
         "downloaded by torch, needs internet on the workers. A state_dict URI (s3://... or a "
         "local .pt path) for clusters without internet.",
     )
-    freeze_backbone: bool = Field(False, description="Train only the new classifier head.")
+    freeze_backbone: bool = Field(default=False, description="Train only the new classifier head.")
     warm_start: bool | str = Field(
-        False,
+        default=False,
         description="true: start from the model kept as latest under output.model_name (by default the "
         "deployment's), when there is one with this backbone. Or a registered model, "
         "models:/NAME@ALIAS (models:/NAME@champion) or models:/NAME/VERSION, read through tracking.block. "
@@ -129,109 +129,110 @@ class TrackingConfig(_Strict):
     """Whether and where the run is recorded in MLflow (experiments, the model registry)."""
 
     block: str | None = Field(
-        None,
+        default=None,
         description="Name of a saved `mlflow-tracking` block (the server and its credentials). Empty: "
         "no tracking. A server that cannot be reached is warned about, never fails the training.",
     )
     experiment: str | None = Field(
-        None, description="MLflow experiment the run is recorded in; empty: the block's.",
+        default=None, description="MLflow experiment the run is recorded in; empty: the block's.",
     )
 
 
 class TrainingConfig(_Strict):
     """The optimisation recipe; every rank gets the same values."""
 
-    epochs: int = Field(5, ge=1, le=1000, description="Passes over the training images.")
-    batch_size: int = Field(32, ge=1, le=4096, description="Images per rank per step.")
-    image_size: int = Field(224, ge=16, le=1024, description="Side of the square crop.")
-    optimizer: Literal["sgd", "adamw"] = Field("sgd", description="sgd (with momentum) or adamw.")
-    lr: float = Field(0.01, gt=0, le=10, description="Learning rate for one rank.")
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD only.")
-    weight_decay: float = Field(1e-4, ge=0, le=1, description="L2 penalty on the weights (none on norm "
+    epochs: int = Field(default=5, ge=1, le=1000, description="Passes over the training images.")
+    batch_size: int = Field(default=32, ge=1, le=4096, description="Images per rank per step.")
+    image_size: int = Field(default=224, ge=16, le=1024, description="Side of the square crop.")
+    optimizer: Literal["sgd", "adamw"] = Field(default="sgd", description="sgd (with momentum) or adamw.")
+    lr: float = Field(default=0.01, gt=0, le=10, description="Learning rate for one rank.")
+    momentum: float = Field(default=0.9, ge=0, lt=1, description="SGD only.")
+    weight_decay: float = Field(default=1e-4, ge=0, le=1, description="L2 penalty on the weights (none on norm "
                                 "and bias parameters).")
     scale_lr_by_world_size: bool | None = Field(
-        None, description="Multiply lr by the world size (the linear scaling rule). Empty: for sgd "
+        default=None, description="Multiply lr by the world size (the linear scaling rule). Empty: for sgd "
         "only; adamw keeps the per-rank lr.",
     )
     warmup_epochs: int | None = Field(
-        None, ge=0, le=100, description="Raise lr linearly, step by step, over this many first epochs. "
+        default=None, ge=0, le=100, description="Raise lr linearly, step by step, over this many first epochs. "
         "Empty: 1 when lr is scaled by a world size above 1, else 0.",
     )
     sync_batchnorm: bool = Field(
-        False, description="Pool BatchNorm's batch statistics over all ranks (SyncBatchNorm; CUDA "
+        default=False, description="Pool BatchNorm's batch statistics over all ranks (SyncBatchNorm; CUDA "
         "ranks only): for small per-rank batches. BatchNorm layers of a frozen backbone stay in eval mode.",
     )
     scheduler: Literal["cosine", "plateau", "none"] = Field(
-        "cosine", description="cosine over the epochs, plateau on val loss, or none."
+        default="cosine", description="cosine over the epochs, plateau on val loss, or none."
     )
-    amp: bool = Field(True, description="Mixed precision; used only where ranks have CUDA.")
+    amp: bool = Field(default=True, description="Mixed precision; used only where ranks have CUDA.")
     amp_dtype: Literal["bfloat16", "float16"] = Field(
-        "bfloat16", description="Autocast type with amp: bfloat16 needs no loss scaling (GPUs "
+        default="bfloat16", description="Autocast type with amp: bfloat16 needs no loss scaling (GPUs "
         "without it, before Ampere, fall back to float16 with a GradScaler).",
     )
     channels_last: bool = Field(
-        True, description="On CUDA ranks, lay out the model and images channels-last (faster "
+        default=True, description="On CUDA ranks, lay out the model and images channels-last (faster "
         "convolutions on tensor cores).",
     )
     decode_on: Literal["loader", "device"] = Field(
-        "loader", description="Where images are decoded and augmented: in the DataLoader's CPU "
+        default="loader", description="Where images are decoded and augmented: in the DataLoader's CPU "
         "processes, or in batches on the rank's device (on a GPU, torchvision's nvjpeg decoder: "
         "for when the CPUs cannot keep the GPU fed). Non-JPEG images decode on the CPU either way.",
     )
     num_workers: int | None = Field(
-        None, ge=0, le=MAX_NUM_WORKERS, description="DataLoader worker processes per rank (0: load inline). Empty "
+        default=None, ge=0, le=MAX_NUM_WORKERS,
+        description="DataLoader worker processes per rank (0: load inline). Empty "
         "(the default): one per CPU the rank has (the CPUs its worker may run on, shared among the "
         "workers that may run on them) less one for the rank itself, at most 32: what a GPU rank needs "
         "to keep fed. The run's log says what it chose and why.",
     )
     fetch_threads: int | None = Field(
-        None, ge=1, le=4096, description="Images fetched concurrently per batch. Empty: the batch "
+        default=None, ge=1, le=4096, description="Images fetched concurrently per batch. Empty: the batch "
         "size, so a batch costs one storage round trip rather than several.",
     )
     cache_gb: float = Field(
-        0, ge=0, le=100_000,
+        default=0, ge=0, le=100_000,
         description="Keep fetched images on each worker host's local disk, up to this many GB per "
         "host, so later epochs read them from there instead of S3; images larger than training needs "
         "(camera photos) are kept resized to the side the crop needs (folder: $PREFECT_DDP_CACHE_DIR, "
         "else ~/.cache/prefect-ddp/images, the user's own). 0 turns it off.",
     )
     images_per_shard: int | None = Field(
-        None, ge=2, le=1_000_000,
+        default=None, ge=2, le=1_000_000,
         description="Pack the training images into tar shards of this many images (written once "
         "below OUTPUT/shards/ and reused by later runs over the same images and split) and read "
         "each shard with one GET. Empty: one GET per image (the default). Validation stays per image.",
     )
     shard_side: int | None = Field(
-        None, ge=0, le=16384,
+        default=None, ge=0, le=16384,
         description="With shards: images larger than this on their shorter side are stored resized to it, as "
         "JPEG, so training decodes small images instead of originals (a 12-MP photo: ~2 ms instead of ~60-200). "
         "Empty: what the random crop at image_size needs (1.5 x image_size). 0: the images as stored.",
     )
-    shard_quality: int = Field(90, ge=50, le=100, description="JPEG quality of images stored resized in shards.")
+    shard_quality: int = Field(default=90, ge=50, le=100, description="JPEG quality of images stored resized in shards.")
     checkpoint_every: Literal["epoch", "auto"] = Field(
-        "epoch", description="When rank 0 checkpoints, for a re-formed gang to resume from: after every "
+        default="epoch", description="When rank 0 checkpoints, for a re-formed gang to resume from: after every "
         "epoch, or auto: at the interval Young and Daly's rule gives from the measured cost of a save and "
         "the failures this run has seen (mtbf_h before any), never leaving more than max_lost_min of "
         "training unsaved, and always after the last epoch. A sweep's trials checkpoint every epoch. Saves "
         "are copied to memory and written while training goes on, either way.",
     )
     mtbf_h: float = Field(
-        24, gt=0, le=100_000, description="With checkpoint_every=auto: the expected hours between failures "
+        default=24, gt=0, le=100_000, description="With checkpoint_every=auto: the expected hours between failures "
         "of the gang (a rank or worker lost) until this run has seen one; after that, the shorter of this "
         "and the time it trained per failure seen.",
     )
     max_lost_min: float = Field(
-        30, gt=0, le=100_000, description="With checkpoint_every=auto: the most training, in minutes, that "
+        default=30, gt=0, le=100_000, description="With checkpoint_every=auto: the most training, in minutes, that "
         "one failure may lose: the interval never exceeds it.",
     )
     regroup_every_steps: int = Field(
-        REGROUP_EVERY_STEPS, ge=0, le=1_000_000, description="In an elastic gang (cluster.min_world_size): "
+        default=REGROUP_EVERY_STEPS, ge=0, le=1_000_000, description="In an elastic gang (cluster.min_world_size): "
         "after every this many optimizer steps, besides each epoch's end, the ranks ask whether a worker "
         "came free, and grow onto it there, mid-epoch, instead of leaving it idle until the epoch ends. "
         "0: at epochs' ends only. Each ask is one tiny broadcast between the ranks.",
     )
     fetch_timeout_s: float = Field(
-        60, ge=1, le=3600,
+        default=60, ge=1, le=3600,
         description="Limit in seconds for fetching one batch of images, retries included. A "
         "rank whose storage stalls longer fails with a TimeoutError naming the images, and the "
         "gang restarts, instead of waiting out the process group's timeout. A gang of live "
@@ -268,36 +269,36 @@ class GangOptions(TypedDict):
 class ClusterConfig(_Strict):
     """Which Dask cluster runs the ranks: a saved block, an address, or a new local one."""
 
-    block: str | None = Field(None, description="Name of a saved `dask-cluster` block.")
+    block: str | None = Field(default=None, description="Name of a saved `dask-cluster` block.")
     address: str | None = Field(
-        None, description="Scheduler address of an existing cluster, e.g. tcp://10.0.0.5:8786."
+        default=None, description="Scheduler address of an existing cluster, e.g. tcp://10.0.0.5:8786."
     )
     n_workers: int = Field(
-        2, ge=1, le=256, description="Workers of a new local cluster (ignored with address)."
+        default=2, ge=1, le=256, description="Workers of a new local cluster (ignored with address)."
     )
     world_size: int | None = Field(
-        None, ge=1, description="Ranks to run; empty uses every worker of the cluster. With "
+        default=None, ge=1, description="Ranks to run; empty uses every worker of the cluster. With "
         "min_world_size: the most ranks."
     )
     min_world_size: int | None = Field(
-        None, ge=1, description="Make the gang elastic: it starts once this many workers are free, on "
+        default=None, ge=1, description="Make the gang elastic: it starts once this many workers are free, on "
         "as many up to world_size as are; a lost worker shrinks it to the survivors at once, and a worker "
         "come free grows it back at its next boundary (training.regroup_every_steps, or an epoch's end), the "
         "state handed over in memory. A sweep sizes its trials with settings.min_ranks_per_trial. Empty: a fixed "
         "size (world_size).",
     )
     init_timeout_s: int = Field(
-        300, ge=10, le=3600, description="Limit for all ranks to join the process group, and for any one "
+        default=300, ge=10, le=3600, description="Limit for all ranks to join the process group, and for any one "
         "collective to complete; raised to training.fetch_timeout_s / 0.8 where that is longer."
     )
     gang_timeout_s: int | None = Field(
-        None, ge=60, description="Limit for the whole training; empty waits as long as it runs."
+        default=None, ge=60, description="Limit for the whole training; empty waits as long as it runs."
     )
     max_restarts: int = Field(
-        1, ge=0, le=10, description="Re-form the gang this often after a rank or worker fails."
+        default=1, ge=0, le=10, description="Re-form the gang this often after a rank or worker fails."
     )
     hang_timeout_s: int | None = Field(
-        None, ge=5, le=86400, description="Stop and re-form the gang when no rank makes progress this "
+        default=None, ge=5, le=86400, description="Stop and re-form the gang when no rank makes progress this "
         "long (a frozen worker is found this long after it froze); empty: the larger of 60 s and 5x the "
         "longest of the last 20 gaps between steps, below 80% of the process group's timeout "
         "(init_timeout_s, raised as it says). Loading data, validation batches and checkpoints get 5x "
@@ -305,7 +306,7 @@ class ClusterConfig(_Strict):
         "training.fetch_timeout_s.",
     )
     lease_timeout_s: int = Field(
-        600, ge=0, le=86400,
+        default=600, ge=0, le=86400,
         description="How long to wait for enough workers that no other run holds before failing.",
     )
 
@@ -346,28 +347,28 @@ class OutputConfig(_Strict):
     """Where models, metrics and reports are written: one folder per flow run below url."""
 
     url: str = Field(
-        "./outputs", description="s3://bucket/prefix or a local path; each run writes to URL/RUN-NAME-ID/ (ID: the first 8 characters of the flow run id)."
+        default="./outputs", description="s3://bucket/prefix or a local path; each run writes to URL/RUN-NAME-ID/ (ID: the first 8 characters of the flow run id)."
     )
     block: str | None = Field(
-        None,
+        default=None,
         description="data-location block for the output's credentials; empty reuses the "
         "data block when url is on S3.",
     )
     model_name: str | None = Field(
-        None,
+        default=None,
         description="Keep the best model of the runs sharing this name under URL/NAME/ (NAME/latest.json "
         "names the version kept): a run replaces it only when its model beats the kept one on the run's "
         "validation images neither trained on (min_improvement). Empty: the deployment's name; a run "
         "outside a deployment keeps none; sweep trials never promote.",
     )
     min_improvement: float | None = Field(
-        None, ge=0, le=1,
+        default=None, ge=0, le=1,
         description="How much more accurate than the kept model, on the same images, a run's model must be "
         "to replace it. Empty: more than the noise of that comparison (one standard error of the paired "
         "difference: sqrt(images only one gets right) / images). A tie always keeps the kept model.",
     )
     shared: bool = Field(
-        False,
+        default=False,
         description="A local url is one filesystem mounted on every worker host (NFS, Lustre). "
         "Without it, a local url with ranks on several hosts is refused: each would write its own disk.",
     )

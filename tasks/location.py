@@ -20,20 +20,20 @@ class Location(BaseModel):
     """An fsspec URL and the settings to open it (S3 endpoint, region, credentials)."""
 
     url: str = Field(
-        "", description="s3://bucket/prefix, file:///path or a local path."
+        default="", description="s3://bucket/prefix, file:///path or a local path."
     )
     endpoint_url: str | None = Field(
-        None, description="S3-compatible endpoint (MinIO, Ceph, moto); empty for AWS."
+        default=None, description="S3-compatible endpoint (MinIO, Ceph, moto); empty for AWS."
     )
-    region_name: str | None = Field(None, description="AWS region, e.g. us-east-1.")
-    anonymous: bool = Field(False, description="Read a public bucket without credentials.")
+    region_name: str | None = Field(default=None, description="AWS region, e.g. us-east-1.")
+    anonymous: bool = Field(default=False, description="Read a public bucket without credentials.")
     aws_access_key_id: str | None = Field(
-        None, description="Empty: boto's default chain (env, ~/.aws, instance role)."
+        default=None, description="Empty: boto's default chain (env, ~/.aws, instance role)."
     )
     aws_secret_access_key: SecretStr | None = None
     aws_session_token: SecretStr | None = None
     max_attempts: int | None = Field(
-        None,
+        default=None,
         ge=1,
         le=20,
         description="Attempts per S3 request, the first included (botocore's "

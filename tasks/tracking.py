@@ -56,10 +56,10 @@ class Tracking(BaseModel):
     model_config = ConfigDict(hide_input_in_errors=True)  # a refused tracking_uri may hold a password
 
     tracking_uri: str = Field(description="The MLflow server, e.g. http://mlflow.internal:5000.")
-    experiment: str = Field("transfer-learning", description="Experiment the runs are recorded in.")
-    username: str | None = Field(None, description="Basic-auth user, when the server asks for one.")
-    password: SecretStr | None = Field(None, description="Basic-auth password.")
-    token: SecretStr | None = Field(None, description="Bearer token, instead of a user and password.")
+    experiment: str = Field(default="transfer-learning", description="Experiment the runs are recorded in.")
+    username: str | None = Field(default=None, description="Basic-auth user, when the server asks for one.")
+    password: SecretStr | None = Field(default=None, description="Basic-auth password.")
+    token: SecretStr | None = Field(default=None, description="Bearer token, instead of a user and password.")
 
     @field_validator("tracking_uri")
     @classmethod

@@ -70,3 +70,38 @@ def test_the_public_names_static_tools_see_are_the_ones_python_imports() -> None
     static = {(node.module, alias.asname or alias.name) for node in checked.body if isinstance(node, ast.ImportFrom)
               for alias in node.names}
     assert static == {(module, name) for name, module in prefect_ddp._HOMES.items()}
+
+
+# A user's script after the README's install, as their editor checks it: every public config
+# and block built with only some fields, secrets as the docs write them (docs/running.md).
+USER_SCRIPT = '''
+from pydantic import SecretStr
+
+from prefect_ddp import (ClusterConfig, DaskCluster, DataConfig, DataLocation, Dimension, MlflowTracking, ModelConfig,
+                         OutputConfig, StudyStorage, SweepSettings, TrackingConfig, TrainingConfig)
+
+epochs: int = TrainingConfig().epochs + TrainingConfig(epochs=3).epochs
+data = DataConfig(url="s3://bucket/images", val_fraction=0.25)
+model = ModelConfig(backbone="resnet18")
+cluster = ClusterConfig(n_workers=2)
+output = OutputConfig(url="s3://bucket/out")
+tracking = TrackingConfig()
+sweep = SweepSettings(n_trials=4)
+location = DataLocation(url="s3://bucket/images", aws_access_key_id="AKIA...", aws_secret_access_key=SecretStr("..."))
+dask = DaskCluster(n_workers=2)
+mlflow = MlflowTracking(tracking_uri="http://127.0.0.1:5000")
+study = StudyStorage(url=SecretStr("postgresql://user:password@host/db"))
+lr = Dimension(kind="log_uniform", low=1e-4, high=1e-1)
+'''
+
+
+def test_a_users_script_type_checks_with_plain_mypy_and_no_pydantic_plugin(tmp_path: Path) -> None:
+    """Issue 47: `TrainingConfig().epochs` read as `Missing named argument "epochs"` to a checker
+    that follows PEP 681 without pydantic's plugin (mypy alone, pyright): a positional default in
+    `Field(10, ...)` is not one it sees; `Field(default=10, ...)` is."""
+    (tmp_path / "user_script.py").write_text(USER_SCRIPT)
+    checked = subprocess.run(  # no configuration file: the folder is the user's, outside the repository
+        [sys.executable, "-m", "mypy", "--cache-dir", str(REPOSITORY / ".mypy_cache" / "plain"), "user_script.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "Success: no issues found in 1 source file" in checked.stdout

@@ -26,9 +26,9 @@ class Dimension(BaseModel):
         description="grid: try every value (with sampler grid); choice: one of values; "
         "uniform or log_uniform: a float in [low, high]; int: an integer in [low, high]."
     )
-    values: list[Value] | None = Field(None, description="The values of grid or choice.")
-    low: float | None = Field(None, description="Lower bound of uniform, log_uniform or int.")
-    high: float | None = Field(None, description="Upper bound of uniform, log_uniform or int.")
+    values: list[Value] | None = Field(default=None, description="The values of grid or choice.")
+    low: float | None = Field(default=None, description="Lower bound of uniform, log_uniform or int.")
+    high: float | None = Field(default=None, description="Upper bound of uniform, log_uniform or int.")
 
     @model_validator(mode="after")
     def _complete(self) -> Dimension:

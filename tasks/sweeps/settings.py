@@ -47,43 +47,43 @@ class SweepSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field("sweep", description="Names the study; running the same name again continues it.")
-    n_trials: int = Field(8, ge=1, le=1000, description="Trials in the study, counting finished ones.")
-    concurrency: int = Field(2, ge=1, le=64, description="Trials training at the same time, each on its own workers.")
-    ranks_per_trial: int = Field(1, ge=1, le=256, description="Workers (DDP ranks) each trial trains on.")
+    name: str = Field(default="sweep", description="Names the study; running the same name again continues it.")
+    n_trials: int = Field(default=8, ge=1, le=1000, description="Trials in the study, counting finished ones.")
+    concurrency: int = Field(default=2, ge=1, le=64, description="Trials training at the same time, each on its own workers.")
+    ranks_per_trial: int = Field(default=1, ge=1, le=256, description="Workers (DDP ranks) each trial trains on.")
     min_ranks_per_trial: int | None = Field(
-        None, ge=1, le=256, description="Make each trial's gang elastic: it starts once this many workers are "
+        default=None, ge=1, le=256, description="Make each trial's gang elastic: it starts once this many workers are "
         "free, shrinks to its survivors when one is lost, and grows back to ranks_per_trial onto workers "
         "that no gang holds (never another trial's). Empty: every trial has ranks_per_trial ranks."
     )
-    metric: str = Field("val_acc", description="The per-epoch metric to optimise, as the trials report it.")
-    direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether more of the metric is better.")
+    metric: str = Field(default="val_acc", description="The per-epoch metric to optimise, as the trials report it.")
+    direction: Literal["maximize", "minimize"] = Field(default="maximize", description="Whether more of the metric is better.")
     sampler: Literal["grid", "random", "tpe"] = Field(
-        "tpe", description="grid: every combination (every dimension kind grid); random; tpe: Optuna's TPE."
+        default="tpe", description="grid: every combination (every dimension kind grid); random; tpe: Optuna's TPE."
     )
     pruner: Literal["none", "median", "hyperband"] = Field(
-        "median", description="Stops trials early: median (worse than the median so far), hyperband, or none."
+        default="median", description="Stops trials early: median (worse than the median so far), hyperband, or none."
     )
     startup_trials: int = Field(
-        2, ge=0, le=100, description="Trials that must finish before the median pruner stops others."
+        default=2, ge=0, le=100, description="Trials that must finish before the median pruner stops others."
     )
-    seed: int = Field(0, ge=0, description="Seed of the sampler.")
+    seed: int = Field(default=0, ge=0, description="Seed of the sampler.")
     first_trials: list[dict[str, Value]] = Field(
         default_factory=list, description="Parameter sets to try first, e.g. a configuration known to work."
     )
     storage: str | None = Field(
-        None, description="Optuna storage URL without a password (sqlite:///PATH, or a database that needs "
+        default=None, description="Optuna storage URL without a password (sqlite:///PATH, or a database that needs "
         "none); a URL with a password belongs in storage_block. Empty: SQLite on the sweep's host, in "
         "OUTPUT/NAME/study.db for a local output, else in the user's data folder."
     )
     storage_block: str | None = Field(
-        None, description="Name of a saved study-storage block: a database URL with its password, kept secret."
+        default=None, description="Name of a saved study-storage block: a database URL with its password, kept secret."
     )
     lease_timeout_s: int = Field(
-        1800, ge=0, description="How long a trial waits for free workers before it fails."
+        default=1800, ge=0, description="How long a trial waits for free workers before it fails."
     )
     promote: bool = Field(
-        False, description="At the end, keep the best trial's model under output.model_name (or the "
+        default=False, description="At the end, keep the best trial's model under output.model_name (or the "
         "deployment's name) when it is at least as good as the model kept there. Trials never promote on their own."
     )
 

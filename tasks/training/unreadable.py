@@ -38,8 +38,8 @@ REPORTED_KEYS = 20  # keys named in metrics.json and the report; each epoch's re
 class UnreadableLimit(BaseModel):
     """What the flow tells the ranks: how many images decode-check left out, and the limit."""
 
-    excluded: int = Field(0, ge=0, description="Images decode-check left out: missing or not decoding.")
-    limit: float = Field(DataConfig.model_fields["max_unreadable_fraction"].default, ge=0, le=1,
+    excluded: int = Field(default=0, ge=0, description="Images decode-check left out: missing or not decoding.")
+    limit: float = Field(default=DataConfig.model_fields["max_unreadable_fraction"].default, ge=0, le=1,
                          description="data.max_unreadable_fraction.")
 
 
