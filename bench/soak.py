@@ -1,6 +1,7 @@
 """Issue 33: many gangs on one warm cluster and one Prefect server, under seeded faults.
 
     .venv/bin/python -m bench.soak [--runs 100] [--seed 0] [--workers 3] [--external]
+                                   [--fault-share 0.55] [--store-share 0.55] [--plan-only]
 
 A night's life for the gang, compressed: runs of a 2-rank gang (a short training loop of
 collectives that calls `ctx.check_stop()` after each step, `bench/soak_ranks.py`) one after
@@ -18,12 +19,35 @@ injector gives about every other run one fault:
 - ignore-stop: the ranks sleep in C past the gang's timeout (5 s), deaf to the stop flag:
   their workers must be restarted.
 
+The gangs write what a training run writes (bench/soak_ranks.py, with the product's own code)
+to a moto S3 server behind the fault-injecting front (tests/support/faulty_s3.py): rank 0's
+checkpoint every 10 steps, from which a re-formed attempt resumes, and at the run's end its
+model, kept through the product's promotion under `soak/` (a pointer, `soak/latest.json`,
+and a version folder per run: model.pt, model.json, metrics.json). Drawn independently of
+the process faults (so some runs meet both), about every other run (`--store-share`) gets one
+store fault (issue 46), armed on the front before the run starts, on one PUT of the run's
+writes (the checkpoint, the pointer, or the version's model.pt, model.json or metrics.json):
+
+- lost-reply: the PUT is stored, its reply lost (the connection dropped): the client sends again;
+- cut-file: the PUT is stored with half its bytes and answered 200.
+
 After every run it checks the invariants: the run completed, or failed with the error its
-fault explains, within its limit (never hung); no worker lease held; no rank left running
-on any worker; every worker back; none of its task runs left Running. Over the soak: the
-scheduler's, the soak process's, the Prefect server's and each worker's memory and open files
-at the start, after the first WARM_AFTER_RUNS runs, and at the end. It
-prints a JSON line per run and a summary; record it in bench/RESULTS.md.
+process fault explains (a failure outside the gang, in the model's writing or promotion, is
+never explained), within its limit (never hung); no worker lease held; no rank left running
+on any worker; every worker back; none of its task runs left Running. After a run that
+completed, on the store as moto holds it (not through the front): its store fault fired; the
+pointer names this run's version; that version's model loads (`model_problem`) and its
+metrics.json names the run; the run's checkpoint loads and says all steps were done; and the
+loop's total is STEPS * 2 (each step's all-reduce of 1.0 over 2 ranks counted once: no step
+counted twice after a resume). A store fault on a run that then fails or is killed may never
+fire, and is not a violation: `--plan-only` counts those that fall on runs that can complete.
+
+Over the soak: the scheduler's, the soak process's, the Prefect server's and each worker's
+memory and open files at the start, after the first WARM_AFTER_RUNS runs, and at the end. It
+prints a JSON line per run and a summary; record it in bench/RESULTS.md. The long soak of
+issue 46 (65 store faults, 56 of them on runs that can complete):
+
+    .venv/bin/python -m bench.soak --runs 100 --seed 29 --store-share 0.65
 """
 
 from __future__ import annotations
@@ -39,28 +63,47 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextvars import copy_context
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import distributed
 import psutil
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-from bench import soak_ranks
-from bench.overhead import quiet_dask, running_prefect_server
 from prefect_ddp.blocks.cluster import create_local_cluster
+from prefect_ddp.deployments.local_services import create_bucket, moto_s3_server
+from prefect_ddp.tasks.data.storage import read_json, remove_tree
 from prefect_ddp.tasks.gang import cluster_workers
 from prefect_ddp.tasks.gang.lease import _tidy
 from prefect_ddp.tasks.gang.stale import running_rank
+from prefect_ddp.tasks.results.promotion import (
+    kept_location,
+    read_pointer,
+    version_location,
+)
+from prefect_ddp.tasks.training.checkpoints import read_committed, readable_checkpoint
+from prefect_ddp.tasks.training.model import model_problem
+from prefect_ddp.tasks.urls import child_url
+
+from bench import soak_ranks
+from bench.overhead import quiet_dask, running_prefect_server
+from bench.soak_ranks import KEPT_NAME, Store, base_location, checkpoint_url, run_url
 from tests.support.external_dask import TRAINING_ENV, dask_processes, owner_environment
+from tests.support.faulty_s3 import FaultyS3, faulty_s3
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = ["kill-worker", "freeze-worker", "kill-flow", "ignore-stop"]
+# Store faults (issue 46): what the front does to one PUT of the run's writes (tests/support/faulty_s3.py).
+STORE_FAULTS = {"lost-reply": "drop reply", "cut-file": "cut"}
+# The writes a store fault may hit: the checkpoint, the kept model's pointer, the version's files.
+STORE_TARGETS = ["checkpoint", "pointer", "model.pt", "model.json", "metrics.json"]
+# The process faults after which a run can complete (and so must have met its store fault).
+COMPLETING = (None, "kill-worker", "freeze-worker")
+BUCKET = "gangs"
 RUN_LIMIT_S = 240  # a run that takes longer counts as hung
 LEASE_TIMEOUT_S = 5
 KILLED_RUN_STEPS = 1200  # about a minute and a half
@@ -81,7 +124,9 @@ EXPLAINED = {
 class Launched:
     """One run: in a thread of this process, or (for kill-flow) in a flow process of its own."""
 
-    def __init__(self, address: str, fn_name: str, marks: Path, work: Path, own_process: bool) -> None:
+    def __init__(self, address: str, fn_name: str, marks: Path, work: Path, own_process: bool,
+                 store: Store | None = None) -> None:
+        self.steps = KILLED_RUN_STEPS if own_process else soak_ranks.STEPS
         self.began = time.monotonic()  # the run's limit counts from here, the fault's injection included
         self.process: subprocess.Popen[str] | None = None
         self.future: Future[dict[str, Any]] | None = None
@@ -91,13 +136,14 @@ class Launched:
             env = os.environ | {"DASK_DISTRIBUTED__SCHEDULER__LOCKS__LEASE_TIMEOUT": f"{LEASE_TIMEOUT_S}s"}
             # Long enough to outlive its leases: the next run's gang finds its ranks still running.
             self.process = subprocess.Popen([sys.executable, "-m", "bench.soak_ranks", address, fn_name, str(marks),
-                                             str(KILLED_RUN_STEPS)],
+                                             str(KILLED_RUN_STEPS), *([json.dumps(store)] if store else [])],
                                             cwd=REPO, env=env, stdout=subprocess.PIPE,
                                             stderr=open(work / "flows.log", "a"), text=True)
         else:
             # A thread of its own: a hung run's thread must not hold up the runs after it.
             threads = ThreadPoolExecutor(1)
-            self.future = threads.submit(copy_context().run, soak_ranks.run, address, fn_name, str(marks))
+            self.future = threads.submit(copy_context().run, soak_ranks.run, address, fn_name, str(marks),
+                                         self.steps, store)
             threads.shutdown(wait=False)
 
     def running(self) -> bool:
@@ -172,7 +218,7 @@ def violations(client: distributed.Client, workers: int, result: dict[str, Any],
     found = []
     if result["state"] not in ("COMPLETED", "FAILED", "KILLED") or (
         result["state"] == "FAILED" and not any(word in result.get("error", "") for word in EXPLAINED[fault])
-    ):
+    ) or (result["state"] == "FAILED" and result.get("gang_failed") is False):  # not the gang's: never explained
         found.append(f"outcome {result['state']}: {result.get('error', '')[:300]}")
     if fault != "kill-flow":  # a killed run's ranks are ended by the next gang, not before
         try:
@@ -202,6 +248,126 @@ def left_running(flow_run_id: str | None) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(1)
+
+
+class Planned(NamedTuple):
+    """One run's faults: a process fault (FAULTS) and a store fault ((STORE_FAULTS key, STORE_TARGETS item)), or None."""
+
+    fault: str | None
+    store: tuple[str, str] | None
+
+
+def plan(runs: int, seed: int, fault_share: float, store_share: float) -> list[Planned]:
+    """Each run's faults, by the seed alone (the injector's timing draws vary). The process faults
+    are drawn as before store faults were added (a seed's process faults are those it had); the store
+    faults from a generator of their own, so that they fall on runs independently of them."""
+    draws = random.Random(seed)
+    faulted = set(draws.sample(range(1, runs + 1), round(runs * fault_share)))
+    faults = [draws.choice(FAULTS) if number in faulted else None for number in range(1, runs + 1)]
+    store_draws = random.Random(f"store-{seed}")
+    stored = set(store_draws.sample(range(1, runs + 1), round(runs * store_share)))
+    stores = [(store_draws.choice(list(STORE_FAULTS)), store_draws.choice(STORE_TARGETS)) if number in stored else None
+              for number in range(1, runs + 1)]
+    return [Planned(fault, store) for fault, store in zip(faults, stores)]
+
+
+def plan_counts(planned: list[Planned]) -> dict[str, Any]:
+    """What a plan holds: its process and store faults, and the store faults on runs that can
+    complete (COMPLETING: those must meet theirs; a killed or timed-out run may never write)."""
+    stores = [p.store for p in planned if p.store]
+    return {
+        "runs": len(planned),
+        "faults": dict(Counter(p.fault or "none" for p in planned)),
+        "store_faults": len(stores),
+        "store_faults_by_kind": dict(Counter(kind for kind, _ in stores)),
+        "store_faults_by_target": dict(Counter(target for _, target in stores)),
+        "store_faults_on_completing_runs": sum(1 for p in planned if p.store and p.fault in COMPLETING),
+        "store_and_process_fault": sum(1 for p in planned if p.store and p.fault),
+    }
+
+
+def target_pattern(store: Store, target: str) -> str:
+    """The front's pattern ("bucket/key") for the PUT of `target` in this run."""
+    if target == "checkpoint":
+        url = checkpoint_url(store)
+    elif target == "pointer":
+        url = f"s3://{store['bucket']}/{KEPT_NAME}/latest.json"
+    else:
+        url = f"s3://{store['bucket']}/{KEPT_NAME}/versions/{store['run']}/{target}"
+    return url.removeprefix("s3://")
+
+
+def arm(front: FaultyS3, store: Store, store_fault: tuple[str, str] | None) -> None:
+    """Break the run's one PUT of its target, once, before the run starts."""
+    if store_fault:
+        kind, target = store_fault
+        front.fault("PUT", target_pattern(store, target), STORE_FAULTS[kind], times=1)  # type: ignore[arg-type]
+
+
+def store_violations(front: FaultyS3, direct_endpoint: str, store: Store, result: dict[str, Any],
+                     store_fault: tuple[str, str] | None, steps: int) -> tuple[list[str], dict[str, Any]]:
+    """What a run left in the store that it must not have, read from moto itself (not through the
+    front), and what was seen: whether its store fault fired (None: it had none) and the step its
+    last attempt resumed from (by its checkpoint). The front's rules are cleared for the next run.
+    Checked only for a run that completed: a failed or killed one keeps nothing."""
+    seen: dict[str, Any] = {"fired": front.rules_left() == 0 if store_fault else None, "resumed_at": None}
+    fired = seen["fired"]
+    front.clear()
+    if result["state"] != "COMPLETED":
+        return [], seen
+    found = []
+    if store_fault and not fired:
+        found.append(f"fault never fired: {store_fault[0]} on {store_fault[1]} ({target_pattern(store, store_fault[1])})")
+    if (total := result.get("total")) != steps * 2:
+        found.append(f"the loop's total is {total}, not {steps * 2}: a step counted twice, or not at all")
+    promotion = result.get("promotion") or {}
+    if not promotion.get("promoted"):
+        found.append(f"not promoted: {promotion.get('reason')}")
+    direct = base_location(store, direct_endpoint)
+    kept = kept_location(direct, KEPT_NAME)
+    version = version_location(kept, direct.with_url(run_url(store)))
+    options = direct.storage_options()
+
+    def pointer() -> str | None:
+        named = (read_pointer(kept) or {}).get("version")
+        return None if named == version.url else f"the pointer names {named}, not this run's {version.url}"
+
+    def kept_model() -> str | None:
+        problem = model_problem(version)
+        return problem and f"the kept model does not load: {problem}"
+
+    def metrics() -> str | None:
+        named = read_json(child_url(version.url, "metrics.json"), options)["run"]["name"]
+        return None if named == store["run"] else f"the version's metrics.json names run {named!r}, not {store['run']!r}"
+
+    def checkpoint() -> str | None:
+        url = checkpoint_url(store)
+        saved = readable_checkpoint(url, read_committed(url, options))
+        if saved is None:
+            return f"the checkpoint {url} is missing or cannot be read"
+        seen["resumed_at"] = saved.get("resumed_at")
+        return None if saved["step"] == steps else f"the checkpoint says step {saved['step']}, not {steps}"
+
+    for check in (pointer, kept_model, metrics, checkpoint):
+        try:
+            problem = check()
+        except Exception as error:  # noqa: BLE001 -- a file missing, or one that does not parse: a violation, reported
+            problem = f"{check.__name__}: {type(error).__name__}: {str(error)[:300]}"
+        if problem:
+            found.append(problem)
+    return found, seen
+
+
+def tidy_store(direct_endpoint: str, store: Store, kept_before: str | None) -> None:
+    """Drop what later runs no longer need, so that moto (in memory) does not grow by two models a
+    run: the run's own model.pt and the version the pointer named before this run, once it names another."""
+    direct = base_location(store, direct_endpoint)
+    options = direct.with_url(run_url(store)).storage_options()
+    now = (read_pointer(kept_location(direct, KEPT_NAME)) or {}).get("version")
+    with contextlib.suppress(OSError):
+        remove_tree(child_url(run_url(store), "model.pt"), options)
+        if kept_before and now and kept_before != now:
+            remove_tree(kept_before, options)
 
 
 def footprint(client: distributed.Client) -> dict[str, Any]:
@@ -235,42 +401,69 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--fault-share", type=float, default=0.55, help="the share of runs given a fault")
+    parser.add_argument("--fault-share", type=float, default=0.55, help="the share of runs given a process fault")
+    parser.add_argument("--store-share", type=float, default=0.55,
+                        help="the share of runs given a store fault (lost-reply or cut-file), drawn independently")
     parser.add_argument("--external", action="store_true",
                         help="scheduler and workers as `dask` processes of their own, not a LocalCluster in this process")
+    parser.add_argument("--plan-only", action="store_true", help="print the seed's plan's counts and run nothing")
     args = parser.parse_args()
+    # Drawn before any run, so that the seed alone decides them (the injector's timing draws vary).
+    planned = plan(args.runs, args.seed, args.fault_share, args.store_share)
+    if args.plan_only:
+        print(json.dumps({"seed": args.seed, "fault_share": args.fault_share, "store_share": args.store_share}
+                         | plan_counts(planned)))
+        return
     random.seed(args.seed)
     quiet_dask()
     work = Path(tempfile.mkdtemp(prefix="bench-soak-"))
     started = time.time()
     with (running_prefect_server(work) as api_url,
+          moto_s3_server(work) as s3_endpoint,
+          faulty_s3(s3_endpoint) as front,
           soak_cluster(args.workers, args.external, work) as address,
           distributed.Client(address) as client):
-        print(json.dumps({"api": api_url, "scheduler": address, "external": args.external, "seed": args.seed,
+        create_bucket(s3_endpoint, BUCKET)
+        print(json.dumps({"api": api_url, "scheduler": address, "s3": s3_endpoint, "front": front.endpoint,
+                          "external": args.external, "seed": args.seed, "plan": plan_counts(planned),
                           "load_average": os.getloadavg()}), flush=True)
         start_footprint = warm_footprint = footprint(client)
         faults: Counter[str] = Counter()
+        store_faults: Counter[str] = Counter()
+        fired: Counter[str] = Counter()
         broken: list[dict[str, Any]] = []
         slowest: dict[str, float] = defaultdict(float)
-        # Drawn before any run, so that the seed alone decides them (the injector's timing draws vary).
-        draws = random.Random(args.seed)
-        faulted = set(draws.sample(range(1, args.runs + 1), round(args.runs * args.fault_share)))
-        plan = [draws.choice(FAULTS) if number in faulted else None for number in range(1, args.runs + 1)]
         killed_before: str | None = None
-        for number, fault in enumerate([*plan, None], start=1):  # the last, without a fault, checks the one before
+        # The last, without a fault, checks the one before.
+        for number, (fault, store_fault) in enumerate([*planned, Planned(None, None)], start=1):
             marks = work / f"run-{number}"
             marks.mkdir()
+            store: Store = {"endpoint": front.endpoint, "bucket": BUCKET, "run": f"run-{number}", "number": number}
+            kept_before = (read_pointer(kept_location(base_location(store, s3_endpoint), KEPT_NAME)) or {}).get("version")
+            arm(front, store, store_fault)
             run = Launched(address, "asleep" if fault == "ignore-stop" else "loop", marks, work,
-                           own_process=fault == "kill-flow")
+                           own_process=fault == "kill-flow", store=store)
             inject(fault, client, run, marks)
             result = run.outcome(fault)
             seconds = time.monotonic() - run.began
             found = violations(client, args.workers, result, fault, killed_before)
+            in_store, seen = store_violations(front, s3_endpoint, store, result, store_fault, run.steps)
+            met = seen["fired"]
+            found += in_store
+            tidy_store(s3_endpoint, store, kept_before)
             killed_before = marked_flow_run(marks) if fault == "kill-flow" else None
             faults[fault or "none"] += 1
             slowest[fault or "none"] = max(slowest[fault or "none"], seconds)
-            row = {"run": number, "fault": fault, "state": result["state"], "seconds": round(seconds, 1),
-                   "attempts": result.get("attempts"), "violations": found}
+            store_name = f"{store_fault[0]}:{store_fault[1]}" if store_fault else None
+            if store_name:
+                store_faults[store_name] += 1
+                fired[store_name] += bool(met)
+            promotion = result.get("promotion") or {}
+            row = {"run": number, "fault": fault, "store_fault": store_name, "fired": met, "state": result["state"],
+                   "seconds": round(seconds, 1), "attempts": result.get("attempts"), "resumed_at": seen["resumed_at"], "total": result.get("total"),
+                   "promoted": promotion.get("promoted"), "violations": found}
+            if result["state"] != "COMPLETED":
+                row["error"] = result.get("error", "")[:300]
             if found:
                 broken.append(row)
             print(json.dumps(row), flush=True)
@@ -278,13 +471,17 @@ def main() -> None:
                 warm_footprint = footprint(client)
         end_footprint = footprint(client)
     print(json.dumps({
-        "runs": args.runs + 1, "faults": dict(faults), "runs_with_violations": len(broken),
+        "runs": args.runs + 1, "faults": dict(faults), "store_faults": sum(store_faults.values()),
+        "store_faults_fired": sum(fired.values()),
+        "store_faults_by_kind": {kind: sum(n for name, n in store_faults.items() if name.startswith(f"{kind}:"))
+                                 for kind in STORE_FAULTS},
+        "store_faults_fired_by_fault": {name: f"{fired[name]}/{n}" for name, n in sorted(store_faults.items())},
+        "runs_with_violations": len(broken),
         "slowest_s_by_fault": {k: round(v, 1) for k, v in slowest.items()},
         "footprint_start": start_footprint, f"footprint_after_run_{WARM_AFTER_RUNS}": warm_footprint,
         "footprint_end": end_footprint,
         "minutes": round((time.time() - started) / 60, 1), "load_average_end": os.getloadavg(),
     }), flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -39,6 +39,7 @@ from prefect_ddp.tasks.config import (
 )
 from prefect_ddp.tasks.data.storage import read_json
 from prefect_ddp.tasks.gang import TrialLink, training_trial
+from prefect_ddp.tasks.results.comparison import unusable_champion
 from prefect_ddp.tasks.results.promotion import POINTER, Promotion, kept_location, promote, read_pointer
 from prefect_ddp.tasks.results.records import TrainingSummary
 from prefect_ddp.tasks.results.registry import Registration
@@ -212,4 +213,6 @@ def promote_best(best: dict[str, Any] | None, out: DataLocation, kept: DataLocat
     logged = best.get("mlflow_model")
     model = LoggedModel(tracking=tracking, **logged) if tracking and logged else None
     registry = Registration(tracking=tracking, name=name, model=model) if tracking else None
-    return promote(summary, run_output, kept, run, registry, min_improvement)
+    pointer = read_pointer(kept)  # a kept model that cannot be loaded is replaced, as a run's promotion does
+    unusable = unusable_champion(kept, pointer) if pointer else None
+    return promote(summary, run_output, kept, run, registry, min_improvement, unusable=unusable)

@@ -54,7 +54,7 @@ from prefect_ddp.tasks.data.splitting import split_dataset
 from prefect_ddp.tasks.data.validation import validate_dataset, validate_source
 from prefect_ddp.tasks.gang import GangResults, cluster_workers, current_trial, run_gang
 from prefect_ddp.tasks.results.aggregation import aggregate
-from prefect_ddp.tasks.results.comparison import champion_to_beat
+from prefect_ddp.tasks.results.comparison import UnusableChampion, champion_to_beat
 from prefect_ddp.tasks.results.promotion import (
     Promotion,
     find_warm_start,
@@ -76,7 +76,7 @@ from prefect_ddp.tasks.results.tracking_run import (
     tracking_run,
 )
 from prefect_ddp.tasks.tracking import TrackedRun, Tracking, import_mlflow
-from prefect_ddp.tasks.training.model import WarmStart, check_starting_weights
+from prefect_ddp.tasks.training.model import WarmStart, check_starting_weights, model_problem
 from prefect_ddp.tasks.training.rank_result import RankResult
 from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit
@@ -157,6 +157,9 @@ def warm_start(model: ModelConfig, kept: DataLocation | None, tracking: Tracking
     if uri := model.warm_start_uri():
         assert tracking is not None, "require_registry refuses a registered model without tracking"
         folder = fetch_registered_model(tracking, uri, out.with_url(child_url(out.url, "warm-start")))
+        if problem := model_problem(folder):  # named by the user: refused, not left for every rank to fail on
+            raise ValueError(f"model.warm_start={model.warm_start!r}: the registered model cannot be used: {problem}. "
+                             "Name a version or alias whose model loads, or set model.warm_start to false.")
         return warm_start_from(folder, model.backbone, classes, f"registered model `{uri}`")
     if not model.warm_start:
         return None
@@ -270,11 +273,12 @@ def transfer_learning(
         if training.images_per_shard:
             write_train_shards(runner, manifest, split, source, base, training)
         kept_at_start = read_pointer(kept) if kept else None
-        champion = champion_to_beat(kept, kept_at_start, manifest, split) if kept else None
+        found = champion_to_beat(kept, kept_at_start, manifest, split) if kept else None
+        unusable = found if isinstance(found, UnusableChampion) else None
         results = run_gang(
             train_classifier,
             training_job(source, out, manifest, split, model, training, warm, unreadable).model_copy(
-                update={"tracked": tracked, "champion": champion}),
+                update={"tracked": tracked, "champion": None if unusable else found}),
             **cluster.gang_options(),
             task_runner=runner,
             output_url=out.url,
@@ -287,12 +291,14 @@ def transfer_learning(
         )
         starting.close_in_background()  # the run's cluster closes while it reports
         return finish_run(results, manifest, split, out, (kept_name, kept) if kept_name and kept else None, run,
-                          warm, tracked, output.min_improvement, kept_at_start["version"] if kept_at_start else None)
+                          warm, tracked, output.min_improvement, kept_at_start["version"] if kept_at_start else None,
+                          unusable)
 
 
 def finish_run(results: GangResults[RankResult], manifest, split, out: DataLocation,
                kept: tuple[str, DataLocation] | None, run: dict[str, Any], warm: WarmStart | None,
-               tracked: TrackedRun | None, min_improvement: float | None = None, kept_at_start: str | None = None) -> dict[str, Any] | State:
+               tracked: TrackedRun | None, min_improvement: float | None = None, kept_at_start: str | None = None,
+               unusable: UnusableChampion | None = None) -> dict[str, Any] | State:
     """Aggregate the ranks' results, promote the model where it is better, publish the report;
     with tracking, log the model before promotion (which registers it) and the files after the report."""
     summary = aggregate(results, manifest, split, out, [asdict(a) for a in results.attempts])
@@ -309,7 +315,7 @@ def finish_run(results: GangResults[RankResult], manifest, split, out: DataLocat
     if kept and not in_sweep:
         name, folder = kept
         registry = Registration(tracking=tracked.tracking, name=name, model=logged) if tracked else None
-        promotion = promote(summary, out, folder, run, registry, min_improvement, kept_at_start)
+        promotion = promote(summary, out, folder, run, registry, min_improvement, kept_at_start, unusable)
     publish_report(summary, manifest, out, promotion, warm, in_sweep)
     if tracked:
         complete_run(tracked, out, promotion_tags(promotion))

@@ -20,13 +20,14 @@ from prefect_ddp.deployments.sample_data import shapes_dataset
 from prefect_ddp.flows.batch_predict import batch_predict
 from prefect_ddp.flows.transfer_learning import transfer_learning
 from prefect_ddp.tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
-from prefect_ddp.tasks.data.storage import write_json
+from prefect_ddp.tasks.data.storage import save_torch, write_json
 from prefect_ddp.tasks.data.validation import chunked, unreadable_verdict
 from prefect_ddp.tasks.gang import GpuClaim
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.prediction.model_source import check_card, copy_registered_model, keep_model, resolve_model_folder
 from prefect_ddp.tasks.prediction.scoring import ScoringJob, built_model, chunk_url, read_chunk, score_chunk
 from prefect_ddp.tasks.prediction.summary import summarize_predictions
+from prefect_ddp.tasks.training.model import build_model
 from prefect_ddp.tasks.prediction.workers import (
     ScoringRefused,
     probe_scoring_worker,
@@ -152,10 +153,12 @@ def test_a_rerun_scores_only_the_chunks_not_written_yet(scored, image_location, 
 
 
 def saved_model(folder: Path, card: dict | None = None) -> Path:
-    """A folder as training leaves it; the weights' bytes are not read before scoring."""
+    """A folder as training leaves it: a model that loads (keep_model loads it before copying)."""
     folder.mkdir(parents=True)
-    (folder / "model.pt").write_bytes(folder.name.encode())
-    write_json(str(folder / "model.json"), card or {"backbone": "resnet18", "classes": CLASSES, "image_size": 32}, {})
+    card = card or {"backbone": "mobilenet_v3_small", "classes": CLASSES, "image_size": 32}
+    model = build_model(ModelConfig(backbone=card["backbone"]), len(CLASSES))
+    save_torch(str(folder / "model.pt"), model.state_dict(), {})
+    write_json(str(folder / "model.json"), card, {})
     return folder
 
 
@@ -199,8 +202,20 @@ def test_a_rerun_keeps_the_model_copied_first_though_the_pointer_moved(tmp_path)
     copy = keep_model.fn(str(tmp_path / "kept" / "latest"), Location(), out)
     write_json(str(pointer), {"version": str(second)}, {})
     assert keep_model.fn(str(tmp_path / "kept" / "latest"), Location(), out) == copy
-    assert (Path(copy.url) / "model.pt").read_bytes() == b"first"
+    assert (Path(copy.url) / "model.pt").read_bytes() == (first / "model.pt").read_bytes()
     assert json.loads((Path(copy.url) / "source.json").read_text())["folder"] == str(first)
+
+
+@pytest.mark.unit
+def test_a_model_cut_short_is_refused_before_any_image_is_scored(tmp_path):
+    """Issue 46: every chunk failed on it, after fetching its images, and each retried."""
+    version = saved_model(tmp_path / "kept" / "versions" / "cut")
+    (version / "model.pt").write_bytes((version / "model.pt").read_bytes()[:1000])
+    out = Location(url=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match=r"whose model cannot be used: model.pt cannot be loaded as model.json "
+                                         r"describes it \(RuntimeError: PytorchStreamReader"):
+        keep_model.fn(str(version), Location(), out)
+    assert not (tmp_path / "run").exists()  # nothing copied: a retry reads the source again
 
 
 def scored_job(run_dir: Path, source: Location) -> ScoringJob:

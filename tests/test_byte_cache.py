@@ -11,6 +11,7 @@ import multiprocessing
 import multiprocessing.synchronize
 import os
 import re
+import shutil
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -289,3 +290,148 @@ def test_a_dataset_on_another_endpoint_does_not_read_the_first_ones_images(image
     epoch(image_folder(image_location, s3_fs, ByteCache(10**8, tmp_path)), 0)
     epoch(image_folder(block_copy(image_location, endpoint_url=front.endpoint), s3_fs, ByteCache(10**8, tmp_path)), 0)
     assert sum(front.gets.values()) >= len(KEYS)
+
+
+# --- Entries are trusted only where this user wrote them: a folder made private later (the fix
+# the warning above gives) still holds what others wrote while it was open (issue 46, item 4).
+
+URL = "s3://b/a.jpg"
+GENUINE, PLANTED = b"genuine", b"planted"  # the bucket's image, and another user's of its size
+
+
+def cache_with_an_entry(folder: Path) -> tuple[ByteCache, Path]:
+    """A cache holding GENUINE for URL, and the path of its entry, for a test to plant in its place."""
+    cache = ByteCache(BUDGET, folder)
+    assert cache.put(URL, len(GENUINE), GENUINE)
+    [entry] = folder.glob("*/*")
+    return cache, entry
+
+
+def untrusted_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records
+            if record.levelno == logging.WARNING and "wrote or can write" in record.getMessage()]
+
+
+@pytest.mark.unit
+def test_an_entry_others_can_write_to_is_a_miss_and_put_replaces_it(tmp_path, caplog):
+    cache, entry = cache_with_an_entry(tmp_path)
+    entry.write_bytes(PLANTED)
+    entry.chmod(0o666)  # anyone could have written it
+    with caplog.at_level(logging.WARNING, logger="prefect_ddp.tasks.data.byte_cache"):
+        assert cache.get(URL, len(GENUINE)) is None
+        assert cache.get(URL, len(GENUINE)) is None
+        assert cache.put(URL, len(GENUINE), GENUINE) is True  # not taken for one another process fetched
+    assert cache.get(URL, len(GENUINE)) == GENUINE
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o600
+    [warning] = untrusted_warnings(caplog)  # once per process, not once per image
+    assert f"{entry} is -rw-rw-rw-, owned by uid {os.geteuid()}" in warning
+    assert f"mv {tmp_path} {tmp_path}.untrusted" in warning and "PREFECT_DDP_CACHE_DIR" in warning
+
+
+@pytest.mark.unit
+def test_a_symlink_in_place_of_an_entry_is_a_miss_and_put_does_not_follow_it(tmp_path):
+    cache, entry = cache_with_an_entry(tmp_path / "cache")
+    elsewhere = tmp_path / "elsewhere.jpg"
+    elsewhere.write_bytes(PLANTED)
+    entry.unlink()
+    entry.symlink_to(elsewhere)
+    assert cache.get(URL, len(GENUINE)) is None
+    assert cache.put(URL, len(GENUINE), GENUINE) is True
+    assert cache.get(URL, len(GENUINE)) == GENUINE
+    assert not entry.is_symlink() and elsewhere.read_bytes() == PLANTED
+
+
+@pytest.mark.unit
+def test_a_fifo_in_place_of_an_entry_is_a_miss_without_waiting_for_a_writer(tmp_path):
+    cache, entry = cache_with_an_entry(tmp_path)
+    entry.unlink()
+    os.mkfifo(entry)
+    with ThreadPoolExecutor(1) as pool:
+        read = pool.submit(cache.get, URL, len(GENUINE))
+        try:
+            assert read.result(timeout=5) is None
+        finally:
+            if not read.done():  # a read that waits for a writer: be it, so that the test ends
+                os.close(os.open(entry, os.O_WRONLY | os.O_NONBLOCK))
+    assert cache.put(URL, len(GENUINE), GENUINE) is True
+    assert cache.get(URL, len(GENUINE)) == GENUINE
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("subfolder", ["writable by others", "a symlink"])
+def test_an_entry_in_a_subfolder_not_the_users_alone_is_a_miss_and_put_adds_nothing_there(tmp_path, caplog,
+                                                                                           subfolder):
+    cache, entry = cache_with_an_entry(tmp_path / "cache")
+    entry.write_bytes(PLANTED)
+    if subfolder == "writable by others":
+        entry.parent.chmod(0o777)  # anyone could have replaced the entry
+    else:
+        entry.parent.rename(tmp_path / "elsewhere")
+        entry.parent.symlink_to(tmp_path / "elsewhere")
+    with caplog.at_level(logging.WARNING, logger="prefect_ddp.tasks.data.byte_cache"):
+        assert cache.get(URL, len(GENUINE)) is None
+        assert cache.put(URL, len(GENUINE), GENUINE) is False
+    assert entry.read_bytes() == PLANTED and [path.name for path in entry.parent.iterdir()] == [entry.name]
+    [warning] = untrusted_warnings(caplog)
+    assert str(entry.parent) in warning
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("target", ["a file", "no file yet"])
+def test_a_symlink_in_place_of_the_ledger_is_not_written_through(tmp_path, caplog, target):
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    if target == "a file":
+        elsewhere.write_text("another file of the user's")
+    (folder / LEDGER).symlink_to(elsewhere)
+    with caplog.at_level(logging.WARNING, logger="prefect_ddp.tasks.data.byte_cache"):
+        assert ByteCache(BUDGET, folder).put(URL, len(GENUINE), GENUINE) is False
+    if target == "a file":
+        assert elsewhere.read_text() == "another file of the user's"
+    else:
+        assert not elsewhere.exists()
+    [warning] = untrusted_warnings(caplog)
+    assert f"{folder / LEDGER} is a symlink" in warning
+
+
+OTHER_UID = 65534  # nobody
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(os.geteuid() != 0, reason="Only root can write a file as another user.")
+def test_an_image_another_user_planted_in_a_subfolder_of_its_own_is_a_miss(tmp_path, caplog):
+    folder = tmp_path / "cache"
+    _, entry = cache_with_an_entry(folder)  # only to learn where the entry goes
+    shutil.rmtree(entry.parent)
+    folder.chmod(0o777)  # the user's folder, open to others: refused, with the advice "chmod 700"
+    entry.parent.mkdir()  # another user plants an image where training will look for it
+    entry.write_bytes(PLANTED)
+    for path in (entry.parent, entry):
+        os.chown(path, OTHER_UID, OTHER_UID)
+    folder.chmod(0o700)  # the user follows the advice
+    cache = ByteCache(BUDGET, folder)
+    with caplog.at_level(logging.WARNING, logger="prefect_ddp.tasks.data.byte_cache"):
+        assert cache.get(URL, len(GENUINE)) is None
+        assert cache.put(URL, len(GENUINE), GENUINE) is False  # not into another user's subfolder
+    assert entry.read_bytes() == PLANTED
+    [warning] = untrusted_warnings(caplog)
+    assert f"{entry.parent} is drwx" in warning and f"owned by uid {OTHER_UID}" in warning
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(os.geteuid() != 0, reason="Only root can write a file as another user.")
+def test_an_image_another_user_planted_in_the_users_subfolder_is_a_miss_and_put_replaces_it(tmp_path):
+    folder = tmp_path / "cache"
+    _, entry = cache_with_an_entry(folder)
+    for path in (folder, entry.parent):
+        path.chmod(0o777)  # as `chmod -R a+rwX` on the cache would
+    entry.unlink()  # another user replaces the image
+    entry.write_bytes(PLANTED)
+    os.chown(entry, OTHER_UID, OTHER_UID)
+    for path in (folder, entry.parent):
+        path.chmod(0o700)  # `chmod -R 700`: the other user's entry is not the user's to change
+    cache = ByteCache(BUDGET, folder)
+    assert cache.get(URL, len(GENUINE)) is None
+    assert cache.put(URL, len(GENUINE), GENUINE) is True
+    assert cache.get(URL, len(GENUINE)) == GENUINE and entry.stat().st_uid == os.geteuid()

@@ -4,6 +4,8 @@ Three nights under one model name: a champion that barely trained; a better mode
 split, promoted; then a run with another seed that warm-starts from that champion and learns
 nothing new (its weights are the champion's): its own validation set holds the champion's
 training images, and the comparison, on the images neither trained on, keeps the champion.
+A fourth night finds the kept model.pt cut to half its bytes by its store (issue 46): it
+warm-starts from nothing, trains, and replaces it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from prefect_ddp.flows.transfer_learning import transfer_learning
 from prefect_ddp.tasks.config import ClusterConfig, DataConfig, ModelConfig, OutputConfig, TrainingConfig
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.results.promotion import kept_location, read_pointer
+from prefect_ddp.tasks.training.model import model_problem
 from tests.support.image_folders import local_image_folder
 
 NAME = "honest"
@@ -41,11 +44,15 @@ def nights(dask_cluster, tmp_path_factory) -> tuple[Path, list[dict]]:
             output=OutputConfig(url=str(output), model_name=NAME), return_state=True)
         return state.result() | {"flow_run_id": state.state_details.flow_run_id}
 
-    return output, [
+    nights = [
         night(seed=1, lr=1e-7, epochs=1),  # barely trained: about chance
         night(seed=1, lr=1e-3, epochs=3),  # the same split, trained
         night(seed=2, lr=1e-9, epochs=1, warm_start=True, freeze_backbone=True),  # the champion's weights again
     ]
+    kept = Path(read_pointer(kept_location(Location(url=str(output)), NAME))["version"], "model.pt")
+    kept.write_bytes(kept.read_bytes()[: kept.stat().st_size // 2])
+    # Barely trained: worse than the kept model's recorded score, which the old rule would have kept.
+    return output, [*nights, night(seed=1, lr=1e-7, epochs=1, warm_start=True)]
 
 
 def report_of(summary: dict) -> str:
@@ -53,7 +60,7 @@ def report_of(summary: dict) -> str:
 
 
 def test_a_better_model_on_the_same_images_is_promoted_with_both_scores_in_its_report(nights):
-    _, (first, better, _) = nights
+    _, (first, better, *_) = nights
     assert first["promotion"]["promoted"] and first["promotion"]["comparison"] is None  # nothing to beat
     comparison = better["comparison"]
     assert comparison["left_out"] == 0 and comparison["images"] == better["val_size"]  # the same split
@@ -66,7 +73,7 @@ def test_a_better_model_on_the_same_images_is_promoted_with_both_scores_in_its_r
 
 
 def test_a_warm_start_across_another_seed_is_compared_without_the_champions_training_images(nights):
-    output, (_, better, inflated) = nights
+    _, (_, better, inflated, _) = nights
     comparison = inflated["comparison"]
     # Another seed: some of this run's validation images trained the champion, so they are left out.
     champion_trained = set(json.loads((Path(better["files"]["split.json"])).read_text())["train_keys"])
@@ -77,8 +84,7 @@ def test_a_warm_start_across_another_seed_is_compared_without_the_champions_trai
     assert comparison["challenger_acc"] == comparison["champion_acc"]
     assert not inflated["promotion"]["promoted"], inflated["promotion"]["reason"]
     assert "is not more than the noise of the paired count" in inflated["promotion"]["reason"]
-    pointer = read_pointer(kept_location(Location(url=str(output)), NAME))
-    assert pointer["version"].endswith(Path(better["files"]["model.pt"]).parent.name)
+    assert inflated["promotion"]["kept_url"].endswith(Path(better["files"]["model.pt"]).parent.name)
     report = report_of(inflated)
     assert f"The kept model trained on {comparison['left_out']} of this run's validation images" in report
     assert f"leaving out {comparison['left_out']} the kept model trained on" in report
@@ -96,8 +102,21 @@ def test_later_nights_decode_check_no_image_again(nights):
         reports = [next(a.data for a in api.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[summary["flow_run_id"]]))) if a.key == "dataset-validation")
             for summary in summaries]
-    assert len(checks[0]) > 0 and checks[1] == checks[2] == []
+    assert len(checks[0]) > 0 and checks[1] == checks[2] == checks[3] == []
     images = summaries[0]["train_size"] + summaries[0]["val_size"]
     assert "0 of them unchanged since a run before" in reports[0]
     assert all(f"Checked {images} of {images} images" in report for report in reports)
     assert all(f"{images} of them unchanged since a run before" in report for report in reports[1:])
+
+
+def test_a_kept_model_cut_short_by_its_store_is_replaced_not_a_reason_to_fail(nights):
+    output, (_, better, _, after) = nights
+    assert after["best_val_acc"] < better["best_val_acc"]  # the old rule, on recorded scores, would keep it
+    promotion = after["promotion"]
+    assert promotion["promoted"] and promotion["comparison"] is None, promotion["reason"]
+    assert "cannot be used, model.pt cannot be loaded as model.json describes it" in promotion["reason"]
+    report = report_of(after)
+    assert "cannot be used" in report and "Warm-started" not in report  # nothing to start from
+    pointer = read_pointer(kept_location(Location(url=str(output)), NAME))
+    assert pointer["version"].endswith(Path(after["files"]["model.pt"]).parent.name)
+    assert model_problem(Location(url=pointer["version"])) is None  # the kept model loads

@@ -23,7 +23,7 @@ from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.data.storage import load_torch, write_bytes
-from prefect_ddp.tasks.gang import GangStopped, RankContext, free_port
+from prefect_ddp.tasks.gang import GangError, GangStopped, RankContext, free_port
 from prefect_ddp.tasks.gang.trial import TrialLink
 from prefect_ddp.tasks.results.aggregation import checkpoint_plan, last_epoch_time
 from prefect_ddp.tasks.training.checkpoint_interval import CheckpointSchedule, young_daly_interval_s
@@ -136,6 +136,24 @@ def test_a_failed_write_is_raised_at_the_next_wait_and_leaves_no_part_behind(tmp
         with BackgroundWriter() as failing:
             failing.submit("model.pt", lambda: write_bytes(str(target), b"x", {}))
             raise KeyError("the rank's own failure")
+
+
+@pytest.mark.unit
+def test_a_lease_that_could_not_be_asked_about_does_not_hide_the_ranks_own_stop(tmp_path):
+    """Before a write the writer asks whether the gang still holds its worker; an unanswered
+    question is a GangError (tasks/gang/fencing.py). Raised while the rank was already stopping, it
+    replaced the GangStopped that ends the rank Cancelled, and the rank ended Failed."""
+    def unanswered() -> None:
+        raise GangError("could not ask the scheduler whether its gang still holds this worker")
+
+    with pytest.raises(GangStopped):
+        with BackgroundWriter(before_write=unanswered) as writer:
+            writer.submit("the checkpoint of epoch 2", lambda: None)
+            raise GangStopped("stopped by the gang supervisor")
+    writer = BackgroundWriter(before_write=unanswered)
+    writer.submit("the checkpoint of epoch 2", lambda: None)
+    with pytest.raises(GangError, match="could not ask"):
+        writer.wait()
 
 
 @pytest.mark.unit

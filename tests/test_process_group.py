@@ -96,3 +96,54 @@ def test_no_rank_begins_its_work_before_every_rank_has_joined():
             process.kill()
     # Before the fix rank 0 began about 3 s before rank 1 had joined.
     assert times[("began", 0)] >= times[("joined", 1)], times
+
+
+WRITE_S, COLLECTIVE_TIMEOUT_S = 4.0, 2.0  # rank 0's write outlasts the process group's timeout
+
+
+def rank_waiting_for_a_long_write(rank: int, port: int, together: bool, results: Any) -> None:
+    """Rank 0 writes for WRITE_S while its peer waits for it: in `wait_for_main`'s rounds, or in one
+    collective (the recipe's way before issue 46), which the process group's timeout ends."""
+    from prefect_ddp.tasks.gang import RankContext
+
+    ctx = RankContext(rank=rank, local_rank=rank, world_size=2, local_world_size=2, backend="gloo", device="cpu",
+                      worker_address="local", master_addr="127.0.0.1", master_port=port)
+    written_at = time.monotonic() + WRITE_S
+
+    def written(timeout_s: float) -> bool:
+        time.sleep(max(0.0, min(timeout_s, written_at - time.monotonic())))
+        return time.monotonic() >= written_at
+
+    try:
+        with process_group(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                           timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)):
+            all_reduce_sum([0.0])  # both are in the group before the write starts
+            if together:
+                ctx.wait_for_main(written)
+            elif rank == 0:
+                written(WRITE_S)
+            results.put((rank, all_reduce_sum([1.0])[0]))
+    except Exception as exc:
+        results.put((rank, type(exc).__name__))
+
+
+def test_ranks_waiting_for_rank_0s_long_write_outlast_the_process_groups_timeout():
+    """Issue 46: the ranks waited for rank 0's last write in one collective, so a write longer than
+    the process group's timeout (gloo's 300 s by default) failed every peer after all of training."""
+    context = multiprocessing.get_context("spawn")
+    outcomes = {}
+    for together in (False, True):
+        results = context.Queue()
+        port = free_port()
+        ranks = [context.Process(target=rank_waiting_for_a_long_write, args=(rank, port, together, results))
+                 for rank in range(2)]
+        for process in ranks:
+            process.start()
+        try:
+            outcomes[together] = dict(results.get(timeout=JOIN_TIMEOUT_S + 90) for _ in ranks)
+        finally:
+            for process in ranks:
+                process.join(timeout=30)
+                process.kill()
+    assert outcomes[False][1] != 2.0, outcomes  # the peer's collective timed out: the premise holds
+    assert outcomes[True] == {0: 2.0, 1: 2.0}, outcomes

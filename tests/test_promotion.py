@@ -21,11 +21,12 @@ from prefect_ddp.tasks.data.storage import (
 )
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import stratified_split
-from prefect_ddp.tasks.results.comparison import champion_to_beat, comparison_markdown
+from prefect_ddp.tasks.results.comparison import UnusableChampion, champion_to_beat, comparison_markdown
 from prefect_ddp.tasks.results.pointer import read_json_document
 from prefect_ddp.tasks.results.promotion import decide, find_warm_start, kept_location, promote, read_pointer
 from prefect_ddp.tasks.results.records import TrainingSummary
-from prefect_ddp.tasks.training.model import build_model, load_warm_start, model_card
+from prefect_ddp.tasks.training.champion import Champion
+from prefect_ddp.tasks.training.model import build_model, load_warm_start, model_card, model_problem
 
 CLASSES = ["circle", "square", "triangle"]
 
@@ -216,11 +217,13 @@ def kept_model_of(tmp_path, classes=CLASSES, train_keys: list[str] | None = None
     version, run_folder = tmp_path / "kept" / "versions" / "night-1", tmp_path / "night-1"
     version.mkdir(parents=True)
     run_folder.mkdir()
-    (version / "model.json").write_text(json.dumps(model_card(ModelConfig(backbone="mobilenet_v3_small"), classes, 32)))
-    (version / "model.pt").write_bytes(b"weights (only their presence counts here)")
+    config = ModelConfig(backbone="mobilenet_v3_small")
+    (version / "model.json").write_text(json.dumps(model_card(config, classes, 32)))
+    save_torch(str(version / "model.pt"), build_model(config, len(classes)).state_dict(), {})
     if train_keys is not None:
         (version if beside else run_folder).joinpath("split.json").write_text(json.dumps({"train_keys": train_keys}))
     pointer = {"best_val_acc": 0.9, "version": str(version), "run": {"name": "night-1", "url": str(run_folder)}}
+    write_json(str(tmp_path / "kept" / "latest.json"), pointer, {})
     return pointer, DataLocation(url=str(tmp_path / "kept"))
 
 
@@ -255,11 +258,38 @@ def test_a_kept_model_without_its_split_is_compared_on_every_image_and_says_so(t
 
 
 @pytest.mark.unit
-def test_a_kept_model_whose_files_are_gone_is_not_scored_and_the_run_goes_on(tmp_path):
+@pytest.mark.parametrize(("damage", "says"), [
+    (lambda pt, card: pt.unlink(), "model.pt is missing"),
+    (lambda pt, card: pt.write_bytes(pt.read_bytes()[: pt.stat().st_size // 2]),
+     "model.pt cannot be loaded as model.json describes it (RuntimeError: PytorchStreamReader failed"),
+    (lambda pt, card: pt.write_bytes(b""), "model.pt cannot be loaded as model.json describes it (EOFError"),
+    (lambda pt, card: card.write_text(card.read_text()[:20]), "model.json cannot be read (JSONDecodeError"),
+    (lambda pt, card: card.write_text(card.read_text().replace("mobilenet_v3_small", "resnet18")),
+     "model.pt cannot be loaded as model.json describes it (RuntimeError: Error(s) in loading state_dict"),
+])
+def test_a_kept_model_that_cannot_be_loaded_is_not_scored_and_is_replaced(tmp_path, damage, says):
+    """Issue 46: a kept model.pt cut to half its bytes failed every rank of every later run at the
+    champion's scoring, after all of training; it is now found before training, said, and replaced."""
     manifest, split = manifest_and_split()
     pointer, kept = kept_model_of(tmp_path, train_keys=[])
-    Path(pointer["version"], "model.pt").unlink()
-    assert champion_to_beat(kept, pointer, manifest, split) is None
+    damage(Path(pointer["version"], "model.pt"), Path(pointer["version"], "model.json"))
+    unusable = champion_to_beat(kept, pointer, manifest, split)
+    assert isinstance(unusable, UnusableChampion) and unusable.version == pointer["version"]
+    assert says in unusable.problem, unusable.problem
+    # Replaced though its recorded score (0.9) is better than this run's, and only while still kept.
+    promoted, reason = decide(0.5, pointer, None, kept_at_start=pointer["version"], unusable=unusable)
+    assert promoted and f"the kept model (of night-1) cannot be used, {unusable.problem}" in reason
+    rival = pointer | {"version": str(tmp_path / "kept" / "versions" / "night-2")}
+    assert not decide(0.5, rival, None, kept_at_start=pointer["version"], unusable=unusable)[0]
+    assert find_warm_start(kept, "mobilenet_v3_small", CLASSES) is None  # training starts from model.weights
+
+
+@pytest.mark.unit
+def test_a_kept_model_that_loads_is_scored_and_warm_started_from(tmp_path):
+    manifest, split = manifest_and_split()
+    pointer, kept = kept_model_of(tmp_path, train_keys=[])
+    assert isinstance(champion_to_beat(kept, pointer, manifest, split), Champion)
+    assert find_warm_start(kept, "mobilenet_v3_small", CLASSES).with_head
 
 
 @pytest.mark.unit
@@ -348,3 +378,47 @@ def test_a_retried_promotion_whose_pointer_write_landed_reports_its_model_kept(t
     assert first.promoted and retried.promoted and retried.kept_url == first.kept_url, retried.reason
     assert retried.reason.startswith("kept already: the pointer names this run's version")
     assert (Path(retried.kept_url) / "model.pt").exists()
+
+
+@pytest.mark.unit
+def test_a_pointer_cut_short_is_said_taken_as_absent_and_replaced(tmp_path, caplog):
+    """Issue 46: a latest.json cut short failed every reader (warm start, promotion, batch-predict)."""
+    first, run = finished_run(tmp_path, "run-a", 0.8)
+    kept = DataLocation(url=str(tmp_path / "kept"))
+    promote.fn(first, run, kept, {"name": "run-a", "flow_run_id": "a"}, kept_at_start=None)
+    pointer = tmp_path / "kept" / "latest.json"
+    pointer.write_bytes(pointer.read_bytes()[:30])
+    with caplog.at_level("WARNING"):
+        assert read_pointer(kept) is None
+        assert find_warm_start(kept, "mobilenet_v3_small", CLASSES) is None
+    assert f"{pointer} cannot be read (JSONDecodeError" in caplog.text
+    worse, later = finished_run(tmp_path, "run-b", 0.5)
+    result = promote.fn(worse, later, kept, {"name": "run-b", "flow_run_id": "b"}, kept_at_start=None)
+    assert result.promoted and read_pointer(kept)["version"] == result.kept_url
+
+
+def test_a_sweeps_promotion_replaces_a_kept_model_that_cannot_be_loaded(tmp_path, prefect_api):
+    """A sweep promotes its best trial at its end; like a run's promotion, it replaces a kept model
+    that does not load whatever the score recorded for it (its trials said it would)."""
+    from prefect_ddp.flows.sweep import promote_best
+
+    first, run = finished_run(tmp_path, "night-1", 0.9)
+    kept = DataLocation(url=str(tmp_path / "kept"))
+    promote.fn(first, run, kept, {"name": "night-1", "flow_run_id": "1"}, kept_at_start=None)
+    weights = Path(read_pointer(kept)["version"], "model.pt")
+    weights.write_bytes(weights.read_bytes()[:100])
+    trial, trial_run = finished_run(tmp_path, "trial-3", 0.5)
+    write_json(f"{trial_run.url}/metrics.json", trial.model_dump(), {})
+    best = {"model_url": f"{trial_run.url}/model.pt", "run": "trial-3", "flow_run_id": "3"}
+    promotion = promote_best(best, DataLocation(url=str(tmp_path)), kept)
+    assert promotion.promoted and "the kept model (of night-1) cannot be used" in promotion.reason, promotion.reason
+    assert read_pointer(kept)["run"]["name"] == "trial-3"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("card", [b"null", b"[]", b'"x"', b'{"classes": 2}', b'{"backbone": 7}'])
+def test_a_card_of_another_shape_is_a_problem_said_not_an_error_raised(tmp_path, card):
+    _, run = finished_run(tmp_path, "run-a", 0.8)
+    (tmp_path / "run-a" / "model.json").write_bytes(card)
+    problem = model_problem(run)
+    assert problem and problem.startswith(("model.json cannot be read", "model.pt cannot be loaded")), problem

@@ -49,3 +49,47 @@ def test_flows_under_faults_break_no_invariant():
     assert summary["runs"] == 3 and summary["runs_by_kind"] == {"train": 2, "gang": 1}, summary
     # The fault met a running flow: it was not skipped for want of one.
     assert summary["faults"] == {"mlflow-down": 1} and not summary["faults_skipped"], summary
+
+
+# bench/soak.py's long soak with store faults (issue 46), as bench/RESULTS.md records it.
+GANG_SOAK = {"runs": 100, "seed": 29, "fault_share": 0.55, "store_share": 0.65}
+
+
+@pytest.mark.unit
+def test_the_gang_soaks_plan_keeps_its_process_faults_and_draws_store_faults_beside_them():
+    import random
+
+    from bench.soak import (
+        COMPLETING,
+        FAULTS,
+        STORE_FAULTS,
+        STORE_TARGETS,
+        plan,
+        plan_counts,
+    )
+
+    planned = plan(**GANG_SOAK)
+    # The process faults are those the seed drew before store faults were added.
+    draws = random.Random(GANG_SOAK["seed"])
+    faulted = set(draws.sample(range(1, 101), 55))
+    assert [p.fault for p in planned] == [draws.choice(FAULTS) if n in faulted else None for n in range(1, 101)]
+    assert plan(**GANG_SOAK) == planned  # the seed alone decides
+    stores = [p.store for p in planned if p.store]
+    assert len(stores) == 65
+    assert {kind for kind, _ in stores} == set(STORE_FAULTS) and {target for _, target in stores} == set(STORE_TARGETS)
+    # Independent of the process faults: on runs with none, and on runs with each of them.
+    assert {p.fault for p in planned if p.store} == {None, *FAULTS}
+    # At least 50 on runs that can complete, which must meet theirs (a killed or timed-out run may never write).
+    assert plan_counts(planned)["store_faults_on_completing_runs"] >= 50
+    assert sum(1 for p in planned if p.store and p.fault in COMPLETING) >= 50
+
+
+@pytest.mark.unit
+def test_a_store_fault_targets_one_put_of_its_own_run():
+    from bench.soak import target_pattern
+
+    store = {"endpoint": "http://127.0.0.1:1", "bucket": "gangs", "run": "run-7", "number": 7}
+    assert target_pattern(store, "checkpoint") == "gangs/run-7/checkpoints/checkpoint.pt"
+    assert target_pattern(store, "pointer") == "gangs/soak/latest.json"
+    assert target_pattern(store, "model.pt") == "gangs/soak/versions/run-7/model.pt"
+    assert target_pattern(store, "metrics.json") == "gangs/soak/versions/run-7/metrics.json"

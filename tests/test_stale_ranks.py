@@ -23,6 +23,7 @@ from pathlib import Path
 
 import dask
 import distributed
+from distributed.comm.core import CommClosedError
 import pytest
 from prefect.client.orchestration import get_client
 
@@ -185,6 +186,24 @@ def test_a_lease_given_back_fences_its_ranks_off_even_when_their_worker_is_lease
             assert not fenced_on(client, worker, leases[worker])
         with pytest.raises(GangStopped, match="no longer holds this worker"):
             client.submit(fencing.check_lease, 0, worker, old, workers=[worker], pure=False).result()
+
+
+def test_a_rank_that_cannot_ask_its_scheduler_writes_nothing_but_trains_on(monkeypatch):
+    """Issue 46: `fenced` answered "not fenced" when the scheduler could not be asked, so rank 0
+    wrote its checkpoint though its lease might have been given back. Right before a write
+    (`max_age_s=0`) an unanswered question is now a failure (the gang re-forms from the last
+    checkpoint), not a stop; between steps the rank trains on."""
+    with one_worker_leases_checked_often() as (client, worker):
+        with leased_workers(client, world_size=1, holder="a cut-off gang", timeout_s=30) as leases:
+            def cut_off(*args):
+                raise CommClosedError("in <TCP (closed) ConnectionPool.run_function>: Stream is closed")
+
+            monkeypatch.setattr(fencing, "lease_held", cut_off)  # the worker runs in this process
+            with pytest.raises(GangError, match="could not ask the scheduler whether its gang still holds") as raised:
+                client.submit(fencing.check_lease, 0, worker, leases[worker], 0, workers=[worker], pure=False).result()
+            assert not isinstance(raised.value, GangStopped)  # a failure, retried; a stop would end the run
+            client.submit(fencing.check_lease, 0, worker, leases[worker], workers=[worker], pure=False).result()
+            assert not fenced_on(client, worker, leases[worker])
 
 
 def test_a_lock_left_with_a_shorter_lease_timeout_does_not_end_the_next_gangs_lease():

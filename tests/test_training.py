@@ -1,5 +1,7 @@
 """The recipe at world size 1 (no process group): the real loop, checkpoints and resume."""
 
+import dataclasses
+import io
 import json
 import logging
 import os
@@ -16,6 +18,7 @@ from prefect_ddp.tasks.gang.plan import thread_shares
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.data.storage import save_torch
 from prefect_ddp.tasks.gang import RankContext
+from prefect_ddp.tasks.gang.handover import drop_parked, park
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.training.checkpoints import CheckpointMismatch, TrainingState
 from prefect_ddp.tasks.training.model import build_model, load_model
@@ -78,6 +81,59 @@ def test_a_checkpoint_of_another_job_is_refused_and_left_as_it_was(tmp_path):
     with pytest.raises(CheckpointMismatch, match=r"belongs to another job \(recipe: checkpoint .*'lr': 0.001.*this run .*'lr': 0.5"):
         train_classifier(CTX, other)
     assert checkpoint.read_bytes() == before
+
+
+@pytest.mark.unit
+def test_a_checkpoint_and_attempts_list_cut_short_are_said_and_training_starts_over(tmp_path, caplog):
+    """Issue 46: a checkpoint or attempts.json cut short by its store failed every attempt of the
+    gang on the same file; the gang now says which file and goes on without it."""
+    train_classifier(CTX, local_job(tmp_path, epochs=1))
+    folder = tmp_path / "run" / "checkpoints"
+    for name in ("checkpoint.pt", "attempts.json"):
+        (folder / name).write_bytes((folder / name).read_bytes()[: (folder / name).stat().st_size // 2])
+    with caplog.at_level(logging.WARNING):
+        result = train_classifier(CTX, local_job(tmp_path, epochs=2))
+    assert [record["epoch"] for record in result.history] == [1, 2]  # started over: both epochs trained
+    assert [row["attempt"] for row in result.attempts] == [1]
+    said = caplog.text
+    assert f"The checkpoint at {folder / 'checkpoint.pt'} cannot be read (RuntimeError: PytorchStreamReader" in said
+    assert f"{folder / 'attempts.json'}, cannot be read (JSONDecodeError" in said
+    assert torch.load(folder / "checkpoint.pt", weights_only=True)["epoch"] == 1  # whole again
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("epochs_left", [1, 0])
+def test_a_best_epoch_handed_over_in_memory_reaches_model_pt_only_once_a_checkpoint_holds_it(
+        tmp_path, monkeypatch, epochs_left):
+    """Issue 46: a formation that took over, in memory, a best epoch no checkpoint held wrote it
+    to model.pt at once; lost before its own checkpoint, the gang resumed from the older one while
+    model.pt named the lost epoch. Now it waits for the formation's first checkpoint; taken over
+    after the last epoch, the formation checkpoints before it writes model.pt."""
+    train_classifier(CTX, local_job(tmp_path, epochs=1))  # the checkpoint of epoch 1, and its model.pt
+    folder = tmp_path / "run"
+    saved = torch.load(folder / "checkpoints" / "checkpoint.pt", weights_only=True)
+    # What a survivor of the lost formation parked: epoch 2 trained, the best, in no checkpoint.
+    history = [*saved["history"], saved["history"][0] | {"epoch": 2, "val_acc": 2.0, "val_loss": 0.0}]
+    buffer = io.BytesIO()
+    torch.save(saved | {"epoch": 1, "history": history, "position": 0, "trained": None}, buffer)
+    ctx = dataclasses.replace(CTX, gang_id="handed-over", elastic=True)
+    park(ctx.gang_id, (2, 0), buffer.getvalue())
+    try:
+        if epochs_left:
+            def lost(*args, **kwargs):
+                raise RuntimeError("a rank of this formation was lost")
+
+            monkeypatch.setattr("prefect_ddp.tasks.training.recipe.run_epoch", lost)
+            with pytest.raises(RuntimeError, match="was lost"):
+                train_classifier(ctx, local_job(tmp_path, epochs=2 + epochs_left))
+        else:
+            train_classifier(ctx, local_job(tmp_path, epochs=2))
+    finally:
+        drop_parked()
+    checkpointed = [row["epoch"] for row in torch.load(folder / "checkpoints" / "checkpoint.pt",
+                                                         weights_only=True)["history"]]
+    assert checkpointed == ([1] if epochs_left else [1, 2])
+    assert json.loads((folder / "model.json").read_text())["epoch"] == max(checkpointed)
 
 
 @pytest.mark.unit

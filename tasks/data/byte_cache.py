@@ -8,7 +8,13 @@ a folder on local disk that every rank and loader worker on the host shares.
 - Private: the user's own cache folder (`default_folder`), created with mode 0700. A folder
   that another user owns, or that group or others may write to, is not used: whoever can
   write there could plant images that training would take for the bucket's. The cache is
-  then off in that process, with a warning that names the folder and the fix.
+  then off in that process, with a warning that names the folder and the fix. Its contents are
+  checked too, as a folder made private later (`chmod 700`) still holds what others wrote while
+  it was open: an entry, an entry's subfolder or the ledger that only this user can have
+  written (this user's, writable by no one else, not a symlink) is used; any other is never
+  read, written through or taken for an entry. Such an entry is a miss, replaced by `put`
+  where its subfolder is this user's; such a subfolder or ledger keeps `put` from adding
+  there. One warning per process names the folder and the fix (move it away).
 - Keyed on the storage endpoint, the object's URL, its size from the manifest and its ETag
   where the caller knows one: the same bucket and key on another endpoint (a MinIO beside
   AWS) is another object. An object rewritten in place with the same size, where no ETag
@@ -33,11 +39,13 @@ a folder on local disk that every rank and loader worker on the host shares.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +62,11 @@ LENGTH_BYTES = 8  # in front of a variant's entry: its own length
 
 logger = logging.getLogger(__name__)
 _warned: set[tuple[Path, str]] = set()  # (folder, kind of trouble) already logged by this process
+
+
+class _Untrusted(OSError):
+    """A file or folder in the cache that someone other than this user wrote or can write:
+    it could hold images planted to be taken for the bucket's, or lead a write elsewhere."""
 
 
 def default_folder() -> Path:
@@ -103,8 +116,11 @@ class ByteCache:
         if not self._usable():
             return None
         try:
-            data = self._path(url, size, etag, variant).read_bytes()
+            data = _read_own(self._path(url, size, etag, variant))
         except FileNotFoundError:
+            return None
+        except _Untrusted as error:
+            self._warn_untrusted(error)
             return None
         except OSError as error:
             self._warn_once("read", f"Could not read the image cache in {self.folder} ({error}); such images "
@@ -127,6 +143,9 @@ class ByteCache:
         try:
             with self._ledger() as ledger:
                 return self._add(ledger, self._path(url, size, etag, variant), entry)
+        except _Untrusted as error:
+            self._warn_untrusted(error)
+            return False
         except OSError as error:
             self._warn_once("write", f"Could not add images to the cache in {self.folder} ({error}); images "
                             "not cached are fetched from storage every epoch. Free space there or make it "
@@ -136,11 +155,13 @@ class ByteCache:
 
     def bytes_on_disk(self) -> int:
         """What the entries take on disk, counted file by file (the ledger keeps this total
-        without counting; a folder without a ledger is counted once)."""
+        without counting; a folder without a ledger is counted once). Symlinks are not
+        followed: one planted there takes no room, whatever it points to."""
         if not self.folder.exists():
             return 0
-        return sum(entry.stat().st_size for sub in os.scandir(self.folder) if sub.is_dir()
-                   for entry in os.scandir(sub.path) if entry.is_file())
+        return sum(entry.stat(follow_symlinks=False).st_size
+                   for sub in os.scandir(self.folder) if sub.is_dir(follow_symlinks=False)
+                   for entry in os.scandir(sub.path) if entry.is_file(follow_symlinks=False))
 
     def _path(self, url: str, size: int | None, etag: str | None, variant: str) -> Path:
         key: list[Any] = [self.endpoint, url, size, etag, *([variant] if variant else [])]  # originals keyed as before
@@ -167,8 +188,9 @@ class ByteCache:
     def _ledger(self) -> Iterator[int]:
         """The ledger's file descriptor, locked against every other writer on the host
         (flock: the lock goes with the open file, so it also holds between two caches of
-        one process)."""
-        ledger = os.open(self.folder / LEDGER, os.O_RDWR | os.O_CREAT, 0o600)
+        one process). Only a ledger of this user's alone (`_open_own`): through a symlink
+        planted in its place, the total would be written into a file of the planter's choosing."""
+        ledger = _open_own(self.folder / LEDGER, os.O_RDWR | os.O_CREAT, stat.S_IFREG)
         try:
             fcntl.flock(ledger, fcntl.LOCK_EX)
             yield ledger
@@ -176,16 +198,26 @@ class ByteCache:
             os.close(ledger)  # and with it the lock
 
     def _add(self, ledger: int, path: Path, data: bytes) -> bool:
-        """Write the entry if it fits the ledger's total, holding the ledger's lock."""
+        """Write the entry if it fits the ledger's total, holding the ledger's lock; only into
+        a subfolder of this user's alone (else `_Untrusted`)."""
         used = self._total(ledger)
-        if path.exists():
-            kept = path.stat().st_size
-            if kept == len(data):  # another process fetched it meanwhile
+        _own_subfolder(path.parent)
+        try:
+            kept: os.stat_result | None = path.lstat()  # not stat(): a symlink planted there is not followed
+        except FileNotFoundError:
+            kept = None
+        if kept is not None:
+            ours = _ours(kept, stat.S_IFREG)
+            if ours and kept.st_size == len(data):  # another process fetched it meanwhile
                 return True
-            # Cut short (a crash before the disk had it): `get` misses it, so it is written again.
+            # Cut short (a crash before the disk had it), or planted by someone else: `get`
+            # misses it, so it is written again.
             path.unlink()
-            used = max(0, used - kept)
-            _set_total(ledger, used)
+            # Ours was counted when it was written. A planted one may never have been: its size stays
+            # in the total, which may then be high, never low.
+            if ours:
+                used = max(0, used - kept.st_size)
+                _set_total(ledger, used)
         if used + len(data) > self.max_bytes:
             return False
         # Counted before it is written: a process killed mid-write leaves the total high, never low.
@@ -210,6 +242,15 @@ class ByteCache:
             _warned.add((self.folder, kind))
             logger.warning(message)
 
+    def _warn_untrusted(self, error: _Untrusted) -> None:
+        self._warn_once("untrusted", f"Not using files in the image cache {self.folder} that someone other than "
+                        f"this user (uid {os.geteuid()}) wrote or can write: {error}. Another user may have put "
+                        "them there while the folder was open to others, as images for training to take for "
+                        "the bucket's; those images are fetched from storage instead. Fix: move the folder "
+                        f"away (mv {self.folder} {self.folder}.untrusted; it is made again, private, on next "
+                        "use) and have its owner or root delete it, or set "
+                        f"{FOLDER_ENV} to a new folder.")
+
 
 def _framed(data: bytes) -> bytes:
     return len(data).to_bytes(LENGTH_BYTES, "big") + data
@@ -225,10 +266,58 @@ def _set_total(ledger: int, total: int) -> None:
     os.pwrite(ledger, f"{total:0{LEDGER_DIGITS}d}".encode(), 0)
 
 
+def _ours(info: os.stat_result, kind: int) -> bool:
+    """Whether `info` (of an lstat or fstat) is of a file of `kind` (stat.S_IFREG, S_IFDIR)
+    that only this user can have written: this user's, writable by no one else, and a file of
+    one name only (a hard link elsewhere is a name through which it may change)."""
+    return (stat.S_IFMT(info.st_mode) == kind and info.st_uid == os.geteuid()
+            and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+            and (kind != stat.S_IFREG or info.st_nlink == 1))
+
+
+def _open_own(path: Path, flags: int, kind: int, folder: int | None = None) -> int:
+    """`path` opened (by its name in the open `folder`, where one is given) and checked to be
+    `_ours` on the open file, so nothing can swap it between check and use. O_NOFOLLOW: a
+    symlink planted there would lead elsewhere. O_NONBLOCK: a FIFO planted there fails the
+    check instead of hanging the open. Raises _Untrusted where it is not ours."""
+    try:
+        handle = os.open(path.name if folder is not None else path,
+                         flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=folder)
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # what O_NOFOLLOW answers for a symlink
+            raise _Untrusted(f"{path} is a symlink") from error
+        raise
+    info = os.fstat(handle)
+    if not _ours(info, kind):
+        os.close(handle)
+        raise _Untrusted(f"{path} is {stat.filemode(info.st_mode)}, owned by uid {info.st_uid}")
+    return handle
+
+
+def _read_own(path: Path) -> bytes:
+    """The entry's bytes, where both it and its subfolder are this user's alone; raises
+    _Untrusted, before reading a byte, where either is not."""
+    folder = _open_own(path.parent, os.O_RDONLY, stat.S_IFDIR)
+    try:
+        entry = _open_own(path, os.O_RDONLY, stat.S_IFREG, folder)
+    finally:
+        os.close(folder)
+    with os.fdopen(entry, "rb") as file:
+        return file.read()
+
+
+def _own_subfolder(folder: Path) -> None:
+    """Make the entries' subfolder (mode 0700) where there is none, and check that it is this
+    user's alone: where it is, no one else can swap what is written into it by its path
+    (the cache's folder is checked to be the user's alone in `_claim_folder`)."""
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    os.close(_open_own(folder, os.O_RDONLY, stat.S_IFDIR))
+
+
 def _write_entry(path: Path, data: bytes) -> None:
     """Write a temporary sibling and rename it into place: readers see the whole entry or
     none, and a write that fails (a full disk) leaves nothing behind."""
-    path.parent.mkdir(mode=0o700, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as file:

@@ -13,7 +13,9 @@ included, so an image rewritten meanwhile keeps its verdict until the listing is
 (training still leaves it out if it no longer decodes); and a local file's mtime is kept by
 copies that keep it (`cp -p`, `rsync -t`). A missing image's verdict is not kept (it may come
 back). The memory only saves work: one that cannot be read is empty, one that cannot be
-written is logged, and the run goes on either way.
+written is logged, and the run goes on either way; that includes a store that drops the
+connection past the client's retries, which botocore raises as its own errors, not OSErrors
+(`STORE_ERRORS`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import hashlib
 import logging
 from typing import Any
 
+import aiohttp
+from botocore.exceptions import BotoCoreError
 from pydantic import BaseModel
 
 from prefect_ddp.tasks.data.manifest import Manifest
@@ -31,6 +35,13 @@ from prefect_ddp.tasks.urls import child_url
 
 CHECKS_FOLDER = "decode-checks"
 logger = logging.getLogger(__name__)
+# What reading or writing a verdict file raises when the store fails: s3fs's OSErrors for
+# the store's answers (a 500 it kept giving), and botocore's own errors for a connection
+# reset or a reply lost on every try, which s3fs raises untranslated (EndpointConnectionError,
+# ConnectionClosedError: BotoCoreErrors, not OSErrors). With OSError alone, a verdict file
+# the store kept refusing failed the flow's decode-check step, after every image had been
+# checked, instead of costing the next run a re-check (issue 46).
+STORE_ERRORS = (OSError, BotoCoreError, aiohttp.ClientError)  # the last: a reply cut mid-body
 
 
 class DecodeResult(BaseModel):
@@ -98,7 +109,7 @@ class CheckMemory:
         for name in sorted(touched):
             try:
                 write_json(self._file(name), self._classes[name], self.options)
-            except (OSError, TypeError, ValueError) as exc:
+            except (*STORE_ERRORS, TypeError, ValueError) as exc:
                 logger.warning("Could not keep decode-check's verdicts for class %r at %s (%s): the next run "
                                "checks its images again.", name, self._file(name), exc)
 
@@ -111,7 +122,7 @@ class CheckMemory:
                 self._classes[name] = kept
             except FileNotFoundError:
                 self._classes[name] = {}
-            except (OSError, ValueError) as exc:  # unreadable, not JSON, or not a mapping
+            except (*STORE_ERRORS, ValueError) as exc:  # unreadable, not JSON, or not a mapping
                 logger.warning("Could not read decode-check's verdicts at %s (%s): checking the class's images "
                                "again.", self._file(name), exc)
                 self._classes[name] = {}

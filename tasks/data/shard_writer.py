@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import random
 import tarfile
 from collections.abc import Callable, Sequence
@@ -59,6 +60,7 @@ from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.data.storage import (
     filesystem,
+    garbled_text,
     read_json,
     write_bytes,
     write_json,
@@ -67,6 +69,8 @@ from prefect_ddp.tasks.data.validation import raise_if_lost
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.urls import child_url
+
+logger = logging.getLogger(__name__)
 
 SHARDS_FOLDER = "shards"
 INDEX = "index.json"
@@ -144,7 +148,12 @@ def complete_index(folder: str, storage_options: dict[str, Any], key: str) -> Sh
     try:
         index = ShardIndex.model_validate(read_json(child_url(folder, INDEX), storage_options))
         present = {entry["name"].rsplit("/", 1)[-1]: entry["size"] for entry in fs.ls(path, detail=True)}
-    except (FileNotFoundError, ValueError):
+    except FileNotFoundError:
+        return None
+    except ValueError as error:  # cut short or garbled on the store (json's and pydantic's errors)
+        logger.warning("The shard set's index %s cannot be read (%s): the set counts as not written, and the "
+                       "write-shards step writes what is missing again.", child_url(folder, INDEX),
+                       garbled_text(error))
         return None
     if index.key != key or any(present.get(name) != size for name, size in zip(index.shards, index.bytes)):
         return None

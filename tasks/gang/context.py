@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,9 @@ from prefect_ddp.tasks.gang.progress import send_progress
 from prefect_ddp.tasks.gang.resizing import grow_requested
 from prefect_ddp.tasks.gang.stopping import stop_requested
 from prefect_ddp.tasks.gang.trial import TrialLink
+
+# A round of `RankContext.wait_for_main`: how long rank 0 waits before the ranks hear again.
+WAIT_ROUND_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,18 @@ class RankContext:
         """
         send_progress(self.progress_topic, self.rank, phase, epoch, step)
 
+    def wait_for_main(self, ready: Callable[[float], bool]) -> None:
+        """Every rank waits here until rank 0's `ready(seconds)` (which may block that long) says
+        True: rank 0 finishing a long write, say. A collective: call it on every rank.
+
+        In rounds of WAIT_ROUND_S, each a one-flag broadcast: no collective lasts past a round,
+        so a write longer than the process group's timeout fails no peer. The waiting sends no
+        progress: rank 0's work reports its own as it advances (a write, per part written:
+        tasks/data/storage.py), so one that is stuck is still taken for a hang.
+        """
+        while not broadcast_flag(ready(WAIT_ROUND_S) if self.is_main else False, self.device):
+            self.check_stop()
+
     def report(self, step: int, metrics: dict[str, Any]) -> bool:
         """Report one epoch's metrics to the sweep; True when every rank should stop now.
 
@@ -100,8 +116,9 @@ class RankContext:
         check_lease(self.rank, self.worker_address, self.lease)
 
     def check_lease(self) -> None:
-        """Raise GangStopped when the gang no longer holds this worker; call it right before
-        writing anything a later run reads (a checkpoint, the model).
+        """Raise GangStopped when the gang no longer holds this worker, and a GangError (a failure,
+        retried) when the scheduler cannot be asked; call it right before writing anything a
+        later run reads (a checkpoint, the model).
 
         The scheduler gives a gang's leases back once its flow process stops renewing them
         (killed, frozen or cut off): its ranks must not write on beside a new run's gang

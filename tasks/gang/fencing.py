@@ -9,9 +9,10 @@ folder that a new run of the same job, on other workers of the cluster, was resu
 one on a worker nobody took). So each rank carries its lease's id, the scheduler's own token
 for that acquire, and asks whether the scheduler still holds it: between steps
 (`ctx.check_stop()`, at most every READ_EVERY_S) and right before rank 0 writes a
-checkpoint (`ctx.check_lease()`). Once it is gone the rank leaves as if stopped, and a peer that
-fails because it left is recorded as stopped too. Every acquire has an id of its own, so a
-rank of an old attempt stays fenced off even when its flow run leases the same worker anew.
+checkpoint (`ctx.check_lease()`, which also wants an answer: `check_lease`). Once it is gone
+the rank leaves as if stopped, and a peer that fails because it left is recorded as stopped
+too. Every acquire has an id of its own, so a rank of an old attempt stays fenced off even
+when its flow run leases the same worker anew.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ import time
 
 import distributed
 
-from prefect_ddp.tasks.gang.errors import GangStopped
+from prefect_ddp.tasks.gang.errors import GangError, GangStopped
 from prefect_ddp.tasks.reporting import run_logger
 
 PREFIX = "prefect-ddp-worker-lease"
 LOCK_PREFIX = f"{PREFIX}:"
 READ_EVERY_S = 5.0
+# Before a write, a scheduler that did not answer is asked this many times more, this far apart.
+UNANSWERED_RETRIES = 3
+UNANSWERED_WAIT_S = 1.0
 
 # The last read in this process: (lease id, time.monotonic() of the read, whether held).
 # One rank runs per worker process, so one entry is enough.
@@ -62,35 +66,61 @@ def fenced(address: str, lease: str | None, max_age_s: float = READ_EVERY_S) -> 
     """Whether the scheduler no longer holds lease `lease` on the worker at `address`.
 
     Reads at most every `max_age_s` (0: now). False without a lease (a unit test, a context
-    made by hand) or outside a Dask worker, and when asking fails (a connection error): no
-    other gang can take the worker from a scheduler it cannot reach either, and the rank
-    reads again `max_age_s` later. (With the scheduler gone for good the read waits, as every
-    call of the worker's client does, until the worker itself closes.)
+    made by hand) or outside a Dask worker, and when asking fails (a connection error): between
+    steps, a rank that cannot reach its scheduler trains on and asks again `max_age_s` later
+    (with the scheduler gone for good the read waits, as every call of the worker's client
+    does, until the worker itself closes). Before a write, `check_lease` wants an answer.
     """
+    return lease_held_now(address, lease, max_age_s) is False
+
+
+def lease_held_now(address: str, lease: str | None, max_age_s: float = READ_EVERY_S) -> bool | None:
+    """Whether the scheduler holds lease `lease` (read at most every `max_age_s`): True without a
+    lease or outside a Dask worker, None when asking failed."""
     global _last_read
     if lease is None:
-        return False
+        return True
     last_lease, read_at, was_held = _last_read
     if last_lease == lease and (not was_held or time.monotonic() - read_at < max_age_s):
-        return not was_held
+        return was_held
     try:
         client = distributed.get_worker().client
     except ValueError:  # not inside a Dask worker
-        return False
+        return True
     try:
         held = lease_held(client, address, lease)
     except (OSError, TimeoutError) as exc:
         run_logger().debug("Could not ask the scheduler about lease %s: %r", lease, exc)
-        return False
+        return None
     _last_read = (lease, time.monotonic(), held)
-    return not held
+    return held
 
 
 def check_lease(rank: int, address: str, lease: str | None, max_age_s: float = READ_EVERY_S) -> None:
-    """Raise GangStopped once the scheduler no longer holds this rank's lease (`fenced`)."""
-    if fenced(address, lease, max_age_s):
+    """Raise GangStopped once the scheduler no longer holds this rank's lease (`fenced`); with
+    `max_age_s=0` (right before a write), also when the scheduler cannot be asked.
+
+    A write goes only where the lease is known to be held: a rank cut off from its scheduler
+    cannot tell whether the lease was given back meanwhile and a new gang resumes from the
+    folder it would write to. That is a GangError, a failure, not a stop: the gang re-forms
+    from the last checkpoint written, as after any failed write.
+    """
+    held = lease_held_now(address, lease, max_age_s)
+    for _ in range(UNANSWERED_RETRIES if max_age_s == 0 else 0):  # before a write: a moment's blip is asked again
+        if held is not None:
+            break
+        time.sleep(UNANSWERED_WAIT_S)
+        held = lease_held_now(address, lease, 0)
+    if held is False:
         raise GangStopped(
             f"Rank {rank} on {address} left: its gang no longer holds this worker (the scheduler gave the "
             "lease back after the flow process stopped renewing it: killed, frozen or cut off), so it must "
             "not train or write on. The run's retry, or the next run, resumes from the last checkpoint."
+        )
+    if held is None and max_age_s == 0:
+        raise GangError(
+            f"Rank {rank} on {address} did not write: it could not ask the scheduler whether its gang still "
+            "holds this worker, and a gang that lost it must not write into the run's folder. The gang "
+            "re-forms from the last checkpoint written; if this repeats, check the network between the "
+            "workers and the scheduler."
         )

@@ -25,7 +25,7 @@ from typing import Any
 
 from prefect import task
 
-from prefect_ddp.tasks.data.storage import exists, read_bytes, write_bytes, write_json
+from prefect_ddp.tasks.data.storage import exists, read_bytes, remove_tree, write_bytes, write_json
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.results.promotion import POINTER, read_pointer
@@ -33,7 +33,7 @@ from prefect_ddp.tasks.results.registry import ALIAS, align_champion, pointer_of
 from prefect_ddp.tasks.results.tracking_run import fetch_registered_model
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.tracking import Tracking
-from prefect_ddp.tasks.training.model import SAVED_MODEL_FILES
+from prefect_ddp.tasks.training.model import SAVED_MODEL_FILES, loading_problem, model_problem
 from prefect_ddp.tasks.urls import absolute_url, child_url
 
 REGISTRY_PREFIX = "models:/"
@@ -171,6 +171,10 @@ def copy_registered_model(spec: str, tracking: Tracking | None, copy: Location,
     write_json(child_url(copy.url, SOURCE_RECORD), source, copy.storage_options())
     fetch_registered_model(tracking, spec, copy)  # model.json last, as below
     check_card(read_bytes(child_url(copy.url, CARD), copy.storage_options()), f"{spec} (extra_files/{CARD})")
+    if problem := model_problem(copy):  # a copy with model.json counts as whole: not this one
+        remove_tree(child_url(copy.url, CARD), copy.storage_options())
+        raise ValueError(f"model={spec!r}: the registered model cannot be used: {problem}. Register a model that "
+                         "loads (a transfer-learning run's), or name another version or alias.")
     run_logger().info("Scoring with model=%s from %s, copied to %s", spec, tracking.tracking_uri, copy.url)
     return copy
 
@@ -194,7 +198,11 @@ def keep_model(spec: str, store: Location, out: Location, tracking: Tracking | N
     source = folder.storage_options()
     card_bytes = read_bytes(child_url(folder.url, CARD), source)
     check_card(card_bytes, child_url(folder.url, CARD))
-    write_bytes(child_url(copy.url, WEIGHTS), read_bytes(child_url(folder.url, WEIGHTS), source), target)
+    weights = read_bytes(child_url(folder.url, WEIGHTS), source)
+    if problem := loading_problem(card_bytes, weights):  # else every chunk would fail on it, after its images
+        raise ValueError(f"model={spec!r} names {folder.url}, whose model cannot be used: {problem}. Score with "
+                         "another version of it (OUTPUT/NAME/versions/RUN), or train it again.")
+    write_bytes(child_url(copy.url, WEIGHTS), weights, target)
     write_json(child_url(copy.url, SOURCE_RECORD), {"model": spec, "folder": folder.url} | record, target)
     write_bytes(child_url(copy.url, CARD), card_bytes, target)
     run_logger().info("Scoring with model=%s: %s, copied to %s", spec, folder.url, copy.url)

@@ -44,7 +44,15 @@ from prefect_ddp.tasks.data.dataset import (
 )
 from prefect_ddp.tasks.data.decoding import open_rgb
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
-from prefect_ddp.tasks.data.storage import exists, filesystem, load_torch, read_bytes, read_json, write_bytes
+from prefect_ddp.tasks.data.storage import (
+    exists,
+    filesystem,
+    garbled_text,
+    load_torch,
+    read_bytes,
+    read_json,
+    write_bytes,
+)
 from prefect_ddp.tasks.data.validation import raise_fetch_failures, raise_if_lost
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.prediction.image_keys import true_class
@@ -156,8 +164,15 @@ def score_chunk(job: ScoringJob, index: int, keys: list[str]) -> ChunkOutcome:
     url = chunk_url(job.output.url, index)
     options = job.output.storage_options()
     if exists(url, options):
-        run_logger().info("Chunk %d was scored by an earlier attempt of this run: %s", index, url)
-        return outcome_of(index, read_bytes(url, options), skipped=True)
+        data = read_bytes(url, options)  # the store's errors fail the attempt, to be retried
+        try:
+            done = outcome_of(index, data, skipped=True)
+        except (pa.ArrowException, ValueError, OSError) as error:  # the bytes do not decode: scored again
+            run_logger().warning("Chunk %d of an earlier attempt of this run cannot be read (%s): scoring it again "
+                                 "into %s.", index, garbled_text(error), url)
+        else:
+            run_logger().info("Chunk %d was scored by an earlier attempt of this run: %s", index, url)
+            return done
     loaded = loaded_model(job.model)
     transform = eval_transform(loaded.image_size, loaded.resize)
     batches: list[pa.Table] = []

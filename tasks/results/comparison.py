@@ -18,29 +18,44 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from pydantic import BaseModel
+
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.data.storage import exists, read_json
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.training.champion import Champion
+from prefect_ddp.tasks.training.model import model_problem
 from prefect_ddp.tasks.urls import child_url
 
 SPLIT_FILE = "split.json"
 
 
+class UnusableChampion(BaseModel):
+    """A kept model whose files are missing or cannot be read: warm starts and batch-predict of it
+    fail, so it is not scored and this run's model replaces it (promotion.decide), whatever its
+    recorded val accuracy."""
+
+    version: str  # as latest.json names it: replaced only while the pointer still does
+    run: str
+    problem: str  # model_problem's answer
+
+    def why_replaced(self) -> str:
+        return (f"the kept model (of {self.run}) cannot be used, {self.problem}, so this run's model replaces it "
+                "whatever its score")
+
+
 def champion_to_beat(kept: Location, pointer: dict[str, Any] | None, manifest: Manifest,
-                     split: Split) -> Champion | None:
-    """The kept model to score beside this run's, or None when there is none or it predicts other classes."""
+                     split: Split) -> Champion | UnusableChampion | None:
+    """The kept model to score beside this run's; an `UnusableChampion` when its files are missing or
+    cannot be read; None when none is kept or it predicts other classes."""
     if pointer is None:
         return None
+    if unusable := unusable_champion(kept, pointer):
+        return unusable
     folder = kept.with_url(pointer["version"])
     run = pointer.get("run", {}).get("name", "an earlier run")
-    if missing := [name for name in ("model.json", "model.pt")
-                   if not exists(child_url(folder.url, name), folder.storage_options())]:
-        run_logger().warning("The kept model (of %s) has no %s in %s: it cannot be scored, and promotion compares "
-                             "val accuracies on each run's own images.", run, " or ".join(missing), folder.url)
-        return None
     card = read_json(child_url(folder.url, "model.json"), folder.storage_options())
     if card["classes"] != manifest.classes:
         run_logger().warning(
@@ -52,6 +67,20 @@ def champion_to_beat(kept: Location, pointer: dict[str, Any] | None, manifest: M
     val = [i for i in split.val if trained is None or manifest.paths[i] not in trained]
     return Champion(folder=folder, version=pointer["version"], run=run, positions=val,
                     left_out=len(split.val) - len(val), split_known=trained is not None)
+
+
+def unusable_champion(kept: Location, pointer: dict[str, Any]) -> UnusableChampion | None:
+    """The kept model `pointer` names, when its files are missing or cannot be loaded
+    (model_problem), said in the run's log; None when it loads."""
+    folder = kept.with_url(pointer["version"])
+    if not (problem := model_problem(folder)):
+        return None
+    run = pointer.get("run", {}).get("name", "an earlier run")
+    run_logger().warning(
+        "The kept model (of %s) in %s cannot be used: %s. It is not scored, and the next model promoted under "
+        "%s replaces it whatever its score: nothing needs doing, though a store that cuts files short should be "
+        "looked at.", run, folder.url, problem, kept.url)
+    return UnusableChampion(version=pointer["version"], run=run, problem=problem)
 
 
 def training_keys(folder: Location, pointer: dict[str, Any]) -> set[str] | None:

@@ -27,7 +27,8 @@ from typing import Any
 
 from fsspec.asyn import sync
 
-from prefect_ddp.tasks.data.storage import filesystem, write_bytes
+from prefect_ddp.tasks.data.storage import filesystem, garbled_text, write_bytes
+from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.urls import is_local_url, is_s3
 
 Document = dict[str, Any]
@@ -71,7 +72,7 @@ def _local_path(url: str) -> str:
 def _read_local(url: str) -> Document | None:
     try:
         with open(_local_path(url), "rb") as file:
-            return json.loads(file.read())
+            return _decoded(url, file.read())
     except FileNotFoundError:
         return None
 
@@ -110,6 +111,12 @@ def _bucket_key(url: str, storage_options: dict[str, Any]):
 
 def _read_s3(url: str, storage_options: dict[str, Any]) -> tuple[Document | None, str | None]:
     """(document, its ETag), from one GET, so the two always belong together."""
+    data, etag = _get_s3(url, storage_options)
+    return (None if data is None else _decoded(url, data)), etag
+
+
+def _get_s3(url: str, storage_options: dict[str, Any]) -> tuple[bytes | None, str | None]:
+    """(the document's bytes, its ETag); (None, None) when there is none."""
     fs, bucket, key = _bucket_key(url, storage_options)
 
     async def get() -> tuple[bytes, str]:
@@ -117,17 +124,34 @@ def _read_s3(url: str, storage_options: dict[str, Any]) -> tuple[Document | None
         return await response["Body"].read(), response["ETag"]
 
     try:
-        data, etag = sync(fs.loop, get)
+        return sync(fs.loop, get)
     except FileNotFoundError:
         return None, None
-    return json.loads(data), etag
+
+
+def _decoded(url: str, data: bytes) -> Document | None:
+    """The document in `data`; None, said, when it cannot be read (cut short or garbled): as if
+    there were none, so that the next write replaces it instead of every reader failing on it."""
+    try:
+        document = json.loads(data)
+        if not isinstance(document, dict):
+            raise ValueError(f"not a JSON object: {type(document).__name__}")
+    except ValueError as error:
+        run_logger().warning("%s cannot be read (%s): taken as absent, and the next write replaces it. A pointer "
+                             "to a kept model names its version folder; the folders are still there.",
+                             url, garbled_text(error))
+        return None
+    return document
 
 
 def _update_s3(url: str, storage_options: dict[str, Any],
                change: Callable[[Document | None], Document | None]) -> tuple[Document | None, Document | None]:
     fs, bucket, key = _bucket_key(url, storage_options)
+    replaced: Document | None = None  # what this writer's last PUT, kept short by the store, replaced
     for _ in range(MAX_ROUNDS):
         current, etag = _read_s3(url, storage_options)
+        if current is None and etag and replaced is not None:  # our own write, cut: decide against what it replaced
+            current = replaced
         new = change(current)
         if new is None:
             return current, None
@@ -141,10 +165,12 @@ def _update_s3(url: str, storage_options: dict[str, Any],
             if _landed(url, storage_options, new):
                 return current, new
             continue
-        return current, new
+        if _landed(url, storage_options, new):
+            return current, new
+        replaced = current  # a store may keep part of it and answer 200, or a rival wrote since
     raise PointerConflict(
         f"{url} changed {MAX_ROUNDS} times while this run tried to update it; another writer keeps "
-        "overtaking it. Retry later."
+        "overtaking it, or the store does not keep what is written there. Retry later."
     )
 
 
@@ -155,8 +181,7 @@ def _landed(url: str, storage_options: dict[str, Any], written: Document) -> boo
     botocore, and S3 answers the repeat 412: the condition no longer holds, because the first
     PUT changed the document. Taken for a rival's write, a promotion decided again against its
     own new pointer and removed the version it had just kept (issue 46)."""
-    now = _read_s3(url, storage_options)[0]
-    return now is not None and _encode(now) == _encode(written)
+    return _get_s3(url, storage_options)[0] == _encode(written)
 
 
 def _lost_race(error: OSError) -> bool:

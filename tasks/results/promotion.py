@@ -40,12 +40,12 @@ from prefect_ddp.tasks.data.storage import (
 )
 from prefect_ddp.tasks.location import Location, LocationT
 from prefect_ddp.tasks.reporting import run_logger
-from prefect_ddp.tasks.results.comparison import SPLIT_FILE, decide_on_comparison
+from prefect_ddp.tasks.results.comparison import SPLIT_FILE, UnusableChampion, decide_on_comparison
 from prefect_ddp.tasks.results.pointer import Document, read_json_document, update_json
 from prefect_ddp.tasks.results.records import TrainingSummary
 from prefect_ddp.tasks.results.registry import ALIAS, Registration, align_champion, drop_version, register_version
 from prefect_ddp.tasks.retries import retry_transient
-from prefect_ddp.tasks.training.model import SAVED_MODEL_FILES, WarmStart
+from prefect_ddp.tasks.training.model import SAVED_MODEL_FILES, WarmStart, model_problem
 from prefect_ddp.tasks.urls import child_url, safe_segment
 
 METRIC = "best_val_acc"
@@ -79,14 +79,18 @@ ALREADY_KEPT = "kept already: the pointer names this run's version (a retry afte
 
 
 def decide(new_metric: float, current: Document | None, comparison: dict[str, Any] | None = None,
-           min_improvement: float | None = None, kept_at_start: str | None = NOT_RECORDED) -> tuple[bool, str]:
-    """The promotion rule: promote when there is no kept model, or the new one beats it on the
-    same images (prefect_ddp.tasks.results.comparison); without such a comparison (the kept
-    model predicts other classes, or its files are gone), when the new one's val accuracy is at
+           min_improvement: float | None = None, kept_at_start: str | None = NOT_RECORDED,
+           unusable: UnusableChampion | None = None) -> tuple[bool, str]:
+    """The promotion rule: promote when there is no kept model, or the kept one cannot be used
+    (`unusable`: its files missing or unreadable when the run began, and still the one kept), or
+    the new one beats it on the same images (prefect_ddp.tasks.results.comparison); without such a
+    comparison (the kept model predicts other classes), when the new one's val accuracy is at
     least as good. A model kept while the run trained (`kept_at_start`: the version kept when
     it began) was compared with nothing: it stays."""
     if current is None:
         return True, f"first model kept under this name, {METRIC} {new_metric:.4f}"
+    if unusable and unusable.version == current["version"]:
+        return True, unusable.why_replaced()
     run = current.get("run", {}).get("name", "an earlier run")
     if comparison:  # the champion it was scored against was the one kept when the run began
         kept_at_start = comparison["champion_version"]
@@ -129,7 +133,8 @@ def write_version(summary: TrainingSummary, run_output: Location, version: Locat
 @task(name="promote", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
 def promote(summary: TrainingSummary, run_output: Location, kept: Location,
             run: dict[str, str], registry: Registration | None = None,
-            min_improvement: float | None = None, kept_at_start: str | None = NOT_RECORDED) -> Promotion:
+            min_improvement: float | None = None, kept_at_start: str | None = NOT_RECORDED,
+            unusable: UnusableChampion | None = None) -> Promotion:
     """Keep this run's model under `kept` when it beats the one kept there (`decide`).
 
     The decision is taken again inside the pointer's compare-and-swap, against the model
@@ -147,7 +152,7 @@ def promote(summary: TrainingSummary, run_output: Location, kept: Location,
         promoted, reason, registered, seen = True, ALREADY_KEPT, (seen or {}).get("registered"), None
     else:
         registered = None
-        promoted, reason = decide(metric, seen, comparison, min_improvement, kept_at_start)
+        promoted, reason = decide(metric, seen, comparison, min_improvement, kept_at_start, unusable)
     if promoted and not retried:  # write the candidate whole, then point at it if it still wins
         record = run | {"url": run_output.url, "promoted_at": datetime.now(timezone.utc).isoformat()}
         write_version(summary, run_output, version, record)
@@ -158,12 +163,14 @@ def promote(summary: TrainingSummary, run_output: Location, kept: Location,
         def swap(current: Document | None) -> Document | None:
             nonlocal promoted, reason, seen, wrote
             seen = current
-            promoted, reason = decide(metric, current, comparison, min_improvement, kept_at_start)
+            promoted, reason = decide(metric, current, comparison, min_improvement, kept_at_start, unusable)
             pointer = {METRIC: metric, "version": version.url, "run": record} | pointer_fields(summary)
             wrote = wrote or promoted
             return (pointer | ({"registered": registered} if registered else {})) if promoted else None
 
         update_json(pointer_url, kept.storage_options(), swap)
+        if seen is None and promoted and exists(pointer_url, kept.storage_options()):
+            reason = f"{POINTER} was there but could not be read (the run's log says why), so it was replaced: {reason}"
         if not promoted and not wrote:  # overtaken by a better model: nothing ever pointed at this version
             remove_tree(version.url, version.storage_options())
             if registered:
@@ -212,7 +219,13 @@ def find_warm_start(kept: Location, backbone: str, classes: list[str]) -> WarmSt
     if pointer is None:
         run_logger().info("No model kept at %s yet: training starts from model.weights.", kept.url)
         return None
-    return warm_start_from(kept.with_url(pointer["version"]), backbone, classes, f"run `{pointer['run']['name']}`")
+    folder = kept.with_url(pointer["version"])
+    if problem := model_problem(folder):
+        run_logger().warning("Not warm-starting from the kept model of run `%s` in %s: %s. Training starts from "
+                             "model.weights, and this run's model replaces it when the run completes.",
+                             pointer["run"]["name"], folder.url, problem)
+        return None
+    return warm_start_from(folder, backbone, classes, f"run `{pointer['run']['name']}`")
 
 
 def warm_start_from(folder: Location, backbone: str, classes: list[str], origin: str) -> WarmStart | None:

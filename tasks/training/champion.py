@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from prefect_ddp.tasks.data.dataset import eval_transform
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.loaders import ManifestImages, RankData
-from prefect_ddp.tasks.data.storage import load_torch, read_json
+from prefect_ddp.tasks.data.storage import read_bytes_reporting, read_json, torch_from_bytes
 from prefect_ddp.tasks.gang import RankContext, all_reduce_sum
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.training.model import card_resize, load_model
@@ -39,7 +39,7 @@ def score_against_champion(ctx: RankContext, champion: Champion, output_url: str
     """Both models' right answers on this rank's share of the champion's positions, summed over the
     gang; this run's model is the best epoch's, in `output_url`, read with the options the rank's
     data path derived for it (prefect_ddp.tasks.data.loaders)."""
-    all_reduce_sum([0.0], device)  # rank 0 wrote the best epoch's model.pt before any rank reads it
+    all_reduce_sum([0.0], device)  # rank 0 wrote the best epoch's model.pt (the recipe waited) before any rank reads it
     shard = champion.positions[ctx.rank :: ctx.world_size]
     ours = right_per_image(ctx, output_url, data.output_options, data.images, shard, device)
     theirs = right_per_image(ctx, champion.folder.url, champion.folder.storage_options(), data.images, shard, device)
@@ -61,7 +61,8 @@ def right_per_image(ctx: RankContext, folder: str, options: dict[str, Any], imag
     """Whether the model in `folder` (model.pt, model.json) classifies each image right; None
     for an image that could not be read."""
     card = read_json(child_url(folder, "model.json"), options)
-    model = load_model(card, load_torch(child_url(folder, "model.pt"), options)).to(device)
+    weights = read_bytes_reporting(child_url(folder, "model.pt"), options, lambda: ctx.progress("download"))
+    model = load_model(card, torch_from_bytes(weights)).to(device)
     # Preprocessed as its card says: a champion of another image size is scored as it was validated.
     dataset = images.dataset(positions, eval_transform(card["image_size"], card_resize(card)))
     right: list[bool | None] = []

@@ -15,6 +15,7 @@ training ends, and the gang re-forms from the last checkpoint written.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextvars
 import copy
 import threading
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from prefect_ddp.tasks.gang import GangStopped
+from prefect_ddp.tasks.gang import GangError
 from prefect_ddp.tasks.reporting import run_logger
 
 
@@ -51,8 +52,8 @@ class BackgroundWriter:
 
     `before_write` runs in the writing thread right before each write: the rank's
     `check_lease`, so that a rank whose gang lost its worker writes nothing more, also what it
-    queued before (tasks/gang/fencing.py). It raises GangStopped, which ends the writes as a
-    failure does. Each write runs in the context (Dask worker, Prefect run) of the call that
+    queued before (tasks/gang/fencing.py). It raises GangStopped there (or a GangError where
+    the scheduler could not be asked), which ends the writes as a failure does. Each write runs in the context (Dask worker, Prefect run) of the call that
     gave it.
 
     Use it as a context manager: leaving the block waits for every write, and raises a
@@ -82,15 +83,22 @@ class BackgroundWriter:
         if self._failed.is_set():
             self.wait()  # the writes after the failed one are skipped: this returns at once
 
+    def finished(self, timeout_s: float) -> bool:
+        """Whether every write given so far is done (failed or not), waiting up to `timeout_s`
+        for them; `wait` then raises a failure."""
+        _, pending = concurrent.futures.wait(self._pending, timeout=timeout_s)
+        return not pending
+
     def wait(self) -> None:
         """Until every write given so far is done; raises the first failure: CheckpointWriteError,
-        or GangStopped where the gang lost the worker before a write."""
+        or a GangError from `before_write` (GangStopped where the gang lost the worker, a plain
+        GangError where the scheduler could not be asked: tasks/gang/fencing.py)."""
         pending, self._pending = self._pending, []
         failures: list[Exception] = []
         for future in pending:
             try:
                 self.write_s.append(future.result())
-            except (CheckpointWriteError, GangStopped) as failure:
+            except (CheckpointWriteError, GangError) as failure:
                 failures.append(failure)
         if failures:
             raise failures[0]
@@ -102,7 +110,7 @@ class BackgroundWriter:
                  traceback: TracebackType | None) -> None:
         try:
             self.wait()
-        except (CheckpointWriteError, GangStopped):
+        except (CheckpointWriteError, GangError):
             if kind is None:
                 raise
             run_logger().exception("A background write failed while the rank was already failing")

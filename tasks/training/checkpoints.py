@@ -9,7 +9,6 @@ keeps the learning rate the linear scaling rule gives it.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -18,12 +17,16 @@ import torch.distributed as dist
 from torch import nn
 
 from prefect_ddp.tasks.data.storage import (
+    GARBLED,
     exists,
+    garbled_text,
     read_bytes,
     read_json,
+    torch_from_bytes,
     write_json,
 )
 from prefect_ddp.tasks.gang import broadcast_bytes
+from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.training.checkpoint_writer import to_cpu
 
 # The recipe fields that change what a resumed training would compute.
@@ -111,9 +114,9 @@ class TrainingState:
             data = broadcast_bytes(read_committed(url, options) if is_rank0() else None, device)
         else:
             data = handed
-        if data is None:
+        checkpoint = readable_checkpoint(url, data)
+        if checkpoint is None:
             return Resumed(0, [], None)
-        checkpoint = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         refuse_other_jobs(url, checkpoint.get("job"), fingerprint)
         self.model.load_state_dict(checkpoint["model"])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
@@ -129,6 +132,22 @@ class TrainingState:
         return Resumed(checkpoint["epoch"] + 1, list(checkpoint["history"]),
                        (best["epoch"], best["model"]) if best else None, checkpoint.get("position", 0),
                        checkpoint.get("trained"))
+
+
+def readable_checkpoint(url: str, data: bytes | None) -> dict[str, Any] | None:
+    """The checkpoint in `data`, or None where there is none or it cannot be read (cut short or
+    garbled in storage): the gang then starts over, as every rank holds the same bytes and so
+    decides alike, instead of failing every attempt on the same file."""
+    if data is None:
+        return None
+    try:
+        checkpoint: dict[str, Any] = torch_from_bytes(data)
+    except GARBLED as error:
+        if is_rank0():
+            run_logger().warning("The checkpoint at %s cannot be read (%s): training starts over from epoch 1, "
+                                 "and the next checkpoint replaces it.", url, garbled_text(error))
+        return None
+    return checkpoint
 
 
 def is_rank0() -> bool:
@@ -175,10 +194,26 @@ def record_attempt(url: str, options: dict[str, Any], attempt: int, world_size: 
     came from a rank of the formation before, in memory (tasks/gang/handover.py), not storage;
     `regroups`: the attempts of its `run_gang` call before it that ended in a regroup.
     """
-    attempts = read_json(url, options) if exists(url, options) else []
+    attempts = earlier_attempts(url, options)
     attempts.append({"attempt": attempt, "world_size": world_size, "resumed_after_epoch": resumed_after_epoch,
                      "at_sample": at_sample, "handed_over": handed_over, "regroups": regroups})
     write_json(url, attempts, options)
+    return attempts
+
+
+def earlier_attempts(url: str, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """The attempts recorded so far; none where the file is not there, or cannot be read (it is
+    then written anew, without them: the report shows fewer attempts, the run goes on)."""
+    if not exists(url, options):
+        return []
+    try:
+        attempts = read_json(url, options)
+        if not isinstance(attempts, list) or not all(isinstance(row, dict) for row in attempts):
+            raise ValueError(f"not a list of attempts: {type(attempts).__name__}")
+    except GARBLED as error:
+        run_logger().warning("The gang's attempts so far, %s, cannot be read (%s): recording them anew from this "
+                             "attempt; the report lists the attempts from here on.", url, garbled_text(error))
+        return []
     return attempts
 
 

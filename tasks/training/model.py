@@ -8,6 +8,7 @@ weights_only=True) and `model.json` (backbone, classes and preprocessing), so th
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import urllib.parse
 import urllib.request
@@ -25,9 +26,10 @@ from torch import nn
 
 from prefect_ddp.tasks.config import BACKBONES, ModelConfig
 from prefect_ddp.tasks.data.dataset import IMAGENET_MEAN, IMAGENET_STD, resize_size
-from prefect_ddp.tasks.data.storage import exists, load_torch
+from prefect_ddp.tasks.data.storage import GARBLED, exists, garbled_text, load_torch, read_bytes, torch_from_bytes
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.retries import retry_transient
+from prefect_ddp.tasks.urls import child_url
 
 # A saved model's files, in the order they are copied: the card last, so a copy that has it is whole.
 SAVED_MODEL_FILES = ("model.pt", "model.json")
@@ -220,6 +222,46 @@ def load_model(card: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Modul
     replace_head(model, len(card["classes"]))
     model.load_state_dict(state)
     return model.eval()
+
+
+def model_problem(folder: Location) -> str | None:
+    """Why the saved model in `folder` (model.json, model.pt) cannot be loaded, or None when it can.
+
+    Loaded whole, as a rank would load it: a file cut short by its store, or garbled, fails
+    here, once, before training, instead of in every rank of every attempt after all of
+    training (docs/after-training.md, "A kept model that cannot be read"). The store's own
+    errors are not caught: they are retried or fail the run as they would anywhere.
+    """
+    options = folder.storage_options()
+    read: dict[str, bytes] = {}
+    for name in SAVED_MODEL_FILES:  # read, not checked with exists(): fsspec's local exists() says False for EIO
+        try:
+            read[name] = read_bytes(child_url(folder.url, name), options)
+        except FileNotFoundError:
+            pass
+    if missing := [name for name in SAVED_MODEL_FILES if name not in read]:
+        return f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+    return loading_problem(read["model.json"], read["model.pt"])
+
+
+# What loading a card and state of the wrong shape raises besides GARBLED: a card that is a list,
+# a field of another type.
+SHAPE_ERRORS: tuple[type[Exception], ...] = (*GARBLED, TypeError, AttributeError)
+
+
+def loading_problem(card: bytes, weights: bytes) -> str | None:
+    """Why a model's card and weights, as read, do not make a model; None when they do."""
+    try:
+        described = json.loads(card)
+        if not isinstance(described, dict):
+            raise ValueError(f"not a JSON object but {type(described).__name__}")
+    except GARBLED as error:
+        return f"model.json cannot be read ({garbled_text(error)})"
+    try:
+        load_model(described, torch_from_bytes(weights))
+    except SHAPE_ERRORS as error:  # a card or state of another shape too
+        return f"model.pt cannot be loaded as model.json describes it ({garbled_text(error)})"
+    return None
 
 
 class WarmStart(BaseModel):

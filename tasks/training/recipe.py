@@ -268,10 +268,13 @@ class BestWeights:
     epochs (`training.checkpoint_every="auto"`). A crash between the checkpoint and model.pt
     leaves model.pt one best behind, so the checkpoint carries what model.pt is to hold: its
     own weights when its epoch is the best, or else the kept best epoch's (`unwritten`), and
-    a gang resumed from it writes model.pt again (`after_resume`).
+    a gang resumed from it writes model.pt again (`after_resume`). Weights an elastic gang's
+    formation took over in memory (tasks/gang/handover.py) wait for its first checkpoint too:
+    that formation may be lost before it, and the gang then resumes from the older checkpoint.
     """
 
     def __init__(self, ctx: RankContext, job: TrainJob, selection: Selection, options: dict[str, Any]) -> None:
+        self.ctx = ctx
         self.enabled = ctx.is_main
         # In an elastic gang every rank keeps the unwritten best weights: any survivor may hand its state over.
         self.keeps = ctx.is_main or ctx.elastic
@@ -315,6 +318,10 @@ class BestWeights:
             return None
         return self._unwritten
 
+    def waiting(self) -> bool:
+        """Whether a best epoch's weights wait for a checkpoint to hold them before model.pt may."""
+        return self._unwritten is not None
+
     def write_after_checkpoint(self, writer: BackgroundWriter) -> None:
         """Give the writer the best epoch kept since the last checkpoint, to write after it (rank 0)."""
         if self._unwritten is None or not self.enabled:
@@ -325,7 +332,8 @@ class BestWeights:
 
     def _write(self, epoch: int, weights: dict[str, torch.Tensor]) -> None:
         job = self.job
-        save_torch(child_url(job.output.url, "model.pt"), weights, self.options)
+        save_torch(child_url(job.output.url, "model.pt"), weights, self.options,
+                   on_part=lambda: self.ctx.progress("checkpoint", epoch=epoch))
         card = model_card(job.model, job.manifest.classes, job.training.image_size)
         write_json(child_url(job.output.url, "model.json"), card | {
             "epoch": epoch, "selected_by": self.selection.describe(),
@@ -510,7 +518,8 @@ class Checkpointing:
         epoch = history[-1]["epoch"]
         snapshot = self.state.snapshot(epoch - 1, history, self.fingerprint, self.ctx.world_size,
                                        best=kept.unwritten(epoch))
-        writer.submit(f"the checkpoint of epoch {epoch}", lambda: save_torch(self.url, snapshot, self.options))
+        writer.submit(f"the checkpoint of epoch {epoch}", lambda: save_torch(
+            self.url, snapshot, self.options, on_part=lambda: self.ctx.progress("checkpoint", epoch=epoch)))
         kept.write_after_checkpoint(writer)
         if self.ctx.trial is not None:
             writer.wait()
@@ -673,7 +682,8 @@ def train_formation(ctx: RankContext, job: TrainJob, rank: RankSetup, kept: Best
     pruned_at = stopped = None
     # Right before each write, in the writing thread: a rank whose gang lost its worker writes nothing more.
     with BackgroundWriter(before_write=ctx.check_lease if ctx.is_main else lambda: None) as writer:
-        kept.write_after_checkpoint(writer)  # a resumed best epoch model.pt may lack
+        if not handed:  # a resumed best epoch model.pt may lack; one handed over waits for a checkpoint to hold it
+            kept.write_after_checkpoint(writer)
         grow = GrowChecks.of(ctx, job.training, leaving, progress, writer)
         try:
             for epoch in range(start_epoch, job.training.epochs):
@@ -702,8 +712,12 @@ def train_formation(ctx: RankContext, job: TrainJob, rank: RankSetup, kept: Best
                     break
                 if grow:
                     grow.after_epoch(epoch)
+            if ctx.is_main and kept.waiting() and not (pruned_at or stopped):  # taken over after the last epoch
+                saves.save(history, writer, kept)
             waiting = time.monotonic()
-            writer.wait()  # the last checkpoint and model.pt exist once the rank returns
+            # The last checkpoint and model.pt exist once the ranks return; the champion's scoring reads model.pt.
+            ctx.wait_for_main(writer.finished)
+            writer.wait()
             if checkpoint_s:
                 checkpoint_s[-1] = round(checkpoint_s[-1] + time.monotonic() - waiting, 3)
         finally:

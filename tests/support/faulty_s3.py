@@ -1,24 +1,34 @@
 """A fault-injecting S3 front: an HTTP reverse proxy on 127.0.0.1 in front of a real S3 server.
 
-moto answers every request, at once; real S3 throttles (503 SlowDown), drops connections
-and sometimes stalls. Point a client's endpoint_url at the front and tell it which GETs
-to break:
+moto answers every request, at once; real S3 throttles (503 SlowDown), drops connections,
+loses replies, sometimes stalls, and files on stores behind it get cut short. Point a
+client's endpoint_url at the front and tell it which requests to break:
 
     with faulty_s3(s3_endpoint) as front:
         location = block_copy(image_location, endpoint_url=front.endpoint)
         front.fail_gets("test-images/shapes/circle/*", times=3, how="503")
         front.stall_gets("*", seconds=20)            # every GET, until cleared
         assert front.wait_stalled(timeout=10)        # a client is now stuck in a GET
+        front.fault("PUT", "bucket/out/latest.json", "drop reply")  # stored, reply lost
+        front.fault("PUT", "bucket/out/*/model.pt", "cut")          # stored half, answered 200
         front.clear()
         front.gets["test-images/shapes/circle/0001.jpg"]   # GETs the front received
         front.methods                                      # every request, by method
 
 Patterns are shell-style (fnmatch) and match "bucket/key" as the client asked for it,
-unquoted. A rule applies to the next `times` matching GETs (None: all of them, until
-`clear`); each GET uses the earliest rule still matching. Other methods (HEAD, PUT,
-LIST's GET of a bucket alone counts as a GET of "bucket") pass through untouched, but for
-`drop_replies`: `front.drop_replies("PUT", "bucket/out/latest.json", times=1)` forwards the
-next such PUT and drops the connection before its reply.
+unquoted. A rule applies to the next `times` matching requests of its method (None: all of
+them, until `clear`); each request uses the earliest rule still matching. What a fault
+does (`FAULTS`):
+
+- "reset": the connection is dropped before the request reaches the server (nothing done);
+- "drop reply": forwarded, then the connection dropped before the reply (done, unheard of);
+- "503", "500", "412": answered with that status and S3's error body, not forwarded;
+- "stall": held for `seconds`, then forwarded;
+- "cut": a PUT's body is forwarded cut to half its bytes and the server's answer passed
+  on (a store that keeps part of a file and says it kept it); a GET's reply carries half
+  its body under the whole body's length, then the connection is dropped;
+- "call": `action` runs (another client's write, say), then the request is forwarded.
+
 Requests are forwarded with their own Host header, so signatures stay valid.
 """
 
@@ -38,10 +48,16 @@ from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 FailHow = Literal["503", "reset"]
-SLOW_DOWN = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-    b"<Message>Please reduce your request rate.</Message></Error>"
-)
+Fault = Literal["reset", "drop reply", "503", "500", "412", "stall", "cut", "call"]
+FAULTS: tuple[Fault, ...] = ("reset", "drop reply", "503", "500", "412", "stall", "cut", "call")
+# What S3 says with each status the front answers itself.
+ERRORS = {
+    503: ("SlowDown", "Please reduce your request rate."),
+    500: ("InternalError", "We encountered an internal error. Please try again."),
+    412: ("PreconditionFailed", "At least one of the pre-conditions you specified did not hold"),
+}
+# A body's checksums, which a store that cuts files short does not keep or send.
+CHECKSUM_HEADERS = ("x-amz-checksum-", "x-amz-sdk-checksum-", "content-md5")
 # Hop-by-hop headers, and the body's framing that the front sets itself.
 NOT_FORWARDED = {"connection", "keep-alive", "transfer-encoding", "content-length", "expect"}
 
@@ -49,7 +65,7 @@ NOT_FORWARDED = {"connection", "keep-alive", "transfer-encoding", "content-lengt
 @dataclass
 class _Rule:
     pattern: str
-    kind: Literal["503", "reset", "stall", "drop reply", "call"]
+    kind: Fault
     remaining: int | None
     seconds: float = 0.0
     method: str = "GET"
@@ -84,25 +100,35 @@ class FaultyS3:
         self.most_stalled = 0  # the most GETs held at once, so far
         self._stopping = threading.Event()
 
+    def fault(self, method: str, pattern: str, how: Fault, times: int | None = 1, seconds: float = 0.0,
+              action: Callable[[], None] | None = None) -> None:
+        """Break the next `times` `method` requests matching `pattern` (None: all, until `clear`) as
+        `how` says (the module's docstring); `seconds` for "stall", `action` for "call"."""
+        if how not in FAULTS:
+            raise ValueError(f"how={how!r} is not a fault the front knows: use one of {', '.join(FAULTS)}.")
+        if (how == "call") != (action is not None):
+            raise ValueError(f"how={how!r} with action={action!r}: an action goes with 'call', and only with it.")
+        self._add(_Rule(pattern, how, times, seconds, _method(method), action))
+
     def fail_gets(self, pattern: str, times: int, how: FailHow = "503") -> None:
         """Fail the next `times` GETs matching `pattern`: 503 SlowDown, or a TCP reset."""
         if how not in ("503", "reset"):
             raise ValueError(f"how={how!r} is not a fault the front knows: use '503' or 'reset'.")
-        self._add(_Rule(pattern, how, times))
+        self.fault("GET", pattern, how, times)
 
     def stall_gets(self, pattern: str, seconds: float, times: int | None = None) -> None:
         """Hold the next `times` GETs matching `pattern` (None: all) for `seconds`, then answer."""
-        self._add(_Rule(pattern, "stall", times, seconds))
+        self.fault("GET", pattern, "stall", times, seconds)
 
     def drop_replies(self, method: str, pattern: str, times: int) -> None:
         """Forward the next `times` `method` requests matching `pattern` to the server, then drop the
         connection instead of answering: the write happened, and the client never heard of it."""
-        self._add(_Rule(pattern, "drop reply", times, method=_method(method)))
+        self.fault(method, pattern, "drop reply", times)
 
     def before_forwarding(self, method: str, pattern: str, action: Callable[[], None], times: int = 1) -> None:
         """Run `action` (another client's write, say) before forwarding the next `times` matching
         requests, after any rule added earlier has been used up by the ones before them."""
-        self._add(_Rule(pattern, "call", times, method=_method(method), action=action))
+        self.fault(method, pattern, "call", times, action=action)
 
     def rules_left(self) -> int:
         """How many rules still wait for a request to match them (a test's fault that never fired shows here)."""
@@ -121,7 +147,7 @@ class FaultyS3:
 
     def _add(self, rule: _Rule) -> None:
         if rule.remaining is not None and rule.remaining < 1:
-            raise ValueError(f"times={rule.remaining} must be at least 1, or None for every GET.")
+            raise ValueError(f"times={rule.remaining} must be at least 1, or None for every request.")
         with self._lock:
             self._rules.append(rule)
 
@@ -157,46 +183,54 @@ def _handler(front: FaultyS3) -> type[BaseHTTPRequestHandler]:
         def log_message(self, *args) -> None:  # quiet: tests read the counters instead
             pass
 
-        def do_GET(self) -> None:
-            rule = front._take_rule(unquote(urlsplit(self.path).path).lstrip("/"))
-            if rule and rule.kind == "reset":
+        def _serve(self) -> None:
+            rule = front._take_rule(unquote(urlsplit(self.path).path).lstrip("/"), self.command)
+            kind = rule.kind if rule else None
+            if kind == "reset":
+                self._discard_body()
                 self._reset()
                 return
-            if rule and rule.kind == "503":
+            if rule and kind in ("503", "500", "412"):
                 self._discard_body()
-                self._answer(503, {"Content-Type": "application/xml"}, SLOW_DOWN)
+                code, message = ERRORS[int(kind)]
+                body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                        f"<Message>{message}</Message></Error>").encode()
+                self._answer(int(kind), {"Content-Type": "application/xml"}, body)
                 return
-            if rule and rule.kind == "stall":
+            if rule and kind == "stall":
                 front._stall(rule.seconds)
             if rule and rule.action:
                 rule.action()
-            self._forward(drop_reply=rule is not None and rule.kind == "drop reply")
+            self._forward(kind)
 
-        def _forward(self, drop_reply: bool = False) -> None:
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _serve
+
+        def _forward(self, kind: Fault | None) -> None:
             body = self._discard_body()
             headers = {k: v for k, v in self.headers.items() if k.lower() not in NOT_FORWARDED}
+            if kind == "cut" and self.command == "PUT":  # kept without the checksum that would tell
+                body = body[: len(body) // 2]
+                headers = {k: v for k, v in headers.items() if not k.lower().startswith(CHECKSUM_HEADERS)}
             upstream = http.client.HTTPConnection(*front.upstream, timeout=60)
             try:
                 upstream.request(self.command, self.path, body=body or None, headers=headers)
                 response = upstream.getresponse()
                 data = response.read()
-                if drop_reply:
+                if kind == "drop reply":
                     self._reset()
                     return
-                answer = {k: v for k, v in response.getheaders() if k.lower() not in NOT_FORWARDED}
+                answer = {k: v for k, v in response.getheaders() if k.lower() not in NOT_FORWARDED
+                          and not (kind == "cut" and k.lower().startswith(CHECKSUM_HEADERS))}
                 if self.command == "HEAD":  # no body, but the object's length
                     answer["Content-Length"] = response.getheader("Content-Length", "0")
+                if kind == "cut" and self.command == "GET":
+                    answer["Content-Length"] = str(len(data))
+                    self._answer(response.status, answer, data[: len(data) // 2])
+                    self._reset()
+                    return
                 self._answer(response.status, answer, data)
             finally:
                 upstream.close()
-
-        def _pass_through(self) -> None:
-            rule = front._take_rule(unquote(urlsplit(self.path).path).lstrip("/"), self.command)
-            if rule and rule.action:
-                rule.action()
-            self._forward(drop_reply=rule is not None and rule.kind == "drop reply")
-
-        do_HEAD = do_PUT = do_POST = do_DELETE = _pass_through
 
         def _discard_body(self) -> bytes:
             return self.rfile.read(int(self.headers.get("Content-Length") or 0))
