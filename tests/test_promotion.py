@@ -374,6 +374,7 @@ def test_a_retried_promotion_whose_pointer_write_landed_reports_its_model_kept(t
     summary, run = finished_run(tmp_path, "run-a", 0.8)
     kept = DataLocation(url=str(tmp_path / "kept"))
     first = promote.fn(summary, run, kept, {"name": "run-a", "flow_run_id": "a"}, kept_at_start=None)
+    assert first.reason.startswith("first model kept under this name"), first.reason  # nothing was there
     retried = promote.fn(summary, run, kept, {"name": "run-a", "flow_run_id": "a"}, kept_at_start=None)
     assert first.promoted and retried.promoted and retried.kept_url == first.kept_url, retried.reason
     assert retried.reason.startswith("kept already: the pointer names this run's version")
@@ -395,6 +396,7 @@ def test_a_pointer_cut_short_is_said_taken_as_absent_and_replaced(tmp_path, capl
     worse, later = finished_run(tmp_path, "run-b", 0.5)
     result = promote.fn(worse, later, kept, {"name": "run-b", "flow_run_id": "b"}, kept_at_start=None)
     assert result.promoted and read_pointer(kept)["version"] == result.kept_url
+    assert result.reason.startswith("latest.json was there but could not be read"), result.reason
 
 
 def test_a_sweeps_promotion_replaces_a_kept_model_that_cannot_be_loaded(tmp_path, prefect_api):

@@ -146,6 +146,7 @@ def promote(summary: TrainingSummary, run_output: Location, kept: Location,
     version = version_location(kept, run_output)
     pointer_url = child_url(kept.url, POINTER)
     seen = read_pointer(kept)
+    unreadable = seen is None and exists(pointer_url, kept.storage_options())  # there, but cut short or garbled
     comparison = summary.comparison
     retried = names_version(seen, version)  # a retry of this task after its pointer write landed
     if retried:
@@ -169,7 +170,7 @@ def promote(summary: TrainingSummary, run_output: Location, kept: Location,
             return (pointer | ({"registered": registered} if registered else {})) if promoted else None
 
         update_json(pointer_url, kept.storage_options(), swap)
-        if seen is None and promoted and exists(pointer_url, kept.storage_options()):
+        if unreadable and seen is None and promoted:
             reason = f"{POINTER} was there but could not be read (the run's log says why), so it was replaced: {reason}"
         if not promoted and not wrote:  # overtaken by a better model: nothing ever pointed at this version
             remove_tree(version.url, version.storage_options())
