@@ -29,10 +29,11 @@ from prefect_ddp.tasks.config import (
     OutputConfig,
     TrainingConfig,
 )
-from prefect_ddp.tasks.data.storage import write_json
+from prefect_ddp.tasks.data.storage import save_torch, write_json
 from prefect_ddp.tasks.gang import GangRefused
 from prefect_ddp.tasks.prediction.workers import ScoringRefused
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
+from prefect_ddp.tasks.training.model import build_model
 from tests.support.api_helpers import rank_task_runs
 from tests.support.external_dask import TRAINING_ENV, dask_processes, owner_environment
 from tests.support.flow_runs import assert_failed_cleanly, run_tiny_flow
@@ -74,10 +75,11 @@ def test_a_local_output_the_workers_cannot_see_is_refused_before_training(remote
 def test_batch_predict_refuses_a_local_output_the_workers_cannot_see_before_scoring(remote_disk_cluster, flow_only,
                                                                                     image_location, tmp_path):
     image_location.save("test-images", overwrite=True)
-    model = tmp_path / "model"  # refused before any worker loads it: the weights' bytes are never read
+    model = tmp_path / "model"  # a model that loads (keep_model checks it), refused before any worker loads it
     model.mkdir()
-    (model / "model.pt").write_bytes(b"not read")
-    write_json(str(model / "model.json"), {"backbone": "resnet18", "classes": ["a", "b"], "image_size": 32}, {})
+    save_torch(str(model / "model.pt"), build_model(ModelConfig(backbone="mobilenet_v3_small"), 2).state_dict(), {})
+    write_json(str(model / "model.json"), {"backbone": "mobilenet_v3_small", "classes": ["a", "b"], "image_size": 32},
+               {})
     output = flow_only / "predictions"
     state = batch_predict(model=str(model), data_block="test-images", output_url=str(output),
                           cluster={"address": remote_disk_cluster}, return_state=True)
