@@ -18,7 +18,7 @@ The S3 readers read through moto on loopback and through bench.s3_front, which w
 30 ms (`--latency-ms`) before each response, as real S3 takes tens of milliseconds, and
 which, unlike moto, does not cap near 250 GETs/s (docs/architecture.md, "Facts: moto").
 Two image sets: 64 px shapes and photo-sized 500x375 JPEGs. DataLoader workers: 0 and 2,
-forked and persistent as tasks/training/recipe.py makes them.
+forked and persistent as tasks/data/loaders.py makes them for the recipe.
 
 Each measurement starts with a warm-up epoch of one batch per worker (it forks the workers
 and creates the S3 clients), then times `--repeats` epochs and keeps the fastest. CPU time

@@ -45,7 +45,8 @@ from prefect_ddp.tasks.gang.process_group import process_group
 from prefect_ddp.tasks.training import optimization
 from prefect_ddp.tasks.training.model import build_model
 from prefect_ddp.tasks.training.rank_result import RankResult
-from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
+from prefect_ddp.tasks.training.job import TrainJob
+from prefect_ddp.tasks.training.recipe import train_classifier
 
 SIDE = 32
 

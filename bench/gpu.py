@@ -5,7 +5,7 @@ in the same run:
 - synthetic: random tensors already on the device, the ceiling;
 - S3, decoded on the CPU: S3ImageFolder through bench.s3_front (30 ms per response) with
   the recipe's train transform in forked DataLoader workers, pinned memory and
-  non-blocking copies, as tasks/training/recipe.py makes them;
+  non-blocking copies, as tasks/data/loaders.py makes them for the recipe;
 - S3, decoded on the device: the loader hands over encoded JPEGs and the rank decodes and
   augments them on the device (`training.decode_on="device"`, tasks/data/device_batches.py).
 
@@ -55,7 +55,7 @@ from prefect_ddp.tasks.data.dataset import forked_workers, train_transform
 from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
 from prefect_ddp.tasks.training.model import build_model
 from prefect_ddp.tasks.training.optimization import build_optimizer
-from prefect_ddp.tasks.training.recipe import autocast_dtype
+from prefect_ddp.tasks.training.rank_setup import autocast_dtype
 
 IMAGE_SIZE = 224
 CLASSES = 3

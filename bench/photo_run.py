@@ -32,7 +32,7 @@ from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.shard_writer import shard_format, write_shards
 from prefect_ddp.tasks.data.splitting import stratified_split
-from prefect_ddp.tasks.training.recipe import TrainJob
+from prefect_ddp.tasks.training.job import TrainJob
 
 
 def full_decode() -> None:

@@ -24,7 +24,7 @@ from torchvision.models import resnet18
 
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.gang import free_port, process_group, wrap_ddp
-from prefect_ddp.tasks.training.recipe import train_one_epoch
+from prefect_ddp.tasks.training.passes import train_one_epoch
 from prefect_ddp.tasks.training.step_times import StepClock, time_gradient_sync
 
 CPU = torch.device("cpu")

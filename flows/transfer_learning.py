@@ -78,7 +78,8 @@ from prefect_ddp.tasks.results.tracking_run import (
 from prefect_ddp.tasks.tracking import TrackedRun, Tracking, import_mlflow
 from prefect_ddp.tasks.training.model import WarmStart, check_starting_weights, model_problem
 from prefect_ddp.tasks.training.rank_result import RankResult
-from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
+from prefect_ddp.tasks.training.job import TrainJob
+from prefect_ddp.tasks.training.recipe import train_classifier
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit
 from prefect_ddp.tasks.urls import absolute_url, child_url
 

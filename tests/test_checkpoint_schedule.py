@@ -29,7 +29,10 @@ from prefect_ddp.tasks.results.aggregation import checkpoint_plan, last_epoch_ti
 from prefect_ddp.tasks.training.checkpoint_interval import CheckpointSchedule, young_daly_interval_s
 from prefect_ddp.tasks.training.checkpoint_writer import BackgroundWriter, CheckpointWriteError, to_cpu
 from prefect_ddp.tasks.training.checkpoints import TrainingState
-from prefect_ddp.tasks.training.recipe import BestWeights, Checkpointing, TrainJob
+from prefect_ddp.tasks.training.best_weights import BestWeights
+from prefect_ddp.tasks.training.checkpointing import Checkpointing
+from prefect_ddp.tasks.training.boundary import EpochEnd
+from prefect_ddp.tasks.training.job import RunFiles, TrainJob
 from prefect_ddp.tasks.training.step_times import PARTS, EpochTiming
 from prefect_ddp.tasks.selection import Selection
 from tests.support.image_folders import local_image_folder
@@ -220,14 +223,23 @@ def train_job(images: Path, output: Path, epochs: int, every: str) -> TrainJob:
     )
 
 
+def ended(history: list[dict]) -> EpochEnd:
+    """The boundary after the last epoch of `history`."""
+    return EpochEnd(len(history) - 1, history, last=False)
+
+
+def kept_best(ctx: RankContext, model: torch.nn.Module, job: TrainJob) -> BestWeights:
+    return BestWeights(ctx, model, RunFiles.of(job, {}), ctx.trial.selection if ctx.trial else Selection())
+
+
 @pytest.mark.unit
 def test_the_best_epoch_waits_in_memory_for_the_next_checkpoint(tmp_path):
     job = train_job(tmp_path / "images", tmp_path / "out", epochs=3, every="auto")
     ctx = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo", device="cpu",
                       worker_address="local", master_addr="127.0.0.1", master_port=0)
     model = torch.nn.Linear(2, 2)
-    kept = BestWeights(ctx, job, Selection(), {})
-    kept.after_epoch(model, {"epoch": 1, "val_acc": 0.5})
+    kept = kept_best(ctx, model, job)
+    kept.after_epoch(ended([{"epoch": 1, "val_acc": 0.5}]))
     with torch.no_grad():
         model.weight += 1  # training goes on after the copy
     with BackgroundWriter() as writer:
@@ -237,42 +249,46 @@ def test_the_best_epoch_waits_in_memory_for_the_next_checkpoint(tmp_path):
     assert torch.allclose(load_torch(str(tmp_path / "out" / "model.pt"), {})["weight"], model.weight - 1)
 
 
-def one_rank_state(job: TrainJob, trial: TrialLink | None = None) -> tuple[RankContext, TrainingState, Checkpointing]:
+def one_rank_state(trial: TrialLink | None = None) -> tuple[RankContext, TrainingState]:
     ctx = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo", device="cpu",
                       worker_address="local", master_addr="127.0.0.1", master_port=0, trial=trial)
     model = torch.nn.Linear(2, 2)
     state = TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.1), None,
                           torch.amp.GradScaler("cpu", enabled=False))
-    url = f"{job.output.url}/checkpoints/checkpoint.pt"
-    schedule = CheckpointSchedule.for_run(job.training, failures=0, history=[], every_epoch=trial is not None)
-    return ctx, state, Checkpointing(ctx, state, schedule, url, {}, {})
+    return ctx, state
+
+
+def checkpointing(ctx: RankContext, state: TrainingState, job: TrainJob, writer: BackgroundWriter,
+                  kept: BestWeights) -> Checkpointing:
+    schedule = CheckpointSchedule.for_run(job.training, failures=0, history=[], every_epoch=ctx.trial is not None)
+    return Checkpointing(ctx, state, schedule, RunFiles.of(job, {}), {}, writer, kept)
 
 
 @pytest.mark.unit
 def test_a_checkpoint_carries_the_best_epoch_that_model_pt_has_not_got_yet(tmp_path, monkeypatch):
     job = train_job(tmp_path / "images", tmp_path / "out", epochs=3, every="auto")
-    ctx, state, saves = one_rank_state(job)
-    kept = BestWeights(ctx, job, Selection(), {})
+    ctx, state = one_rank_state()
+    kept = kept_best(ctx, state.model, job)
     best_weight = state.model.weight.detach().clone()
     history = [{"epoch": 1, "val_acc": 0.9, "seconds": 1.0}]
-    kept.after_epoch(state.model, history[-1])  # the best epoch; auto mode saves it later
+    kept.after_epoch(ended(history))  # the best epoch; auto mode saves it later
     with torch.no_grad():
         state.model.weight += 1
     history.append({"epoch": 2, "val_acc": 0.1, "seconds": 1.0})
-    kept.after_epoch(state.model, history[-1])
+    kept.after_epoch(ended(history))
     # The process dies after the checkpoint is written and before model.pt is.
     monkeypatch.setattr(BestWeights, "_write", lambda self, epoch, weights: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(CheckpointWriteError, match=r"model.pt \(epoch 1\)"):
         with BackgroundWriter() as writer:
-            saves.save(history, writer, kept)
+            checkpointing(ctx, state, job, writer, kept).save(history)
     assert not (tmp_path / "out" / "model.pt").exists()
     monkeypatch.undo()
-    _, resumed_state, _ = one_rank_state(job)
-    resumed = resumed_state.resume(saves.url, {}, {}, 1, scale_lr=False)
+    _, resumed_state = one_rank_state()
+    resumed = resumed_state.resume(RunFiles.of(job, {}).checkpoint, {}, {}, 1, scale_lr=False)
     assert resumed.next_epoch == 2 and resumed.best is not None and resumed.best[0] == 1
-    again = BestWeights(ctx, job, Selection(), {})
+    again = kept_best(ctx, resumed_state.model, job)
     with BackgroundWriter() as writer:
-        again.after_resume(resumed_state.model, resumed)
+        again.after_resume(resumed)
         again.write_after_checkpoint(writer)
     assert json.loads((tmp_path / "out" / "model.json").read_text())["epoch"] == again.epoch == 1
     assert torch.equal(load_torch(str(tmp_path / "out" / "model.pt"), {})["weight"], best_weight)
@@ -281,16 +297,17 @@ def test_a_checkpoint_carries_the_best_epoch_that_model_pt_has_not_got_yet(tmp_p
 @pytest.mark.unit
 def test_a_trial_checkpoints_every_epoch_and_has_it_written_before_it_reports(tmp_path):
     job = train_job(tmp_path / "images", tmp_path / "out", epochs=3, every="auto")
-    ctx, state, saves = one_rank_state(job, trial=TrialLink("sweep-1", 0, "val_acc"))
-    kept = BestWeights(ctx, job, ctx.trial.selection, {})
+    ctx, state = one_rank_state(trial=TrialLink("sweep-1", 0, "val_acc"))
+    kept = kept_best(ctx, state.model, job)
     history: list[dict] = []
     with BackgroundWriter() as writer:
+        saves = checkpointing(ctx, state, job, writer, kept)
         for epoch in (1, 2):
             history.append({"epoch": epoch, "val_acc": 0.1 * epoch, "seconds": 1.0})
-            kept.after_epoch(state.model, history[-1])
-            saves.after_epoch(history, writer, kept, last=False)
+            kept.after_epoch(ended(history))
+            saves.after_epoch(ended(history))
             # What the study is told next exists in storage already.
-            assert load_torch(saves.url, {})["epoch"] == epoch - 1
+            assert load_torch(saves.files.checkpoint, {})["epoch"] == epoch - 1
             assert json.loads((tmp_path / "out" / "model.json").read_text())["epoch"] == epoch
 
 

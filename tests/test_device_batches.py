@@ -33,11 +33,8 @@ from prefect_ddp.tasks.data.device_batches import (
     encoded_collate,
     jpeg_orientation,
 )
-from prefect_ddp.tasks.training.recipe import (
-    autocast_dtype,
-    batch_inputs,
-    train_classifier,
-)
+from prefect_ddp.tasks.training.rank_setup import autocast_dtype, batch_inputs
+from prefect_ddp.tasks.training.recipe import train_classifier
 from tests.support.image_folders import local_image_folder
 from tests.test_training import CTX, local_job
 

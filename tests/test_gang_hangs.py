@@ -20,7 +20,7 @@ from prefect_ddp.deployments.sample_data import shapes_dataset
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.indexing import build_manifest
 from prefect_ddp.tasks.data.splitting import Split
-from prefect_ddp.tasks.training.recipe import TrainJob
+from prefect_ddp.tasks.training.job import TrainJob
 from tests.support.api_helpers import assert_no_task_run_left_running, rank_task_runs
 from tests.support.faulty_s3 import FaultyS3
 from tests.support.flow_runs import block_copy

@@ -9,7 +9,7 @@ from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.training.model import build_model
 from prefect_ddp.tasks.training.optimization import build_optimizer
-from prefect_ddp.tasks.training.recipe import evaluate, train_one_epoch
+from prefect_ddp.tasks.training.passes import evaluate, train_one_epoch
 from prefect_ddp.tasks.training.step_times import PARTS, StepClock
 
 

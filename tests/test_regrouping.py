@@ -18,7 +18,10 @@ from prefect_ddp.tasks.gang.plan import plan_ranks
 from prefect_ddp.tasks.selection import Selection
 from prefect_ddp.tasks.training.checkpoints import failures_seen
 from prefect_ddp.tasks.training import recipe
-from prefect_ddp.tasks.training.recipe import BestWeights, train_classifier
+from prefect_ddp.tasks.training.best_weights import BestWeights
+from prefect_ddp.tasks.training.boundary import EpochEnd
+from prefect_ddp.tasks.training.job import RunFiles
+from prefect_ddp.tasks.training.recipe import train_classifier
 from prefect_ddp.tasks.training.step_times import time_gradient_sync
 from prefect_ddp.tasks.training.regrouping import Position
 from tests.support.two_ranks import grow_as_rank
@@ -55,8 +58,8 @@ def test_every_rank_of_an_elastic_gang_keeps_the_unwritten_best_weights_and_rank
     for rank, elastic, keeps in [(1, True, True), (1, False, False), (0, False, True)]:
         ctx = RankContext(rank=rank, local_rank=rank, world_size=2, local_world_size=2, backend="gloo", device="cpu",
                           worker_address="local", master_addr="127.0.0.1", master_port=0, elastic=elastic)
-        kept = BestWeights(ctx, job, Selection(), {})
-        kept.after_epoch(model, {"epoch": 1, "val_acc": 0.5})
+        kept = BestWeights(ctx, model, RunFiles.of(job, {}), Selection())
+        kept.after_epoch(EpochEnd(0, [{"epoch": 1, "val_acc": 0.5}], last=False))
         assert (kept.unwritten(2) is not None) == keeps, (rank, elastic)
 
 

@@ -24,7 +24,7 @@ from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.gang import free_port
 from prefect_ddp.tasks.data.dataset import train_transform
 from prefect_ddp.tasks.training.decode_cost import DecodeCost, DecodeProbe, probe_decode
-from prefect_ddp.tasks.training.recipe import TrainJob
+from prefect_ddp.tasks.training.job import TrainJob
 from prefect_ddp.tasks.training import step_times
 from prefect_ddp.tasks.training.step_times import PARTS, StepClock, epoch_timing, input_advice
 from tests.support.faulty_s3 import FaultyS3

@@ -28,13 +28,10 @@ from prefect_ddp.tasks.training.optimization import (
     build_scheduler,
     warmup_epochs,
 )
-from prefect_ddp.tasks.training.recipe import (
-    TrainJob,
-    batch_inputs,
-    evaluate,
-    train_classifier,
-    train_one_epoch,
-)
+from prefect_ddp.tasks.training.job import TrainJob
+from prefect_ddp.tasks.training.passes import evaluate, train_one_epoch
+from prefect_ddp.tasks.training.rank_setup import batch_inputs
+from prefect_ddp.tasks.training.recipe import train_classifier
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from tests.support.image_folders import local_image_folder
 

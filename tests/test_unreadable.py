@@ -32,12 +32,9 @@ from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader
 from prefect_ddp.tasks.data.shard_writer import ShardFormat, write_shards
 from prefect_ddp.tasks.results.aggregation import check_stopped
 from prefect_ddp.tasks.results.report import unreadable_text
-from prefect_ddp.tasks.training.recipe import (
-    TrainJob,
-    evaluate,
-    train_classifier,
-    train_one_epoch,
-)
+from prefect_ddp.tasks.training.job import TrainJob
+from prefect_ddp.tasks.training.passes import evaluate, train_one_epoch
+from prefect_ddp.tasks.training.recipe import train_classifier
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit
 from tests.support.api_helpers import assert_no_task_run_left_running, rank_task_runs
 from tests.conftest import BUCKET, truncated_jpeg

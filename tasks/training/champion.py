@@ -70,6 +70,6 @@ def right_per_image(ctx: RankContext, folder: str, options: dict[str, Any], imag
                                                             images.training.batch_size), 1):
         hits = model(batch.to(device)).argmax(1).cpu() == labels
         right += [bool(hit) if label >= 0 else None for hit, label in zip(hits.tolist(), labels.tolist())]
-        ctx.progress("validation", step=done)  # a long pass is not a hang (recipe.validate)
+        ctx.progress("validation", step=done)  # a long pass is not a hang (tasks/training/epoch.py, validate)
         ctx.check_stop()
     return right

@@ -63,8 +63,7 @@ class CheckpointSchedule:
     def for_run(cls, cfg: TrainingConfig, failures: int, history: list[dict[str, Any]],
                 every_epoch: bool = False) -> CheckpointSchedule:
         """The schedule of `cfg` for a gang that has seen `failures` and trained the epochs of
-        `history`; `every_epoch` whatever `cfg` says (a sweep's trial: tasks/training/recipe.py,
-        Checkpointing)."""
+        `history`; `every_epoch` whatever `cfg` says (a sweep's trial: tasks/training/checkpointing.py)."""
         return cls(every_epoch=every_epoch or cfg.checkpoint_every == "epoch", mtbf_s=cfg.mtbf_h * 3600,
                    max_lost_s=cfg.max_lost_min * 60, failures=failures,
                    trained_s=sum(float(h.get("seconds", 0.0)) for h in history))

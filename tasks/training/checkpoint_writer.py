@@ -5,7 +5,7 @@ upload (δ in docs/scaling.md: about 2 s for ResNet-50 at 64 GPUs, 12 s for ViT-
 blocking part is `to_cpu`, a copy of the state into memory that the training cannot change
 any more; `BackgroundWriter` serialises and writes it in a thread of its own while training
 goes on. Writes run one at a time in the order they were given, so `model.pt` never lands
-before the checkpoint whose history names its epoch (tasks/training/recipe.py, BestWeights).
+before the checkpoint whose history names its epoch (tasks/training/best_weights.py).
 Each write is whole or absent (tasks/data/storage.py, `write_bytes`), so a write that fails
 or is cut off leaves the checkpoint before it intact. Once one fails, the writes queued after
 it are skipped, not run: a `model.pt` written after a failed checkpoint would name an epoch

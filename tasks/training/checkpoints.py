@@ -80,7 +80,7 @@ class TrainingState:
 
         `best`: the best epoch's weights (already a copy) when they are not this epoch's and
         model.pt may not hold them yet: a gang resumed from this checkpoint writes model.pt
-        from them (tasks/training/recipe.py, BestWeights).
+        from them (tasks/training/best_weights.py).
         """
         snapshot: dict[str, Any] = to_cpu({
             "model": self.model.state_dict(),

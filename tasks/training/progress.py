@@ -1,8 +1,9 @@
-"""Rank 0's live view of training in the Prefect UI (and MLflow), kept apart from the recipe.
+"""The boundary part that shows training: rank 0's live view in the Prefect UI (and MLflow).
 
-The recipe (tasks/training/recipe.py) calls `step`, `epoch_done` and `close`; everything
-about showing them (Prefect artifacts, each epoch's metrics in the run's MLflow run, a
-background publisher so a slow API never holds up a step) lives here.
+The loop calls it after every step and epoch through the boundary interface
+(tasks/training/boundary.py); everything about showing them (Prefect artifacts, each epoch's
+metrics in the run's MLflow run, a background publisher so a slow API never holds up a step)
+lives here.
 """
 
 from __future__ import annotations
@@ -24,17 +25,21 @@ from prefect_ddp.tasks.reporting import (
     ran_sync,
 )
 from prefect_ddp.tasks.tracking import TrackedRun, log_epoch
+from prefect_ddp.tasks.training.boundary import BoundaryPart, EpochEnd, StepEnd, Stop
+from prefect_ddp.tasks.training.step_times import live_text
 
 PROGRESS_INTERVAL_S = 5.0
 PROGRESS_CLOSE_TIMEOUT_S = 30.0
 
 
-class ProgressReporter:
+class ProgressReporter(BoundaryPart):
     """Rank 0's live view in the Prefect UI: a progress bar and a table of epochs so far; with
     `tracked`, each epoch's metrics in MLflow too (only rank 0 logs them).
 
     Updates go through a BackgroundPublisher: a slow or hanging API never holds up a step.
     """
+
+    name = "progress"
 
     def __init__(self, ctx: RankContext, epochs: int, log: Any, tracked: TrackedRun | None = None) -> None:
         # Outside a Prefect run (a unit test, a plain script) there is no run to attach to.
@@ -69,6 +74,15 @@ class ProgressReporter:
         """Say `detail` with the bar at `epochs_done` (a fraction within an epoch too): a change of
         the gang's size, as it happens."""
         self._set_progress(100.0 * epochs_done / self.epochs, detail)
+
+    def after_step(self, step: StepEnd) -> None:
+        """Move the bar, described by where rank 0's time went so far this epoch."""
+        self.step(step.epoch, step.step, step.steps,
+                  lambda: live_text(step.clock.totals(), step.images, step.seconds))
+
+    def after_epoch(self, end: EpochEnd) -> Stop | None:
+        self.epoch_done(end.history)
+        return None
 
     def step(self, epoch: int, done: int, total: int, describe: Callable[[], str]) -> None:
         """Within an epoch: move the bar, with `describe()` (where rank 0's time goes so far)

@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from prefect_ddp.tasks.gang import GangStopped, RankContext, all_reduce_sum, run_gang
 from prefect_ddp.tasks.gang.freed_memory import return_freed_memory
 from prefect_ddp.tasks.sweeps.settings import SweepSettings
-from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
+from prefect_ddp.tasks.training.job import TrainJob
+from prefect_ddp.tasks.training.recipe import train_classifier
 from prefect_ddp.tasks.sweeps.sweep import sweep
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from prefect_ddp.tasks.gang import GangRegroup, RankContext, process_group
-from prefect_ddp.tasks.training.recipe import TrainJob, train_classifier
+from prefect_ddp.tasks.training.job import TrainJob
+from prefect_ddp.tasks.training.recipe import train_classifier
 
 
 def train_as_rank(rank: int, port: int, jobs: dict[str, TrainJob], out: Path, fields: tuple[str, ...]) -> None:

@@ -1,0 +1,76 @@
+"""The boundary part that checkpoints: rank 0's checkpoints, taken when the schedule says.
+
+A checkpoint is the state a re-formed gang resumes from (tasks/training/checkpoints.py); it is
+copied to memory in the training thread and written by the formation's BackgroundWriter
+(tasks/training/checkpoint_writer.py), then model.pt's new best after it (tasks/training/best_weights.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect_ddp.tasks.data.storage import save_torch
+from prefect_ddp.tasks.gang import RankContext
+from prefect_ddp.tasks.training.best_weights import BestWeights
+from prefect_ddp.tasks.training.boundary import BoundaryPart, EpochEnd, Stop, TrainingEnd
+from prefect_ddp.tasks.training.checkpoint_interval import CheckpointSchedule
+from prefect_ddp.tasks.training.checkpoint_writer import BackgroundWriter
+from prefect_ddp.tasks.training.checkpoints import TrainingState
+from prefect_ddp.tasks.training.job import RunFiles
+
+
+class Checkpointing(BoundaryPart):
+    """Rank 0's checkpoints: taken when the schedule says, written in the background.
+
+    A sweep's trial checkpoints every epoch and waits for the write before the epoch is
+    reported to the study: Optuna keeps a reported value for good, so it must belong to
+    weights that a re-formed gang resumes from, never to an epoch lost with a rank. At the end
+    every rank waits for rank 0's last writes: the last checkpoint and model.pt exist once the
+    ranks return, and the champion's scoring reads model.pt.
+    """
+
+    name = "checkpoint"
+
+    def __init__(self, ctx: RankContext, state: TrainingState, schedule: CheckpointSchedule, files: RunFiles,
+                 fingerprint: dict[str, Any], writer: BackgroundWriter, kept: BestWeights) -> None:
+        self.ctx = ctx
+        self.state = state
+        self.schedule = schedule
+        self.files = files
+        self.fingerprint = fingerprint
+        self.writer = writer
+        self.kept = kept
+
+    def after_epoch(self, end: EpochEnd) -> Stop | None:
+        """On rank 0: raise a failed write, then checkpoint the epoch just recorded if it is due."""
+        if self.ctx.is_main:
+            self.writer.check()
+            if self.schedule.due(end.record["seconds"], end.last):
+                self.save(end.history)
+        return None
+
+    def after_training(self, end: TrainingEnd) -> None:
+        """Best weights taken over after the last epoch get their checkpoint first; then every rank
+        waits for rank 0's writes, in rounds that tell the supervisor it is alive (`wait_for_main`)."""
+        if self.ctx.is_main and self.kept.waiting() and end.completed:
+            self.save(end.history)
+        self.ctx.wait_for_main(self.writer.finished)
+        self.writer.wait()
+
+    def save(self, history: list[dict[str, Any]]) -> None:
+        """Checkpoint the epochs of `history`, then model.pt's new best after it; the schedule
+        learns the seconds training waited for the copy (δ)."""
+        started = time.monotonic()
+        writer = self.writer
+        writer.wait()  # the writes before: one snapshot in memory at a time, and a failed write raised here
+        self.ctx.check_lease()  # a rank whose gang no longer holds its worker copies nothing (the writer checks again)
+        epoch = history[-1]["epoch"]
+        snapshot = self.state.snapshot(epoch - 1, history, self.fingerprint, self.ctx.world_size,
+                                       best=self.kept.unwritten(epoch))
+        writer.submit(f"the checkpoint of epoch {epoch}", lambda: save_torch(
+            self.files.checkpoint, snapshot, self.files.options, on_part=lambda: self.ctx.progress("checkpoint", epoch=epoch)))
+        self.kept.write_after_checkpoint(writer)
+        if self.ctx.trial is not None:
+            writer.wait()
+        self.schedule.saved(time.monotonic() - started)

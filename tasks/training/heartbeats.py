@@ -1,0 +1,28 @@
+"""The boundary part that tells the gang's supervisor this rank is alive, and where.
+
+The supervisor takes a rank silent for longer than the hang limit for a hung one
+(docs/architecture.md, "Gang: progress"); a rank says where it is after every step and at
+every epoch's end, and leaves there if the gang is being stopped (`RankContext.check_stop`).
+First at every boundary, so that the parts after it may take their time: the checkpoint's
+write says how it gets on by itself (tasks/training/checkpointing.py).
+"""
+
+from __future__ import annotations
+
+from prefect_ddp.tasks.gang import RankContext
+from prefect_ddp.tasks.training.boundary import BoundaryPart, EpochEnd, StepEnd, Stop
+
+
+class Heartbeats(BoundaryPart):
+    name = "heartbeats"
+
+    def __init__(self, ctx: RankContext) -> None:
+        self.ctx = ctx
+
+    def after_step(self, step: StepEnd) -> None:
+        self.ctx.progress("step", epoch=step.epoch + 1, step=step.step)
+        self.ctx.check_stop()
+
+    def after_epoch(self, end: EpochEnd) -> Stop | None:
+        self.ctx.progress("checkpoint", epoch=end.record["epoch"])
+        return None

@@ -1,0 +1,107 @@
+"""One pass over a loader, as torchvision's reference `train.py` has them: `train_one_epoch`
+and `evaluate`, knowing batches and steps and nothing of the gang around them.
+
+An image that turns out unreadable when a loader reads it (gone, or not decoding) holds its
+place in its batch as a stand-in (tasks/data/dataset.py) that the loss and the counts mask
+out (`readable_loss`), and is counted against data.max_unreadable_fraction
+(tasks/training/unreadable.py). The loops do not care about world size: at world size 1 there
+is no process group and the wrappers do nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from prefect_ddp.tasks.data.device_batches import ToDevice
+from prefect_ddp.tasks.training.optimization import Warmup, keep_frozen_in_eval
+from prefect_ddp.tasks.training.pass_sums import PassSums
+from prefect_ddp.tasks.training.step_times import StepClock
+
+
+def readable_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy summed over the batch's readable images, and how many there are.
+
+    Stand-ins for unreadable images (negative labels, tasks/data/dataset.py) add nothing. They are
+    masked, not cut out of the batch: no device sync, and a batch with none readable keeps
+    its graph, so its zero loss still runs backward, and DDP's gradient all-reduce with it.
+    """
+    readable = labels >= 0
+    losses = nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+    return torch.where(readable, losses, 0).sum(), readable.sum()
+
+
+def train_one_epoch(
+    model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler, inputs: ToDevice, amp_dtype: torch.dtype | None,
+    on_step: Callable[[int, int], None] | None = None, clock: StepClock | None = None,
+    warmup: Warmup | None = None, frozen: Sequence[nn.Module] = (), sums: PassSums | None = None,
+    batches: Iterable[Any] | None = None,
+) -> PassSums:
+    """One pass over this rank's shard; returns the rank's local sums.
+
+    `inputs` puts each batch of images on the rank's device (decoding it there when the
+    loader hands over encoded images); `amp_dtype` None trains in full precision.
+    `on_step(done, total)` is called after every optimizer step, for progress reports.
+    `clock` is cut at each part of the step (tasks/training/step_times.py); the
+    final mark counts the wait that ends the pass, so its parts add up to the pass.
+    `warmup` scales each step's learning rate while it lasts; the BatchNorm layers in
+    `frozen` stay in eval mode (tasks/training/optimization.py). `sums`: where to
+    add the pass's sums (a new PassSums by default), for a caller that reads them mid-pass.
+    `batches`: the loader's batches for this pass where the caller began them (an epoch started
+    ahead, tasks/data/epoch_ahead.py); the loader's own otherwise.
+    The loss is the mean over the batch's readable images; a batch with none still steps,
+    with a zero loss: which batches hold readable images differs between ranks, and a rank
+    that skipped its step would leave the others waiting in DDP's all-reduce.
+    """
+    model.train()
+    keep_frozen_in_eval(frozen)
+    sums = sums if sums is not None else PassSums()
+    clock = clock or StepClock(inputs.device)
+    clock.start()
+    for step, (images, labels) in enumerate(loader if batches is None else batches, start=1):
+        images, labels = inputs(images, labels)
+        clock.mark("data")
+        with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(images)
+            loss_sum, readable = readable_loss(logits, labels)
+        clock.mark("forward")
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss_sum / readable.clamp(min=1)).backward()
+        clock.after_backward()
+        if warmup:
+            warmup.before_step(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        clock.mark("optimizer")
+        sums.add(loader, logits, labels, loss_sum, readable)
+        if on_step:
+            on_step(step, len(loader))
+        clock.mark("other")
+    clock.mark("data")  # the wait for the loader to say the pass is over
+    if warmup:
+        warmup.end_epoch(optimizer)
+    return sums
+
+
+@torch.inference_mode()
+def evaluate(model: nn.Module, loader: DataLoader, inputs: ToDevice,
+             on_batch: Callable[[int, int], None] | None = None) -> PassSums:
+    """This rank's shard of the val set, in full precision; returns the rank's local sums.
+
+    `on_batch(done, total)` is called after every batch, for progress reports: a pass over
+    a large validation set lasts far longer than a rank may be silent (tasks/training/epoch.py, `validate`).
+    """
+    model.eval()
+    sums = PassSums()
+    for done, (images, labels) in enumerate(loader, start=1):
+        images, labels = inputs(images, labels)
+        logits = model(images)
+        sums.add(loader, logits, labels, *readable_loss(logits, labels))
+        if on_batch:
+            on_batch(done, len(loader))
+    return sums

@@ -1,0 +1,136 @@
+"""A rank set up to train: the model (warm-started if asked) on its device, its optimizer,
+schedule and loaders, and how batches reach the device.
+
+The loaders are tasks/data/loaders.py's; the optimiser, its schedule and the normalisation
+layers tasks/training/optimization.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.dataset import eval_transform, train_transform
+from prefect_ddp.tasks.data.device_batches import ToDevice
+from prefect_ddp.tasks.data.loaders import RankData, rank_data
+from prefect_ddp.tasks.gang import RankContext
+from prefect_ddp.tasks.training.checkpoints import TrainingState
+from prefect_ddp.tasks.training.decode_cost import PROBE_IMAGES, DecodeProbe
+from prefect_ddp.tasks.training.job import TrainJob
+from prefect_ddp.tasks.training.model import build_model, download_weights, load_warm_start
+from prefect_ddp.tasks.training.optimization import (
+    EffectiveRecipe,
+    Warmup,
+    build_optimizer,
+    build_scheduler,
+    frozen_batchnorm,
+    frozen_random_backbone,
+    scales_lr,
+    sync_batchnorm,
+    warmup_epochs,
+)
+from prefect_ddp.tasks.training.step_times import StepClock, input_advice
+
+
+def autocast_dtype(cfg: TrainingConfig, device: torch.device, log: Any) -> torch.dtype | None:
+    """The autocast type, or None for full precision (amp off, or a rank without CUDA)."""
+    if not cfg.amp or device.type != "cuda":
+        return None
+    if cfg.amp_dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        log.warning("training.amp_dtype=bfloat16, but %s has no bfloat16 support (it needs Ampere or "
+                    "newer): using float16 with loss scaling instead.", torch.cuda.get_device_name(device))
+        return torch.float16
+    return getattr(torch, cfg.amp_dtype)
+
+
+def batch_inputs(cfg: TrainingConfig, device: torch.device) -> tuple[ToDevice, ToDevice]:
+    """How train and val batches reach the device: copied as decoded, or decoded and transformed there."""
+    channels_last = cfg.channels_last and device.type == "cuda"
+    on_device = cfg.decode_on == "device"
+    return (ToDevice(device, channels_last, train_transform(cfg.image_size) if on_device else None),
+            ToDevice(device, channels_last, eval_transform(cfg.image_size) if on_device else None))
+
+
+@dataclass
+class RankSetup:
+    """A rank's recipe, set up: what a checkpoint holds, the data, and how batches reach the device."""
+
+    state: TrainingState  # its model is the unwrapped one: checkpoints, model.pt and validation use it
+    data: RankData  # its loaders, the images read outside them and the storage options, from one call
+    train_inputs: ToDevice
+    val_inputs: ToDevice
+    amp_dtype: torch.dtype | None
+    clock: StepClock
+    input_advice: str  # what would feed this run's ranks faster, for an input-bound verdict
+    decode_cost: DecodeProbe | None  # rank 0's: what decoding the run's images costs, for the verdict
+    batch_size: int
+    warmup: Warmup
+    frozen: list[nn.Module]  # BatchNorm layers kept in eval mode
+    recipe: EffectiveRecipe
+
+    @property
+    def device(self) -> torch.device:
+        return self.train_inputs.device
+
+
+def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
+    """The model (warm-started if asked) on the rank's device, its optimizer, schedule and loaders."""
+    device = torch.device(ctx.device)
+    amp_dtype = autocast_dtype(job.training, device, log)
+    train_inputs, val_inputs = batch_inputs(job.training, device)
+    # A download says how it gets on, so its time does not count against the start's allowance.
+    download_weights(job.model, partial(ctx.progress, "download"))
+    ctx.progress("data")
+    data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training)
+    log.log(logging.INFO if ctx.is_main else logging.DEBUG, "Loader processes per loader of rank %d: %d (%s).",
+            ctx.rank, data.loader_workers.workers, data.loader_workers.why)
+    model = build_model(job.model, len(job.manifest.classes), data.source_options)
+    if job.warm_start:
+        load_warm_start(model, job.warm_start)
+    if (reason := frozen_random_backbone(job.model, job.warm_start is not None)) and ctx.is_main:
+        log.warning(reason)
+    synced = job.training.sync_batchnorm and sync_batchnorm(model, device, ctx.world_size, log)
+    # Module.to's documented forms take a device or a memory_format, not both in one call.
+    model = model.to(device).to(memory_format=train_inputs.memory_format)
+    optimizer = build_optimizer(model, job.training, ctx.world_size)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler)
+    advice = input_advice(job.training, from_object_store="://" in job.manifest.root,
+                          loader_processes=data.loader_workers.workers)
+    warm_epochs = warmup_epochs(job.training, ctx.world_size)
+    scaled_by = ctx.world_size if scales_lr(job.training) else 1
+    warmup = Warmup(warm_epochs * len(data.train), start=1 / scaled_by if scaled_by > 1 else 0.0)
+    frozen = frozen_batchnorm(model)
+    recipe = EffectiveRecipe(
+        lr=optimizer.param_groups[0]["lr"], lr_scaled_by=scaled_by,
+        warmup_epochs=warm_epochs, weight_decay=job.training.weight_decay, frozen_batchnorm=len(frozen),
+        sync_batchnorm=synced)
+    return RankSetup(state, data, train_inputs, val_inputs, amp_dtype, StepClock(device), advice,
+                     decode_probe(ctx, job, data, log),
+                     job.training.batch_size, warmup, frozen, recipe)
+
+
+def decode_probe(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> DecodeProbe | None:
+    """Rank 0's measure of what decoding this run's training images costs, taken when an epoch is
+    input-bound (tasks/training/decode_cost.py); None on other ranks and where the run does
+    not decode originals on its CPUs (`RankData.decodes_originals`)."""
+    cfg = job.training
+    if not ctx.is_main or not data.decodes_originals:
+        return None
+    positions = job.split.train[:PROBE_IMAGES]
+
+    def fetch() -> list[bytes]:
+        try:
+            images = data.images.dataset(positions, None).fetch(range(len(positions)))
+        except OSError as exc:  # the loaders meet the storage's trouble and say so; the verdict goes without
+            log.debug("Could not fetch images to time their decoding: %s", exc)
+            return []
+        return [image for image in images if image]
+
+    return DecodeProbe(fetch, cfg.image_size, train_transform(cfg.image_size))
