@@ -159,6 +159,19 @@ def test_every_part_is_closed_even_when_one_fails_to_close():
     assert closed == ["last", "middle", "first"]
 
 
+def test_a_part_failing_to_close_does_not_hide_why_the_formation_failed(caplog):
+    class Failing(BoundaryPart):
+        name = "failing"
+
+        def close(self) -> None:
+            raise RuntimeError("could not close")
+
+    with pytest.raises(GangStopped, match="asked to stop"):
+        with Boundaries([Failing()]):
+            raise GangStopped("asked to stop")
+    assert "The failing part could not close while the rank was already failing" in caplog.text
+
+
 @dataclasses.dataclass(frozen=True)
 class ToldContext(RankContext):
     """A rank's context that writes down what it tells the supervisor and asks the sweep."""

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
+from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.training.pass_sums import PassSums
 from prefect_ddp.tasks.training.step_times import StepClock
 
@@ -95,13 +96,13 @@ class Boundaries:
     """The parts of one formation, called in their order; their seconds at the latest boundary.
 
     Use it as a context manager: leaving the block closes every part, in reverse order, each
-    also when one closed before it raised.
+    also when one closed before it raised. The first part that failed to close is raised, unless
+    the block itself is raising: then it is logged, and the block's own error is the one seen.
     """
 
     def __init__(self, parts: Sequence[BoundaryPart]) -> None:
         self.parts = list(parts)
         self.seconds: dict[str, float] = {}  # each part's seconds at the latest epoch boundary or end
-        self._closing = ExitStack()
 
     def after_step(self, step: StepEnd) -> None:
         for part in self.parts:
@@ -130,9 +131,18 @@ class Boundaries:
         return sum(self.seconds.get(name, 0.0) for name in names)
 
     def __enter__(self) -> Boundaries:
-        for part in self.parts:
-            self._closing.callback(part.close)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._closing.close()
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        failures: list[Exception] = []
+        for part in reversed(self.parts):
+            try:
+                part.close()
+            except Exception as failure:
+                failures.append(failure)
+                if kind is not None:
+                    run_logger().exception("The %s part could not close while the rank was already failing",
+                                           part.name)
+        if failures and kind is None:
+            raise failures[0]
