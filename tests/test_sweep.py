@@ -118,15 +118,17 @@ def test_trials_train_side_by_side_the_pruned_one_says_so_and_the_sweep_compares
 
 
 def test_a_sweep_run_again_under_its_name_trains_only_the_trials_left(images, dask_cluster, tmp_path):
+    # One epoch a trial: which trials train is decided per trial, not per epoch (no pruner here).
     settings = SweepSettings(name="resumed", n_trials=2, concurrency=2, sampler="grid", pruner="none",
                              metric="val_acc")
-    first = run_sweep(images, dask_cluster, tmp_path, settings, kind="grid")
+    first = run_sweep(images, dask_cluster, tmp_path, settings, kind="grid", epochs=1)
     assert len(first.result()["trials"]) == 2 and len(child_runs(first.state_details.flow_run_id)) == 2
     # The grid has two points: asking for 3 trials of it trains nothing more.
-    again = run_sweep(images, dask_cluster, tmp_path, settings.model_copy(update={"n_trials": 3}), kind="grid")
+    again = run_sweep(images, dask_cluster, tmp_path, settings.model_copy(update={"n_trials": 3}), kind="grid",
+                      epochs=1)
     assert len(again.result()["trials"]) == 2 and child_runs(again.state_details.flow_run_id) == {}
     more = run_sweep(images, dask_cluster, tmp_path,
-                     settings.model_copy(update={"n_trials": 3, "sampler": "random"}))
+                     settings.model_copy(update={"n_trials": 3, "sampler": "random"}), epochs=1)
     assert len(more.result()["trials"]) == 3 and list(child_runs(more.state_details.flow_run_id)) == ["trial-2"]
 
 
@@ -135,7 +137,8 @@ def test_trials_never_promote_and_the_sweep_promotes_its_best_trial_once_at_its_
     promoted on its own, all at once, into the one kept model."""
     settings = SweepSettings(name="promoting", n_trials=2, concurrency=2, sampler="grid", pruner="none",
                              metric="val_loss", direction="minimize", promote=True)
-    state = run_sweep(images, dask_cluster, tmp_path, settings, kind="grid", model_name="swept")
+    # One epoch a trial: the promotion happens once, at the sweep's end, however many epochs trained.
+    state = run_sweep(images, dask_cluster, tmp_path, settings, kind="grid", model_name="swept", epochs=1)
     record = state.result()
     for trial in record["trials"]:  # neither trial promoted, and each report says why
         report = (Path(trial["model_url"]).parent / "report.md").read_text()
