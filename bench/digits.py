@@ -67,11 +67,11 @@ def write_digits(root: Path, labels: range) -> None:
 
 def old_recipe() -> None:
     """The recipe as it was: one parameter group, all decayed; no BatchNorm kept in eval mode."""
-    import prefect_ddp.tasks.training.recipe as recipe
+    import prefect_ddp.tasks.training.rank_setup as rank_setup
 
     optimization.parameter_groups = lambda model, decay: [
         {"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": decay}]
-    recipe.frozen_batchnorm = optimization.frozen_batchnorm = lambda model: []
+    rank_setup.frozen_batchnorm = optimization.frozen_batchnorm = lambda model: []
 
 
 def rank(rank_: int, world_size: int, port: int, job: dict, setup: Callable[[], None] | None, results) -> None:

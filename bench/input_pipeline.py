@@ -52,7 +52,9 @@ from prefect_ddp.tasks.data.loaders import default_loader_workers
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.gang import RankContext
-from prefect_ddp.tasks.training import recipe
+from prefect_ddp.tasks.training import rank_setup
+from prefect_ddp.tasks.training.job import TrainJob
+from prefect_ddp.tasks.training.recipe import train_classifier
 from prefect_ddp.tasks.training.model import build_model
 from prefect_ddp.tasks.training.optimization import build_optimizer
 
@@ -189,7 +191,7 @@ def bare_rate(args: argparse.Namespace, manifest: Manifest, positions: list[int]
 def recipe_model(name: str) -> Iterator[None]:
     """The recipe builds ChannelMeans instead of its backbone where --model says so: only the input is left."""
     if name == CHEAP:
-        with mock.patch.object(recipe, "build_model", lambda config, classes, options=None: ChannelMeans(classes)):
+        with mock.patch.object(rank_setup, "build_model", lambda config, classes, options=None: ChannelMeans(classes)):
             yield
     else:
         yield
@@ -199,7 +201,7 @@ def flow_rate(args: argparse.Namespace, manifest: Manifest, endpoint: str, outpu
               epochs: int) -> float:
     """Images/s of the recipe's training passes, epochs 2.. of `epochs`, from its own epoch records."""
     source = DataLocation(url=manifest.root, endpoint_url=endpoint, region_name=MOTO_REGION, **MOTO_CREDENTIALS)
-    job = recipe.TrainJob(
+    job = TrainJob(
         source=source, output=DataLocation(url=str(output)), manifest=manifest,
         split=stratified_split(manifest, VAL_FRACTION, 0),
         model=ModelConfig(backbone="resnet18" if args.model == CHEAP else args.model, weights=None),
@@ -210,7 +212,7 @@ def flow_rate(args: argparse.Namespace, manifest: Manifest, endpoint: str, outpu
     ctx = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo", device=device,
                       worker_address="local", master_addr="127.0.0.1", master_port=0)
     with recipe_model(args.model):
-        history = recipe.train_classifier(ctx, job).history
+        history = train_classifier(ctx, job).history
     later = history[1:]
     return sum(h["train_samples"] for h in later) / sum(h["train_samples"] / h["images_per_s"] for h in later)
 

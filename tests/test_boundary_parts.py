@@ -5,13 +5,15 @@ each without a process group; a part of the test's own added to the real recipe 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import threading
 from typing import Any
 
 import pytest
 import torch
 
-from prefect_ddp.tasks.gang import GangStopped, RankContext
+from prefect_ddp.tasks.gang import GangRegroup, GangStopped, RankContext, context, handover
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.training.boundary import (
     Boundaries,
@@ -25,6 +27,7 @@ from prefect_ddp.tasks.training.champion import Champion
 from prefect_ddp.tasks.training.heartbeats import Heartbeats
 from prefect_ddp.tasks.training.parts import RankTraining
 from prefect_ddp.tasks.training.pass_sums import PassSums
+from prefect_ddp.tasks.training import progress
 from prefect_ddp.tasks.training.pruning import Pruning
 from prefect_ddp.tasks.training.recipe import train_classifier
 from prefect_ddp.tasks.training.step_times import StepClock
@@ -38,16 +41,17 @@ class Recorder(BoundaryPart):
 
     name = "recorder"
 
-    def __init__(self, seen: list[tuple[str, Any]], stop_after: int | None = None) -> None:
+    def __init__(self, seen: list[tuple[str, Any]], stop_after: int | None = None, pruned: bool = False) -> None:
         self.seen = seen
         self.stop_after = stop_after
+        self.pruned = pruned
 
     def after_step(self, step: StepEnd) -> None:
         self.seen.append(("step", (step.epoch, step.step, step.steps, step.images)))
 
     def after_epoch(self, end: EpochEnd) -> Stop | None:
         self.seen.append(("epoch", (end.epoch, end.record["epoch"], len(end.history), end.last)))
-        return Stop("enough") if end.record["epoch"] == self.stop_after else None
+        return Stop("enough", pruned=self.pruned) if end.record["epoch"] == self.stop_after else None
 
     def after_training(self, end: TrainingEnd) -> None:
         self.seen.append(("training", ([row["epoch"] for row in end.history], end.completed)))
@@ -83,11 +87,16 @@ def test_a_part_of_the_test_s_own_sees_every_boundary_of_the_real_recipe(tmp_pat
     assert result.pruned_at is None and [row["epoch"] for row in result.history] == [1, 2]
 
 
-def test_a_part_that_says_stop_ends_the_run_after_that_epoch_keeping_it(tmp_path):
+@pytest.mark.parametrize("pruned", [False, True])
+def test_a_part_that_says_stop_ends_the_run_after_that_epoch_keeping_it(tmp_path, caplog, pruned):
     seen: list[tuple[str, Any]] = []
-    result = train_classifier(CTX, local_job(tmp_path, epochs=3), parts=[lambda training: Recorder(seen, 1)])
-    assert result.pruned_at == 1 and [row["epoch"] for row in result.history] == [1]
-    assert ("training", ([1], False)) in seen and seen[-1] == ("close", None)
+    with caplog.at_level("INFO"):
+        result = train_classifier(CTX, local_job(tmp_path, epochs=3),
+                                  parts=[lambda training: Recorder(seen, 1, pruned)])
+    assert [row["epoch"] for row in result.history] == [1]
+    assert result.pruned_at == (1 if pruned else None)  # only a sweep's prune keeps the run from promotion
+    assert ("training", ([1], not pruned)) in seen and seen[-1] == ("close", None)
+    assert "Stopped after epoch 1: enough" in caplog.text
     # The epoch it stopped after is the checkpoint's and model.pt's: kept, not lost with the stop.
     assert torch.load(tmp_path / "run" / "checkpoints" / "checkpoint.pt", weights_only=True)["epoch"] == 0
     assert json.loads((tmp_path / "run" / "model.json").read_text())["epoch"] == 1
@@ -98,7 +107,7 @@ def test_a_factory_may_leave_its_part_out_of_a_run(tmp_path):
     assert [row["epoch"] for row in result.history] == [1]
 
 
-def test_the_champion_is_scored_beside_the_run_s_best_epoch_unless_a_part_stopped_the_run(tmp_path):
+def test_the_champion_is_scored_beside_the_run_s_best_epoch_unless_a_sweep_pruned_the_run(tmp_path):
     kept = tmp_path / "kept"
     train_classifier(CTX, local_job(kept, epochs=1))
 
@@ -112,9 +121,12 @@ def test_the_champion_is_scored_beside_the_run_s_best_epoch_unless_a_part_stoppe
     scored = train_classifier(CTX, job)
     assert scored.comparison is not None and scored.comparison["images"] == len(job.split.val)
     assert scored.comparison["challenger_epoch"] == scored.best_epoch
-    stopped = train_classifier(CTX, against_kept(tmp_path / "stopped", epochs=3),
-                               parts=[lambda training: Recorder([], stop_after=1)])
-    assert stopped.pruned_at == 1 and stopped.comparison is None
+    early = train_classifier(CTX, against_kept(tmp_path / "early", epochs=3),
+                             parts=[lambda training: Recorder([], stop_after=1)])
+    assert early.comparison is not None and early.comparison["challenger_epoch"] == early.best_epoch == 1
+    pruned = train_classifier(CTX, against_kept(tmp_path / "pruned", epochs=3),
+                              parts=[lambda training: Recorder([], stop_after=1, pruned=True)])
+    assert pruned.pruned_at == 1 and pruned.comparison is None
 
 
 def test_parts_are_called_in_order_and_a_stop_ends_the_boundary():
@@ -135,7 +147,6 @@ def test_parts_are_called_in_order_and_a_stop_ends_the_boundary():
     with Boundaries([Named("first"), Named("stops", stop=True), Named("after")]) as boundary:
         boundary.after_step(step_end())
         assert boundary.after_epoch(epoch_end()) == Stop("stops")
-        assert set(boundary.seconds) == {"first", "stops"}  # the part after the stop was not called
     assert [entry for entry in seen if entry[0] != "step"] == [
         ("epoch", "first"), ("epoch", "stops"), ("close", "after"), ("close", "stops"), ("close", "first")]
     assert [hook for hook, _ in seen].count("step") == 3  # every part sees every step
@@ -211,5 +222,50 @@ def test_pruning_reports_every_epoch_and_stops_the_run_the_sweep_prunes():
     ctx = told_context(prune_at=2)
     part = Pruning(ctx)
     assert part.after_epoch(epoch_end(epoch=0)) is None
-    assert part.after_epoch(epoch_end(epoch=1)) == Stop("pruned by the sweep after epoch 2")
+    assert part.after_epoch(epoch_end(epoch=1)) == Stop("pruned by the sweep", pruned=True)
     assert ctx.told == [("report", 1, 0.5), ("report", 2, 0.5)]
+
+
+def test_a_caller_s_part_sees_the_epoch_boundary_where_an_elastic_gang_grows(tmp_path, monkeypatch):
+    """The grow checks may leave the formation at a boundary: the caller's parts come before them."""
+    seen: list[tuple[str, Any]] = []
+    ctx = dataclasses.replace(CTX, gang_id="grows-after-epoch-1", stop_flag="flag", max_world_size=2, elastic=True)
+    asks = itertools.count(1)
+    monkeypatch.setattr(context, "stop_requested", lambda flag: False)
+    # regroup_every_steps (50) is past an epoch's steps here: the first ask is at the end of epoch 1.
+    monkeypatch.setattr(context, "grow_requested", lambda flag: next(asks) == 1)
+    try:
+        with pytest.raises(GangRegroup):
+            train_classifier(ctx, local_job(tmp_path, epochs=3), parts=[lambda training: Recorder(seen)])
+    finally:
+        handover.drop_parked()
+    assert [what for hook, what in seen if hook == "epoch"] == [(0, 1, 1, False)]
+
+
+def test_a_factory_that_fails_leaves_no_part_holding_a_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr(progress, "in_prefect_run", lambda: True)  # rank 0's bar starts its publisher thread
+    monkeypatch.setattr(progress.ProgressReporter, "_publish_progress", lambda self, percent, description: None)
+
+    def publishers() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate() if thread.name == "prefect-ddp-publisher"]
+
+    before = publishers()
+
+    def broken(training: RankTraining) -> BoundaryPart:
+        raise RuntimeError("the caller's part could not be made")
+
+    with pytest.raises(RuntimeError, match="could not be made"):
+        train_classifier(CTX, local_job(tmp_path, epochs=1), parts=[broken])
+    assert publishers() == before
+
+
+def test_a_boundary_s_seconds_are_counted_by_part_whatever_a_caller_names_its_part():
+    """checkpoint_s adds up the writing parts' seconds by kind, not by name: a caller's part named
+    "checkpoint" is not counted as the checkpoint's."""
+    class Named(BoundaryPart):
+        name = "checkpoint"  # the name of a part of the project's own
+
+    boundary = Boundaries([Named(), Recorder([]), Recorder([])])
+    boundary.after_epoch(epoch_end())
+    boundary.seconds = [5.0, 1.0, 2.0]  # as the boundary measured them
+    assert boundary.spent((Recorder,)) == 3.0

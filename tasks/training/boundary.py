@@ -6,12 +6,13 @@ showing progress, a sweep's pruning, an elastic gang growing) is a `BoundaryPart
 module of its own, that the loop calls through `Boundaries` at three kinds of boundary:
 after every optimizer step, after every epoch is recorded, and once the epochs are over.
 The parts and their order are listed in one place, tasks/training/parts.py, and in
-docs/architecture.md ("Life of a run"); a caller of `train_classifier` may add its own.
+docs/architecture.md ("Training: a rank's life"); a caller of `train_classifier` may add its own.
 
 A part is called on every rank, in the gang's order, so a part that asks the gang a question
 (a collective) asks it at the same boundary on every rank. A part that ends the run early
 returns a `Stop` from `after_epoch`: the epoch just recorded is kept, the parts after it in
-the order are not called at that boundary, and the loop trains no further epoch.
+the order are not called at that boundary, and the loop trains no further epoch. Every rank
+must say Stop at the same boundary, or none: decide it from the gang's record, or ask the gang.
 """
 
 from __future__ import annotations
@@ -63,15 +64,21 @@ class TrainingEnd:
 
 @dataclass(frozen=True)
 class Stop:
-    """A part's word that the run trains no further epoch; `why` is said in the rank's log."""
+    """A part's word that the run trains no further epoch; `why` is said in the rank's log.
+
+    `pruned`: a sweep's pruner stopped it, so nothing of the run is kept for promotion and no
+    champion is scored (RankResult.pruned_at). Otherwise the run ends as if its last epoch
+    was this one (an early stop): its best epoch is kept and compared as any run's.
+    """
 
     why: str
+    pruned: bool = False
 
 
 class BoundaryPart:
     """What the loop calls between steps and epochs; each hook does nothing unless a part says so.
 
-    `name` labels the part's seconds at each boundary (`Boundaries.seconds`). Hooks run in the
+    `name` names the part in the rank's log. Hooks run in the
     training thread, so a hook that takes long holds the gang up: write in the background, as
     tasks/training/checkpoint_writer.py does.
     """
@@ -93,7 +100,7 @@ class BoundaryPart:
 
 
 class Boundaries:
-    """The parts of one formation, called in their order; their seconds at the latest boundary.
+    """The parts of one formation, called in their order; each one's seconds at the latest boundary.
 
     Use it as a context manager: leaving the block closes every part, in reverse order, each
     also when one closed before it raised. The first part that failed to close is raised, unless
@@ -102,7 +109,7 @@ class Boundaries:
 
     def __init__(self, parts: Sequence[BoundaryPart]) -> None:
         self.parts = list(parts)
-        self.seconds: dict[str, float] = {}  # each part's seconds at the latest epoch boundary or end
+        self.seconds = [0.0] * len(self.parts)  # each part's at the latest epoch boundary or end, in order
 
     def after_step(self, step: StepEnd) -> None:
         for part in self.parts:
@@ -110,25 +117,25 @@ class Boundaries:
 
     def after_epoch(self, end: EpochEnd) -> Stop | None:
         """Every part's `after_epoch` until one says Stop."""
-        self.seconds = {}
-        for part in self.parts:
+        self.seconds = [0.0] * len(self.parts)
+        for index, part in enumerate(self.parts):
             started = time.monotonic()
             stop = part.after_epoch(end)
-            self.seconds[part.name] = time.monotonic() - started
+            self.seconds[index] = time.monotonic() - started
             if stop:
                 return stop
         return None
 
     def after_training(self, end: TrainingEnd) -> None:
-        self.seconds = {}
-        for part in self.parts:
+        self.seconds = [0.0] * len(self.parts)
+        for index, part in enumerate(self.parts):
             started = time.monotonic()
             part.after_training(end)
-            self.seconds[part.name] = time.monotonic() - started
+            self.seconds[index] = time.monotonic() - started
 
-    def spent(self, names: Sequence[str]) -> float:
-        """The seconds the parts named spent at the latest boundary."""
-        return sum(self.seconds.get(name, 0.0) for name in names)
+    def spent(self, kinds: tuple[type[BoundaryPart], ...]) -> float:
+        """The seconds the parts of `kinds` spent at the latest boundary."""
+        return sum(seconds for part, seconds in zip(self.parts, self.seconds) if isinstance(part, kinds))
 
     def __enter__(self) -> Boundaries:
         return self

@@ -18,7 +18,6 @@ from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.selection import Selection
 from prefect_ddp.tasks.training.best_weights import BestWeights
 from prefect_ddp.tasks.training.checkpoint_interval import CheckpointSchedule
-from prefect_ddp.tasks.training.checkpoint_writer import BackgroundWriter
 from prefect_ddp.tasks.training.checkpoints import failures_seen, job_fingerprint, record_attempt
 from prefect_ddp.tasks.training.job import RunFiles, TrainJob
 from prefect_ddp.tasks.training.leaving import Leaving
@@ -41,9 +40,8 @@ class Formation:
     comparison: dict[str, Any] | None = None  # the champion's scores beside the run's, once training completed
 
 
-def take_up(ctx: RankContext, job: TrainJob, rank: RankSetup, writer: BackgroundWriter) -> Formation:
-    """The run's state as the last formation left it, on this rank; best weights model.pt may
-    lack handed to `writer`, unless taken over in memory: those wait for a checkpoint to hold them."""
+def take_up(ctx: RankContext, job: TrainJob, rank: RankSetup) -> Formation:
+    """The run's state as the last formation left it, on this rank."""
     files = RunFiles.of(job, rank.data.output_options)
     fingerprint = job_fingerprint(job.manifest.classes, job.split.digest(job.manifest), job.model, job.training)
     kept = BestWeights(ctx, rank.state.model, files, ctx.trial.selection if ctx.trial else Selection())
@@ -51,8 +49,6 @@ def take_up(ctx: RankContext, job: TrainJob, rank: RankSetup, writer: Background
     resumed = rank.state.resume(files.checkpoint, files.options, fingerprint, ctx.world_size,
                                 scales_lr(job.training), rank.device, handed=handed.data if handed else None)
     kept.after_resume(resumed)
-    if not handed:
-        kept.write_after_checkpoint(writer)
     carried = EpochSoFar.from_dict(resumed.trained) if resumed.trained else None
     position = Position(resumed.next_epoch, start=resumed.position, carried=carried)
     # A resumed run's warmup is behind it, as far as it got.

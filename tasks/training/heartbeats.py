@@ -2,7 +2,8 @@
 
 The supervisor takes a rank silent for longer than the hang limit for a hung one
 (docs/architecture.md, "Gang: progress"); a rank says where it is after every step and at
-every epoch's end, and leaves there if the gang is being stopped (`RankContext.check_stop`).
+every epoch's end, and after every step leaves if the gang is being stopped
+(`RankContext.check_stop`; an epoch's end is reached only through its steps).
 First at every boundary, so that the parts after it may take their time: the checkpoint's
 write says how it gets on by itself (tasks/training/checkpointing.py).
 """

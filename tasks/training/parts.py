@@ -1,8 +1,9 @@
 """The boundary parts of a rank's training, in the order each boundary calls them: one table.
 
-docs/architecture.md ("Life of a run") tells the same order. Each part is a module of its own
-under tasks/training/; the interface they share is tasks/training/boundary.py. A caller of
-`train_classifier` adds parts of its own with `PartFactory`s: they come last.
+docs/architecture.md ("Training: a rank's life") tells the same order. Each part is a module of
+its own under tasks/training/; the interface they share is tasks/training/boundary.py. A caller
+of `train_classifier` adds parts of its own with `PartFactory`s: after the project's, but
+before the grow checks, which may leave the formation at a boundary.
 """
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ class RankTraining:
     writer: BackgroundWriter  # rank 0's writes, in order, off the training thread
 
 
-PartFactory = Callable[[RankTraining], BoundaryPart | None]  # None: the part has nothing to do in this run
+# Called once per formation on every rank; None: the part has nothing to do in this run.
+PartFactory = Callable[[RankTraining], BoundaryPart | None]
 
 
 def boundary_parts(training: RankTraining, extra: Sequence[PartFactory] = ()) -> list[BoundaryPart]:
-    """The parts, in the order each boundary calls them; `extra` after the project's own."""
+    """The parts, in the order each boundary calls them: the caller's (`extra`) after the
+    project's own, before the grow checks. The caller's are made first, so that one that cannot be
+    made fails before any part holds a thread."""
     ctx, job, formation = training.ctx, training.job, training.formation
+    callers = [make(training) for make in extra]
     progress = progress_bar(training)
     parts = [
         Heartbeats(ctx),  # first: the parts after it may take their time
@@ -53,8 +58,8 @@ def boundary_parts(training: RankTraining, extra: Sequence[PartFactory] = ()) ->
         ChampionScoring(ctx, job.champion, training.rank, formation) if job.champion else None,
         progress,
         Pruning(ctx),  # after the checkpoint: a trial's epoch is written before the study hears of it
+        *callers,
         GrowChecks.of(ctx, job.training, formation.leaving, progress, training.writer),  # it may leave: last
-        *(make(training) for make in extra),
     ]
     return [part for part in parts if part is not None]
 

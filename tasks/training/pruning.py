@@ -8,10 +8,7 @@ Outside a sweep it reports nothing.
 
 from __future__ import annotations
 
-import logging
-
 from prefect_ddp.tasks.gang import RankContext
-from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.training.boundary import BoundaryPart, EpochEnd, Stop
 
 
@@ -22,8 +19,6 @@ class Pruning(BoundaryPart):
         self.ctx = ctx
 
     def after_epoch(self, end: EpochEnd) -> Stop | None:
-        epoch = end.record["epoch"]
-        if not self.ctx.report(epoch, end.record):
+        if not self.ctx.report(end.record["epoch"], end.record):
             return None
-        run_logger().log(logging.INFO if self.ctx.is_main else logging.DEBUG, "Pruned by the sweep after epoch %d", epoch)
-        return Stop(f"pruned by the sweep after epoch {epoch}")
+        return Stop("pruned by the sweep", pruned=True)

@@ -40,7 +40,7 @@ from prefect_ddp.tasks.training.step_times import time_gradient_sync
 from prefect_ddp.tasks.training.unreadable import UnreadableTally
 
 # The parts whose seconds are training's wait for rank 0's copies to memory and writes.
-WRITING_PARTS = (BestWeights.name, Checkpointing.name)
+WRITING_PARTS = (BestWeights, Checkpointing)
 
 
 def train_classifier(ctx: RankContext, job: TrainJob, parts: Sequence[PartFactory] = ()) -> RankResult:
@@ -48,20 +48,21 @@ def train_classifier(ctx: RankContext, job: TrainJob, parts: Sequence[PartFactor
 
     Every rank stops early together when a part says so (a sweep's pruner), or when too many
     images turn out unreadable (tasks/training/unreadable.py): it then returns why, for the flow
-    to fail with. `parts`: boundary parts of the caller's own, called after the project's
-    (tasks/training/parts.py), e.g. `run_gang(partial(train_classifier, parts=[MyPart]), job)`.
+    to fail with. `parts`: factories of boundary parts of the caller's own, each called with the
+    rank's `RankTraining` (tasks/training/parts.py), e.g. `run_gang(partial(train_classifier,
+    parts=[MyPart]), job)` with a `MyPart(BoundaryPart)` whose `__init__` takes a RankTraining.
     """
     rank = set_up_rank(ctx, job, run_logger())
-    # Right before each write, in the writing thread: a rank whose gang lost its worker writes nothing more.
-    with BackgroundWriter(before_write=ctx.check_lease if ctx.is_main else lambda: None) as writer:
-        formation = take_up(ctx, job, rank, writer)
-        try:
+    formation = take_up(ctx, job, rank)
+    try:
+        # Right before each write, in the writing thread: a rank whose gang lost its worker writes nothing more.
+        with BackgroundWriter(before_write=ctx.check_lease if ctx.is_main else lambda: None) as writer:
             return train_formation(ctx, job, rank, formation, writer, parts)
-        except GangRegroup:
-            raise
-        except BaseException:  # an elastic gang's rank parks its state for the next formation
-            formation.leaving.after_failure()
-            raise
+    except GangRegroup:
+        raise
+    except BaseException:  # an elastic gang's rank parks its state for the next formation, its writes over
+        formation.leaving.after_failure()
+        raise
 
 
 def train_formation(ctx: RankContext, job: TrainJob, rank: RankSetup, formation: Formation,
@@ -72,6 +73,8 @@ def train_formation(ctx: RankContext, job: TrainJob, rank: RankSetup, formation:
     unreadable = UnreadableTally(job.unreadable, job.manifest, rank.device, announce=ctx.is_main)
     unreadable.after_resume(formation.history)
     training = RankTraining(ctx, job, rank, formation, begin(ctx, job, formation), writer)
+    if not formation.handed:  # a resumed best epoch model.pt may lack; one handed over waits for a checkpoint
+        formation.kept.write_after_checkpoint(writer)
     with Boundaries(boundary_parts(training, parts)) as boundary:
         try:
             trained = train_epochs(training, ddp_model, unreadable, boundary)
@@ -108,7 +111,7 @@ class Trained:
     # The seconds training waited for rank 0's copies to memory and writes, outside the record
     # (which the checkpoint holds).
     checkpoint_s: list[float] = field(default_factory=list)
-    pruned_at: int | None = None  # the epoch after which a part stopped the run
+    pruned_at: int | None = None  # the epoch after which a sweep's pruner stopped the run
     stopped: str | None = None  # why too many unreadable images stopped it, keeping nothing of that epoch
 
     @property
@@ -139,6 +142,7 @@ def train_epochs(training: RankTraining, ddp_model: nn.Module, unreadable: Unrea
         stop = boundary.after_epoch(EpochEnd(epoch, history, last=epoch == epochs - 1))
         trained.checkpoint_s.append(round(boundary.spent(WRITING_PARTS), 3))  # rank 0's; the others write none
         if stop:
-            trained.pruned_at = record["epoch"]
+            log.log(level, "Stopped after epoch %d: %s", record["epoch"], stop.why)
+            trained.pruned_at = record["epoch"] if stop.pruned else None
             break
     return trained

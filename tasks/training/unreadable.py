@@ -3,7 +3,7 @@
 decode-check leaves out what it finds before any rank starts (prefect_ddp.tasks.data.validation). An image
 it did not check (`data.validate_sample`), or one deleted or rewritten since, can still
 fail when a loader reads it: the loaders leave it out of its batch (prefect_ddp.tasks.data.dataset) and
-the training loop collects its key (prefect_ddp.tasks.training.recipe). This module keeps the count.
+the training loop collects its key (tasks/training/epoch.py). This module keeps the count.
 
 - After every epoch the ranks pool the keys they met (`all_gather_strings`): every rank
   holds the same set, so all decide alike at the same epoch boundary.
