@@ -20,7 +20,9 @@ import os
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,7 @@ from prefect_ddp.deployments.local_services import (
     prefect_server,
 )
 from prefect_ddp.deployments.sample_data import shapes_dataset
+from tests.support.cluster_leftovers import SharedCluster
 from tests.support.faulty_s3 import FaultyS3, faulty_s3
 
 BUCKET = "test-images"
@@ -121,8 +124,9 @@ def image_location(s3_endpoint: str, s3_fs: s3fs.S3FileSystem) -> DataLocation:
 
 
 CLUSTER_WORKERS = 2
-# The session's cluster, once started: each test that uses it waits for all its workers first.
-SESSION_CLUSTER: list = []
+# The session's cluster, once started: each test that uses it waits for all its workers first,
+# and what it leaves there is freed before the next test takes it (pytest_runtest_protocol).
+SESSION_CLUSTER: list[SharedCluster] = []
 
 
 @pytest.fixture(scope="session")
@@ -131,9 +135,9 @@ def dask_cluster(prefect_api: str):
     from prefect_ddp.blocks.cluster import create_local_cluster
 
     cluster = create_local_cluster(n_workers=CLUSTER_WORKERS)
-    SESSION_CLUSTER.append(cluster)
+    SESSION_CLUSTER.append(SharedCluster(cluster, CLUSTER_WORKERS))
     yield cluster
-    SESSION_CLUSTER.clear()
+    SESSION_CLUSTER.pop().close()
     cluster.close()
 
 
@@ -286,7 +290,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     fixtures = getattr(item, "fixturenames", ())
     if item.get_closest_marker("unit") is None:
         if "dask_cluster" in fixtures and SESSION_CLUSTER:
-            SESSION_CLUSTER[0].wait_for_workers(CLUSTER_WORKERS, timeout=120)
+            SESSION_CLUSTER[0].wait_for_workers()
         return
     services = sorted(SERVICE_FIXTURES.intersection(fixtures))
     if services:
@@ -315,3 +319,31 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem):
             guard.patch.undo()
             del item.stash[UNIT_GUARD]
 
+
+
+class ClusterLeftovers(UserWarning):
+    """A test left the session's cluster in use, and the harness freed it (the message says how)."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a test on the session's cluster, before the next takes it: free the cluster of what
+    the test left there (tests/support/cluster_leftovers.py), and say what, naming the test.
+
+    One failed test left a deployment run holding both workers, and every test after it waited
+    for them until its timeout (issue 47). A plain wrapper, registered after pytest-timeout's
+    (conftest files load after installed plugins): it runs outside the test's timeout, so the
+    test that used up its time still gets its cleanup, and inside pytest's warning capture
+    (a `tryfirst` wrapper), so the warning is recorded against this test.
+    """
+    started = datetime.now(timezone.utc)
+    outcome = yield
+    fixtures = getattr(item, "fixturenames", ())
+    if "dask_cluster" in fixtures and SESSION_CLUSTER:  # not after the session's last test: it is closed
+        try:
+            cleaned = SESSION_CLUSTER[0].free_after(item.nodeid, started, flow_runs="deployments" in fixtures)
+        except Exception as exc:  # raised from this hook it would end the whole session
+            cleaned = f"the harness could not check what {item.nodeid} left on the session's Dask cluster: {exc!r}"
+        if cleaned:
+            warnings.warn(ClusterLeftovers(cleaned), stacklevel=1)
+    return outcome
