@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
+import dask
 import pytest
 import s3fs
 from PIL import Image
@@ -58,6 +59,16 @@ QUICK_POLLING = {"PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_RUNNER_POLL_FREQU
 # state back from the server, without its result: a flow that trained ended Completed and
 # `state.result()` raised MissingResult. Clients of this session wait longer instead.
 PATIENT_CLIENT = {"PREFECT_API_REQUEST_TIMEOUT": "180"}
+# Dask's own monitors, at intervals for a 2-core machine that runs many clusters at once: an
+# idle 2-worker cluster took 3.8 s of CPU a minute at Dask's defaults (its event loops' 20 ms
+# ticks, the system monitor's 500 ms, each nanny's memory check every 100 ms) and 0.7 s with
+# these (docs/testing.md, "The session's shared services"). Set for the whole session, so
+# that every process it starts, flows and their clusters included, inherits them.
+QUIET_DASK = {"DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
+              "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "2s",
+              "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s"}
+os.environ.update(QUIET_DASK)
+dask.config.refresh()
 
 
 def truncated_jpeg() -> bytes:

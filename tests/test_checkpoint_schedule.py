@@ -36,6 +36,7 @@ from prefect_ddp.tasks.training.job import RunFiles, TrainJob
 from prefect_ddp.tasks.training.step_times import PARTS, EpochTiming
 from prefect_ddp.tasks.selection import Selection
 from tests.support.image_folders import local_image_folder
+from tests.support.rank_processes import start_ranks
 from tests.support.two_ranks import train_as_rank
 
 HOUR = 3600.0
@@ -314,8 +315,7 @@ def test_a_trial_checkpoints_every_epoch_and_has_it_written_before_it_reports(tm
 def test_auto_skips_the_epochs_its_interval_allows_and_model_pt_stays_within_the_checkpoint(tmp_path):
     jobs = {"auto": train_job(tmp_path / "images", tmp_path / "auto", epochs=4, every="auto"),
             "epoch": train_job(tmp_path / "images", tmp_path / "epoch", epochs=2, every="epoch")}
-    mp.start_processes(train_as_rank, args=(free_port(), jobs, tmp_path, ("checkpoints", "checkpoint_s", "best_epoch")),
-                       nprocs=2, start_method="spawn")
+    start_ranks(train_as_rank, (free_port(), jobs, tmp_path, ("checkpoints", "checkpoint_s", "best_epoch")), 2)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     # δ is measured at the first save; with M = 100,000 h the interval (minutes, whatever δ) outlasts
     # these epochs, also on a busy machine: the last saves.

@@ -23,6 +23,7 @@ from prefect_ddp.tasks.gang.process_group import (
     wrap_ddp,
 )
 from prefect_ddp.tasks.gang.worker_checks import probe_worker
+from tests.support.rank_processes import start_ranks
 
 ADDRESSES = ["tcp://10.0.0.1:4001", "tcp://10.0.0.1:4002", "tcp://10.0.0.2:4001"]
 
@@ -170,10 +171,8 @@ def sum_over_ipv6(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.skipif(not IPV6_LOOPBACK, reason="this machine has no IPv6 loopback (::1 not in /proc/net/if_inet6)")
 def test_two_gloo_ranks_meet_at_an_ipv6_master(tmp_path):
-    import torch.multiprocessing as mp
-
     out = tmp_path / "total"
-    mp.start_processes(sum_over_ipv6, args=(free_port(), str(out)), nprocs=2, start_method="spawn")
+    start_ranks(sum_over_ipv6, (free_port(), str(out)), 2)
     assert out.read_text() == "[3.0]"
 
 

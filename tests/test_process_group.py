@@ -7,13 +7,13 @@ process waited for keys no fresh peer writes (`process_group.forget_failed_joins
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 import socket
 from datetime import timedelta
 from typing import Any
 
 from prefect_ddp.tasks.gang.process_group import all_reduce_sum, process_group
+from tests.support.rank_processes import rank_context
 
 JOIN_TIMEOUT_S = 30  # a generous rendezvous for a busy machine; the old code waited it out and failed
 
@@ -45,7 +45,7 @@ def rank_after_a_failed_join(rank: int, lonely_port: int, port: int, results: An
 
 
 def test_a_process_whose_join_failed_joins_the_next_gang_with_a_fresh_peer():
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     lonely_port, port = free_port(), free_port()
     ranks = [context.Process(target=rank_after_a_failed_join, args=(rank, lonely_port, port, results))
@@ -82,7 +82,7 @@ def rank_slow_to_join(rank: int, port: int, results: Any) -> None:
 
 
 def test_no_rank_begins_its_work_before_every_rank_has_joined():
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     port = free_port()
     ranks = [context.Process(target=rank_slow_to_join, args=(rank, port, results)) for rank in range(2)]
@@ -130,7 +130,7 @@ def rank_waiting_for_a_long_write(rank: int, port: int, together: bool, results:
 def test_ranks_waiting_for_rank_0s_long_write_outlast_the_process_groups_timeout():
     """Issue 46: the ranks waited for rank 0's last write in one collective, so a write longer than
     the process group's timeout (gloo's 300 s by default) failed every peer after all of training."""
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     outcomes = {}
     for together in (False, True):
         results = context.Queue()

@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
 from prefect_ddp.tasks.gang import GangRegroup, GangStopped, RankContext, context, free_port, handover
@@ -24,6 +23,7 @@ from prefect_ddp.tasks.training.job import RunFiles
 from prefect_ddp.tasks.training.recipe import train_classifier
 from prefect_ddp.tasks.training.step_times import time_gradient_sync
 from prefect_ddp.tasks.training.regrouping import Position
+from tests.support.rank_processes import start_ranks
 from tests.support.two_ranks import grow_as_rank
 from tests.test_checkpoint_schedule import train_job
 
@@ -70,8 +70,7 @@ def test_the_recipe_grows_mid_epoch_at_its_step_boundary_and_the_larger_gang_tra
     train_size = len(job.split.train)
     at = 2 * 2 * 2  # told to grow at the first ask, after step 2 of epoch 1: 2 steps of 2 images on 2 ranks
     assert at + 2 * 2 < train_size  # mid-epoch: a step is left to take
-    mp.start_processes(grow_as_rank, args=((free_port(), free_port()), job, tmp_path, 1), nprocs=3,
-                       start_method="spawn")
+    start_ranks(grow_as_rank, ((free_port(), free_port()), job, tmp_path, 1), 3)
     ranks = [json.loads((tmp_path / f"grown{rank}.json").read_text()) for rank in range(3)]
     assert [r["regrouped"] for r in ranks] == [f"rank {rank} regroups at sample {at} of epoch 1" for rank in (0, 1)] + [""]
     attempts = ranks[0]["attempts"]

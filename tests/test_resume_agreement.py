@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from prefect_ddp.tasks.data.storage import save_torch
 from prefect_ddp.tasks.gang import free_port, process_group
 from prefect_ddp.tasks.training.checkpoints import CheckpointMismatch, TrainingState
+from tests.support.rank_processes import start_ranks
 
 FINGERPRINT = {"classes": ["a", "b"], "split_digest": "d", "model": {}, "recipe": {}}
 
@@ -55,7 +56,7 @@ def resume_as_rank(rank: int, tmp_path: Path, port: int) -> None:
 
 
 def resume_on_two_ranks(tmp_path: Path) -> list[dict]:
-    mp.start_processes(resume_as_rank, args=(tmp_path, free_port()), nprocs=2, start_method="spawn")
+    start_ranks(resume_as_rank, (tmp_path, free_port()), 2)
     return [json.loads((tmp_path / f"outcome{rank}.json").read_text()) for rank in (0, 1)]
 
 

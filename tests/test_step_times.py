@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
@@ -30,6 +29,7 @@ from prefect_ddp.tasks.training.step_times import PARTS, StepClock, epoch_timing
 from tests.support.faulty_s3 import FaultyS3
 from tests.support.flow_runs import block_copy
 from tests.support.image_folders import local_image_folder
+from tests.support.rank_processes import start_ranks
 from tests.support.two_ranks import train_as_rank
 
 CPU = torch.device("cpu")
@@ -148,7 +148,7 @@ def test_the_parts_add_up_to_the_training_pass_and_slow_reads_make_it_input_boun
     front.stall_gets(f"{prefix}/*", seconds=0.15)
     jobs = {"local": job(DataLocation(url=str(tmp_path / "images")), local, tmp_path / "local", epochs=2),
             "slow": job(via_front, remote, tmp_path / "slow", epochs=1)}
-    mp.start_processes(train_as_rank, args=(free_port(), jobs, tmp_path, ("history",)), nprocs=2, start_method="spawn")
+    start_ranks(train_as_rank, (free_port(), jobs, tmp_path, ("history",)), 2)
     histories = [{name: r["history"] for name, r in json.loads((tmp_path / f"rank{rank}.json").read_text()).items()}
                  for rank in (0, 1)]
 

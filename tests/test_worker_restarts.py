@@ -3,9 +3,11 @@
 The gang restarts the workers of ranks that did not stop (tasks/gang/supervise.py). Dask's
 cluster object closes a worker's nanny for good 15 s after the scheduler lost that worker
 (distributed.yaml's `lost-worker-timeout`) unless a worker of its name is up at that
-moment; a worker restarting again just then, importing torch (4-5 s here), was lost
-(docs/architecture.md, "Facts: Dask"). The test restarts a worker a second time so that
-it is down when the first restart's 15 s run out.
+moment; a worker restarting again just then, importing torch (4-5 s here when workers were
+spawned), was lost (docs/architecture.md, "Facts: Dask"). The test restarts a worker a second
+time so that it is down when the first restart's 15 s run out: its cluster's workers take
+as long to start as spawned ones did (tests/support/slow_worker_start.py), where the
+project's forked workers are back in about 1.5 s.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 
 import distributed
 
-from prefect_ddp.blocks.cluster import PRELOADED_MODULES
+from prefect_ddp.blocks.cluster import LOCAL_CLUSTER_PRELOAD, PRELOADED_MODULES, create_local_cluster
 from prefect_ddp.tasks.gang import cluster_workers
 
 DASK_LOST_WORKER_TIMEOUT_S = 15  # distributed.yaml's default
@@ -41,13 +43,14 @@ def restart_every_worker(client: distributed.Client) -> None:
     assert len(after) == len(before) and not set(after.values()) & set(before.values()), f"{before} -> {after}"
 
 
-def test_a_worker_restarted_again_while_the_first_restarts_timer_runs_out_comes_back(dask_cluster):
-    with distributed.Client(dask_cluster.scheduler_address) as client:
+def test_a_worker_restarted_again_while_the_first_restarts_timer_runs_out_comes_back(prefect_api):
+    slow_to_start = [*LOCAL_CLUSTER_PRELOAD, "tests.support.slow_worker_start"]
+    with create_local_cluster(n_workers=2, preload=slow_to_start) as cluster, distributed.Client(cluster) as client:
         n_workers = len(cluster_workers(client))
         first = time.monotonic()
         restart_every_worker(client)
         sleep_until(first + SECOND_RESTART_AFTER_S)
-        restart_every_worker(client)  # down, importing torch, when the first restart's timer ends
+        restart_every_worker(client)  # down, starting slowly, when the first restart's timer ends
         sleep_until(first + DASK_LOST_WORKER_TIMEOUT_S + 2)  # a nanny closed by that timer is gone now
         assert len(cluster_workers(client)) == n_workers
         assert set(client.run(preloaded).values()) == {True}

@@ -25,6 +25,8 @@ def mlflow_server(folder: Path, port: int | None = None) -> Iterator[str]:
     uri = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
             "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--artifacts-destination", str(folder / "artifacts")]
-    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true")
+    # Without its job runner: seven huey consumer processes, each importing MLflow (about 100 s
+    # of CPU over a test session here), for GenAI jobs that tracking and the registry never use.
+    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     with child_process(args, f"{uri}/health", folder / "mlflow-server.log", timeout_s=120, env=env):
         yield uri

@@ -1,0 +1,72 @@
+"""Workers of the project's CPU clusters are forked from a forkserver that imported torch once,
+and still start as spawned workers did: this process's environment, the flow's Prefect API,
+spawn as the default start method of what they start (blocks/worker_forkserver.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import distributed
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from prefect_ddp.blocks.cluster import create_local_cluster
+from prefect_ddp.blocks.worker_forkserver import FORKSERVER_PRELOAD
+from prefect_ddp.tasks.reporting import flow_api_url
+from tests.support.gang_functions import child_pids
+
+
+def parent_command_line() -> list[str]:
+    return psutil.Process().parent().cmdline()
+
+
+def prefect_api_url() -> str | None:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+def environment(*names: str) -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in names}
+
+
+def loader_children_left() -> dict[str, object]:
+    """Read a batch through a DataLoader that names no start method, then see what it left running."""
+    before = child_pids()
+    total = sum(float(batch[0].sum()) for batch in DataLoader(TensorDataset(torch.arange(8.0)), num_workers=1))
+    return {"method": multiprocessing.get_start_method(), "sum": total,
+            "left": sorted(set(child_pids()) - set(before))}
+
+
+def test_workers_are_forked_from_a_forkserver_that_imported_torch_and_torchvision(dask_cluster):
+    with distributed.Client(dask_cluster.scheduler_address) as client:
+        parents = client.run(parent_command_line)
+    assert len(parents) == 2
+    for command_line in parents.values():
+        server = " ".join(command_line)
+        assert "multiprocessing.forkserver" in server, command_line
+        assert all(repr(module) in server for module in FORKSERVER_PRELOAD), command_line
+
+
+def test_forked_workers_report_to_the_flows_prefect_api_and_start_loaders_as_spawned_ones_did(dask_cluster):
+    """Prefect reads PREFECT_API_URL once, on import: the forkserver must not have imported it."""
+    with distributed.Client(dask_cluster.scheduler_address) as client:
+        urls = client.run(prefect_api_url)
+        loaders = client.run(loader_children_left)
+    assert set(urls.values()) == {flow_api_url()}
+    for worker, seen in loaders.items():
+        assert seen == {"method": "spawn", "sum": 28.0, "left": []}, (worker, seen)
+
+
+def test_a_cluster_started_later_gets_this_process_s_environment_of_that_moment(dask_cluster, monkeypatch):
+    """The forkserver kept the environment of the session cluster's start; a variable set since
+    reaches the new cluster's workers, and one of Dask's pre-spawn defaults (OMP_NUM_THREADS=1)
+    set here wins over the default, as with spawn."""
+    monkeypatch.setenv("SET_AFTER_THE_FORKSERVER", "seen")
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    with create_local_cluster(n_workers=1) as cluster, distributed.Client(cluster) as client:
+        seen = client.run(environment, "SET_AFTER_THE_FORKSERVER", "OMP_NUM_THREADS")
+    assert list(seen.values()) == [{"SET_AFTER_THE_FORKSERVER": "seen", "OMP_NUM_THREADS": "7"}]
