@@ -9,17 +9,19 @@ of wall time instead of 5.2 s (`python -m bench.worker_start`), and so does ever
 nanny restarts after a rank was killed or a gang stopped.
 
 Prefect is not preloaded: it reads its settings (PREFECT_API_URL among them) once, on import,
-and each worker is told its API URL only after the fork, by its nanny. A forked worker
-starts with the forkserver's environment, which was this process's when the first worker
-started. `create_local_cluster` hands each worker this process's current one, so a variable
-set or changed since still reaches workers, as it does with spawn (where, as here, a variable
-this process has wins over Dask's `distributed.nanny.*environ` defaults); one removed since
-is not removed from them. Each nanny's options (`cluster.worker_spec`) hold that copy of the
-environment: never log or show a worker spec. A process's default start
-method is the one that started it: each worker sets spawn back (`dask_setup`, this module
-being one of its preloads), so a DataLoader that names no start method starts its loaders in
-a worker as before, not through a forkserver of the worker's own that outlives them. The
-project's own loaders fork (tasks/data/dataset.py).
+and each worker is told its API URL only after the fork, by its nanny.
+
+A forked worker starts with the forkserver's environment, which was this process's when the
+first worker started. `create_local_cluster` hands each worker this process's current one, so
+a variable set or changed since still reaches workers, as it does with spawn (where, as here,
+a variable this process has wins over Dask's `distributed.nanny.*environ` defaults); one
+removed since is not removed from them. Each nanny's options (`cluster.worker_spec`) hold that
+copy of the environment: never log or show a worker spec.
+
+A process's default start method is the one that started it: each worker sets spawn back
+(`dask_setup`, this module being one of its preloads), so a DataLoader that names no start
+method starts its loaders in a worker as before, not through a forkserver of the worker's own
+that outlives them. The project's own loaders fork (tasks/data/dataset.py).
 
 The GPU cluster (dask-cuda) keeps spawn: this project has not measured CUDA in workers
 forked from a process that imported torch (docs/architecture.md, "Facts: Dask").
