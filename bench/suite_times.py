@@ -8,7 +8,8 @@ twice the wall time, since two files run at once; both are written down.
 
     .venv/bin/python -m bench.suite_times                  # run everything, then write the table
     .venv/bin/python -m bench.suite_times -m "not slow"    # other arguments go to pytest
-    .venv/bin/python -m bench.suite_times --junit report.xml --wall 791
+    .venv/bin/python -m bench.suite_times --junit report.xml --wall 791 \\
+        --about "the README's test command in a fresh clone of 760c000" --load "0.55 before the clone"
 """
 
 from __future__ import annotations
@@ -62,14 +63,14 @@ def load_average() -> str:
     return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
-def table(files: dict[str, tuple[int, float]], wall_s: float, command: str, load: str) -> str:
+def table(files: dict[str, tuple[int, float]], wall_s: float, source: str, load: str) -> str:
     total = sum(seconds for _, seconds in files.values()) or 1.0  # a run stopped at collection took none
     rows = sorted(files.items(), key=lambda item: -item[1][1])
     lines = [
         "# Where the suite's time goes",
         "",
-        f"Written by `bench/suite_times.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: `{command}`.",
-        f"Machine: {os.cpu_count()} cores ({platform.machine()}), load average before {load}.",
+        f"Written by `bench/suite_times.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC from {source}.",
+        f"Machine: {os.cpu_count()} cores ({platform.machine()}), load average {load}.",
         f"Wall time {wall_s / 60:.1f} min; the files' seconds add up to {total / 60:.1f} min (two xdist workers "
         "run two files at once, each file on one worker).",
         "",
@@ -84,18 +85,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--junit", type=Path, help="read this JUnit report instead of running the suite")
     parser.add_argument("--wall", type=float, help="with --junit: the run's wall seconds, as pytest printed them")
+    parser.add_argument("--about", help="with --junit: the run that wrote the report, for the table's header")
+    parser.add_argument("--load", help="with --junit: the load average around that run, as measured then")
     args, pytest_args = parser.parse_known_args()  # the rest goes to pytest
-    load = load_average()
     if args.junit:
         if args.wall is None:
             parser.error("--junit needs --wall: the report does not hold the run's wall time")
         junit, wall_s, code = args.junit, args.wall, 0
-        command = f"(a report read from {args.junit.name})"
+        source = f"the JUnit report of {args.about or args.junit.name}"
+        load = args.load or "not recorded with the report"
     else:
+        load = f"{load_average()} before the run"
         junit = Path(tempfile.mkdtemp(prefix="suite-times-")) / "junit.xml"
         wall_s, code = run_suite(pytest_args, junit)
-        command = " ".join([".venv/bin/python -m pytest", *pytest_args])
-    TABLE.write_text(table(per_file(junit), wall_s, command, load))
+        source = "`" + " ".join([".venv/bin/python -m pytest", *pytest_args]) + "`"
+    TABLE.write_text(table(per_file(junit), wall_s, source, load))
     print(f"{TABLE.relative_to(REPO)}: {wall_s / 60:.1f} min, pytest exited {code}")
     return code
 

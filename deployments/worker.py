@@ -5,13 +5,15 @@
     prefect-ddp worker --pool ddp-pool --cluster-block NAME   # the local cluster a dask-cluster block describes
     prefect-ddp worker --pool ddp-pool --no-warm-cluster      # exactly `prefect worker start`
 
-Every other option goes to `prefect worker start` unchanged. The process worker runs each
-flow run as its child; a run whose cluster settings match the warm cluster uses it and
-skips the cluster's start (about 5 s here; bench/RESULTS.md, "Launch tax"), and the
-workers are replaced after each run, beside its report (blocks/warm_cluster.py). Runs
-that ask for another cluster, or that arrive while another run holds the warm one, start
-their own, as under `prefect worker start`. Run it from the folder `prefect deploy` ran
-from, as that command: runs use the warm cluster only where they run in the folder it runs in.
+Every other option goes to `prefect worker start` unchanged. SIGTERM or Ctrl-C stops it
+gracefully (Prefect's worker finishes its flow runs, for up to 30 s); a second one stops it
+at once. The process worker runs each flow run as its child; a run whose cluster settings
+match the warm cluster uses it and skips the cluster's start (about 5 s here;
+bench/RESULTS.md, "Launch tax"), and the workers are replaced after each run, beside its
+report (blocks/warm_cluster.py). Runs that ask for another cluster, or that arrive while
+another run holds the warm one, start their own, as under `prefect worker start`. Run it from
+the folder `prefect deploy` ran from, as that command: runs use the warm cluster only where
+they run in the folder it runs in.
 """
 
 from __future__ import annotations
@@ -74,8 +76,18 @@ def die_with_parent(parent: int) -> None:
 def run_prefect_worker(args: list[str]) -> int:
     """`prefect worker start ARGS` as a child, which inherits the warm cluster's ticket and dies
     with this process; its exit code."""
-    process = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", *args],
-                               preexec_fn=partial(die_with_parent, os.getpid()))
+    return run_child([sys.executable, "-m", "prefect", "worker", "start", *args])
+
+
+def run_child(command: list[str]) -> int:
+    """`command` as a child that dies with this process; its exit code once it ends.
+
+    Asked to stop (SIGTERM, Ctrl-C), this asks the child in turn and waits up to
+    STOP_TIMEOUT_S for it: Prefect's worker then finishes the flow runs it has. Asked again
+    meanwhile, it kills the child at once, as `prefect worker start` does on a second
+    interrupt: its graceful stop can hang (docs/architecture.md, "Facts: Prefect").
+    """
+    process = subprocess.Popen(command, preexec_fn=partial(die_with_parent, os.getpid()))
     try:
         return process.wait()
     finally:
@@ -85,6 +97,9 @@ def run_prefect_worker(args: list[str]) -> int:
                 process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 process.kill()
+            except BaseException:  # asked again: SystemExit from stop_on_sigterm, or KeyboardInterrupt
+                process.kill()
+                raise
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,9 @@ def test_each_file_gets_its_tests_and_seconds_and_the_table_reads_back_in_order(
     report.write_text(JUNIT)
     files = per_file(report)
     assert files == {"tests/test_gang.py": (2, 3.5), "tests/test_sweep.py": (1, 6.0), "(collection error)": (1, 0.0)}
-    written = table(files, wall_s=60, command="pytest", load="0.1")
+    written = table(files, wall_s=60, source="the JUnit report of a fresh clone of abc1234", load="0.1 before the clone")
+    assert "from the JUnit report of a fresh clone of abc1234." in written
+    assert "load average 0.1 before the clone." in written
     assert "| tests/test_sweep.py | 1 | 6.0 | 63.2% |" in written  # the slowest first
     assert written.index("tests/test_sweep.py") < written.index("tests/test_gang.py")
     (tmp_path / "DURATIONS.md").write_text(written + "| tests/test_edited.py | 3 | n/a | 1% |\n| tests/x.py |\n")

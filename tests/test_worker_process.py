@@ -1,6 +1,7 @@
 """`prefect-ddp worker`'s child, `prefect worker start`, goes when its parent goes, however it goes.
 
-Against the session's Prefect server, without a warm cluster (the child is the same with one).
+Against the session's Prefect server, without a warm cluster (the child is the same with one);
+a second stop request against a child that never finishes its graceful stop.
 """
 
 from __future__ import annotations
@@ -51,3 +52,42 @@ def test_a_killed_worker_leaves_no_prefect_worker_polling_on_its_own(prefect_api
             parent.kill()
         for process in leftovers:
             process.kill()
+
+
+# A child that takes no notice of SIGTERM or SIGINT, as `prefect worker start` sometimes does
+# not finish its graceful stop (docs/architecture.md, "Facts: Prefect").
+STUBBORN_CHILD = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)")
+# `prefect-ddp worker`'s stop handling around that child, with a grace far longer than the test.
+PARENT = f"""
+import sys
+from prefect_ddp.deployments import worker
+worker.STOP_TIMEOUT_S = 3600
+worker.PRCTL = None  # as off Linux: the child does not die with this process, run_child must stop it
+worker.stop_on_sigterm()
+worker.run_child([sys.executable, "-c", {STUBBORN_CHILD!r}])
+"""
+
+
+def test_a_second_sigterm_stops_the_worker_without_waiting_for_its_child(tmp_path):
+    log = tmp_path / "parent.log"
+    with open(log, "wb") as sink:
+        parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=sink, stderr=subprocess.STDOUT)
+    child = None
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while "ready" not in log.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        child = psutil.Process(parent.pid).children()[0]
+        parent.terminate()
+        time.sleep(1)
+        assert parent.poll() is None, "the first SIGTERM should wait for the child's graceful stop"
+        parent.terminate()
+        assert parent.wait(timeout=DEADLINE_S) == 128 + signal.SIGTERM, log.read_text()
+        _, alive = psutil.wait_procs([child], timeout=DEADLINE_S)
+        assert not alive, f"the child (pid {child.pid}) outlived the second SIGTERM"
+    finally:
+        for process in [child] if child is not None and child.is_running() else []:
+            process.kill()
+        parent.kill()

@@ -17,6 +17,9 @@ from prefect_ddp.deployments.local_services import running
 
 REPO = Path(__file__).resolve().parents[2]
 POOL = "ddp-pool"
+# Usually 2-3 s; in some whole-suite runs Prefect's worker never finished its graceful stop
+# (docs/architecture.md, "Facts: Prefect"), and the session's end waited out the full grace.
+GRACEFUL_STOP_S = 10
 
 
 def cli_environment(prefect_home: Path) -> dict[str, str]:
@@ -43,5 +46,10 @@ def deployed_with_worker(prefect_home: Path, log: Path) -> Iterator[dict[str, st
     check(prefect_cli(env, "work-pool", "create", POOL, "--type", "process", "--overwrite"))
     check(prefect_cli(env, "--no-prompt", "deploy", "--all"))
     # `prefect-ddp worker`: `prefect worker start` beside a warm cluster (blocks/warm_cluster.py).
-    with running([sys.executable, "-m", "prefect_ddp", "worker", "--pool", POOL], log, env, cwd=REPO):
+    with running([sys.executable, "-m", "prefect_ddp", "worker", "--pool", POOL], log, env, cwd=REPO) as worker:
         yield env
+        worker.terminate()
+        try:
+            worker.wait(timeout=GRACEFUL_STOP_S)
+        except subprocess.TimeoutExpired:
+            worker.terminate()  # asked again, it stops at once (deployments/worker.py)
