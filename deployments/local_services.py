@@ -39,18 +39,35 @@ def wait_until_up(url: str, process: subprocess.Popen, timeout_s: float, log: Pa
 
 
 @contextmanager
-def running(args: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> Iterator[subprocess.Popen]:
-    """`args` as a child process writing to `log`, stopped (then killed) when the block ends."""
+def running(args: list[str], log: Path, env: dict | None = None, cwd: Path | None = None,
+            ask_again_after_s: float | None = None) -> Iterator[subprocess.Popen]:
+    """`args` as a child process writing to `log`, stopped when the block ends (`stop`)."""
     with open(log, "wb") as sink:
         process = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
         yield process
     finally:
-        process.terminate()
+        stop(process, ask_again_after_s)
+
+
+def stop(process: subprocess.Popen, ask_again_after_s: float | None = None, grace_s: float = 30) -> None:
+    """SIGTERM; a second one after `ask_again_after_s`, for a program that stops at once when
+    asked twice (`prefect-ddp worker`, deployments/worker.py); SIGKILL after `grace_s` more.
+
+    The second request is sent once, never again while the program winds down (a warm
+    cluster closing), which a third would cut short.
+    """
+    process.terminate()
+    if ask_again_after_s is not None:
         try:
-            process.wait(timeout=30)
+            process.wait(timeout=ask_again_after_s)
+            return
         except subprocess.TimeoutExpired:
-            process.kill()
+            process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 @contextmanager

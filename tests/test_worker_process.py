@@ -1,7 +1,8 @@
 """`prefect-ddp worker`'s child, `prefect worker start`, goes when its parent goes, however it goes.
 
 Against the session's Prefect server, without a warm cluster (the child is the same with one);
-a second stop request against a child that never finishes its graceful stop.
+a second stop request against a child that never finishes its graceful stop; and the tests'
+way of stopping it (local_services.stop): asked twice, never a third time while it winds down.
 """
 
 from __future__ import annotations
@@ -91,3 +92,33 @@ def test_a_second_sigterm_stops_the_worker_without_waiting_for_its_child(tmp_pat
         for process in [child] if child is not None and child.is_running() else []:
             process.kill()
         parent.kill()
+
+
+# Stops on its second SIGTERM, then winds down for a while (as `prefect-ddp worker` closes its
+# warm cluster), saying how many it got by the end.
+WINDS_DOWN = """
+import signal, time
+asked = 0
+def count(signum, frame):
+    global asked
+    asked += 1
+signal.signal(signal.SIGTERM, count)
+print("ready", flush=True)
+while asked < 2:
+    time.sleep(0.05)
+time.sleep(2)
+print(f"asked {asked} times", flush=True)
+"""
+
+
+def test_stopping_asks_a_second_time_once_and_lets_the_program_wind_down(tmp_path):
+    from prefect_ddp.deployments.local_services import running
+
+    log = tmp_path / "program.log"
+    with running([sys.executable, "-c", WINDS_DOWN], log, ask_again_after_s=1) as program:
+        deadline = time.monotonic() + DEADLINE_S
+        while "ready" not in log.read_text():
+            assert program.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+    assert program.returncode == 0, log.read_text()
+    assert "asked 2 times" in log.read_text()

@@ -46,10 +46,6 @@ def deployed_with_worker(prefect_home: Path, log: Path) -> Iterator[dict[str, st
     check(prefect_cli(env, "work-pool", "create", POOL, "--type", "process", "--overwrite"))
     check(prefect_cli(env, "--no-prompt", "deploy", "--all"))
     # `prefect-ddp worker`: `prefect worker start` beside a warm cluster (blocks/warm_cluster.py).
-    with running([sys.executable, "-m", "prefect_ddp", "worker", "--pool", POOL], log, env, cwd=REPO) as worker:
+    with running([sys.executable, "-m", "prefect_ddp", "worker", "--pool", POOL], log, env, cwd=REPO,
+                 ask_again_after_s=GRACEFUL_STOP_S):
         yield env
-        worker.terminate()
-        try:
-            worker.wait(timeout=GRACEFUL_STOP_S)
-        except subprocess.TimeoutExpired:
-            worker.terminate()  # asked again, it stops at once (deployments/worker.py)
