@@ -95,6 +95,8 @@ def main() -> int:
         source = f"the JUnit report of {args.about or args.junit.name}"
         load = args.load or "not recorded with the report"
     else:
+        if args.about or args.load:
+            parser.error("--about and --load describe a report read with --junit; a run of the suite records its own")
         load = f"{load_average()} before the run"
         junit = Path(tempfile.mkdtemp(prefix="suite-times-")) / "junit.xml"
         wall_s, code = run_suite(pytest_args, junit)

@@ -5,15 +5,16 @@
     prefect-ddp worker --pool ddp-pool --cluster-block NAME   # the local cluster a dask-cluster block describes
     prefect-ddp worker --pool ddp-pool --no-warm-cluster      # exactly `prefect worker start`
 
-Every other option goes to `prefect worker start` unchanged. SIGTERM or Ctrl-C stops it
-gracefully (Prefect's worker finishes its flow runs, for up to 30 s); a second one stops it
-at once. The process worker runs each flow run as its child; a run whose cluster settings
-match the warm cluster uses it and skips the cluster's start (about 5 s here;
-bench/RESULTS.md, "Launch tax"), and the workers are replaced after each run, beside its
-report (blocks/warm_cluster.py). Runs that ask for another cluster, or that arrive while
-another run holds the warm one, start their own, as under `prefect worker start`. Run it from
-the folder `prefect deploy` ran from, as that command: runs use the warm cluster only where
-they run in the folder it runs in.
+Every other option goes to `prefect worker start` unchanged. SIGTERM stops it gracefully
+(Prefect's worker finishes its flow runs, for up to 30 s); a second SIGTERM or Ctrl-C stops
+it at once. A terminal's Ctrl-C also reaches the warm cluster's workers, which share its
+process group: a run on them loses its workers at the first one. The process worker runs each
+flow run as its child; a run whose cluster settings match the warm cluster uses it and skips
+the cluster's start (about 5 s here; bench/RESULTS.md, "Launch tax"), and the workers are
+replaced after each run, beside its report (blocks/warm_cluster.py). Runs that ask for
+another cluster, or that arrive while another run holds the warm one, start their own, as
+under `prefect worker start`. Run it from the folder `prefect deploy` ran from, as that
+command: runs use the warm cluster only where they run in the folder it runs in.
 """
 
 from __future__ import annotations

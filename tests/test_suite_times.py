@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
+from bench import suite_times
 from bench.suite_times import per_file, table
 from tests import conftest
 
@@ -47,3 +49,11 @@ def test_the_slowest_files_go_first_each_with_its_tests_in_their_order(monkeypat
     conftest.slowest_files_first(items)
     assert [i.nodeid for i in items] == ["tests/c.py::w", "tests/b.py::y", "tests/b.py::z[1]", "tests/b.py::v",
                                          "tests/a.py::x"]
+
+
+def test_about_and_load_are_refused_without_a_report_to_describe(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["suite_times", "--about", "a fresh clone"])
+    with pytest.raises(SystemExit) as refused:
+        suite_times.main()  # refused before it would start the suite
+    assert refused.value.code == 2
+    assert "--about and --load describe a report read with --junit" in capsys.readouterr().err
