@@ -85,8 +85,13 @@ def prefect_home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def prefect_api(prefect_home: Path) -> Iterator[str]:
-    """`prefect server start` on a fresh SQLite file; this process and its children use it."""
+    """`prefect server start` on a fresh SQLite file; this process and its children use it.
+
+    At the session's end, the logs and events this process still holds go before the server does.
+    """
     from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_API_URL, temporary_settings
+
+    from tests.support.api_helpers import send_held_logs_and_events
 
     # The scheduler looks for deployments to schedule every 60 s by default; the test of the
     # nightly schedule should not wait that long.
@@ -99,6 +104,7 @@ def prefect_api(prefect_home: Path) -> Iterator[str]:
             patient = float(PATIENT_CLIENT["PREFECT_API_REQUEST_TIMEOUT"])
             with temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_REQUEST_TIMEOUT: patient}):
                 yield api_url
+                send_held_logs_and_events()
 
 
 @pytest.fixture(scope="session")

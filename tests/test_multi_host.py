@@ -35,14 +35,12 @@ import pytest
 import s3fs
 import yaml
 from prefect.client.orchestration import get_client
-from prefect.events.worker import EventsWorker
-from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from prefect_ddp.blocks.cluster import TRAINING_DASK_CONFIG
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.gang.plan import host_of
-from tests.support.api_helpers import all_logs, assert_no_task_run_left_running
+from tests.support.api_helpers import all_logs, assert_no_task_run_left_running, send_held_logs_and_events
 from tests.conftest import BUCKET
 from tests.support.flow_runs import block_copy, run_tiny_flow
 from tests.support.netns import Network, forward, network, unavailable
@@ -123,10 +121,8 @@ def hosts(prefect_api: str, s3_endpoint: str, image_location: DataLocation, tmp_
         try:
             yield Hosts(net, address, nannies, api_url)
         finally:
-            # Send the logs and events this process still holds for the relayed API before
-            # the relay closes, whether the test passed or not.
-            APILogWorker.drain_all(timeout=5)
-            EventsWorker.drain_all(timeout=5)
+            # Before the relay closes, whether the test passed or not.
+            send_held_logs_and_events()
 
 
 def worker_pid(hosts: Hosts, name: str) -> int:

@@ -11,6 +11,8 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
 
 
 def rank_task_runs(flow_run_id, expected: int):
@@ -56,3 +58,14 @@ def all_logs(api, flow_run_id, last_words: str) -> list:
         if any(last_words in log.message for log in logs) or time.monotonic() > deadline:
             return logs
         time.sleep(0.5)
+
+
+def send_held_logs_and_events(timeout_s: float = 5) -> None:
+    """Send the logs and events this process still holds to the Prefect API, before it goes.
+
+    Prefect sends them from queues in the background. Left to the interpreter's exit, they are
+    retried against a server already stopped: an xdist worker then outlived its session until
+    xdist killed it, 10 s later. Prefect's own test harness drains them the same way.
+    """
+    APILogWorker.drain_all(timeout=timeout_s)
+    EventsWorker.drain_all(timeout=timeout_s)
