@@ -32,6 +32,7 @@ from types import FrameType
 from prefect_ddp.blocks.cluster import DaskCluster
 from prefect_ddp.blocks.saved import load_block
 from prefect_ddp.blocks.warm_cluster import warm_cluster
+from prefect_ddp.deployments.local_services import stop
 from prefect_ddp.tasks.config import ClusterConfig
 
 STOP_TIMEOUT_S = 30
@@ -93,11 +94,8 @@ def run_child(command: list[str]) -> int:
         return process.wait()
     finally:
         if process.poll() is None:
-            process.terminate()
             try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
+                stop(process, grace_s=STOP_TIMEOUT_S)
             except BaseException:  # asked again: SystemExit from stop_on_sigterm, or KeyboardInterrupt
                 process.kill()
                 raise

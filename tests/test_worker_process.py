@@ -55,6 +55,14 @@ def test_a_killed_worker_leaves_no_prefect_worker_polling_on_its_own(prefect_api
             process.kill()
 
 
+def wait_until_ready(process: subprocess.Popen, log: Path) -> None:
+    """Until `process` has written 'ready' to `log`; fails, with the log, if it exits first."""
+    deadline = time.monotonic() + DEADLINE_S
+    while "ready" not in log.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
 # A child that takes no notice of SIGTERM or SIGINT, as `prefect worker start` sometimes does
 # not finish its graceful stop (docs/architecture.md, "Facts: Prefect").
 STUBBORN_CHILD = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -76,10 +84,7 @@ def test_a_second_sigterm_stops_the_worker_without_waiting_for_its_child(tmp_pat
         parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=sink, stderr=subprocess.STDOUT)
     child = None
     try:
-        deadline = time.monotonic() + DEADLINE_S
-        while "ready" not in log.read_text():
-            assert parent.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_until_ready(parent, log)
         child = psutil.Process(parent.pid).children()[0]
         parent.terminate()
         time.sleep(1)
@@ -116,9 +121,6 @@ def test_stopping_asks_a_second_time_once_and_lets_the_program_wind_down(tmp_pat
 
     log = tmp_path / "program.log"
     with running([sys.executable, "-c", WINDS_DOWN], log, ask_again_after_s=1) as program:
-        deadline = time.monotonic() + DEADLINE_S
-        while "ready" not in log.read_text():
-            assert program.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_until_ready(program, log)
     assert program.returncode == 0, log.read_text()
     assert "asked 2 times" in log.read_text()
