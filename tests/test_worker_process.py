@@ -16,6 +16,8 @@ from pathlib import Path
 
 import psutil
 
+from prefect_ddp.deployments.local_services import running
+
 DEADLINE_S = 120
 
 
@@ -94,8 +96,8 @@ def test_a_second_sigterm_stops_the_worker_without_waiting_for_its_child(tmp_pat
         _, alive = psutil.wait_procs([child], timeout=DEADLINE_S)
         assert not alive, f"the child (pid {child.pid}) outlived the second SIGTERM"
     finally:
-        for process in [child] if child is not None and child.is_running() else []:
-            process.kill()
+        if child is not None and child.is_running():
+            child.kill()
         parent.kill()
 
 
@@ -117,8 +119,6 @@ print(f"asked {asked} times", flush=True)
 
 
 def test_stopping_asks_a_second_time_once_and_lets_the_program_wind_down(tmp_path):
-    from prefect_ddp.deployments.local_services import running
-
     log = tmp_path / "program.log"
     with running([sys.executable, "-c", WINDS_DOWN], log, ask_again_after_s=1) as program:
         wait_until_ready(program, log)
