@@ -44,7 +44,6 @@ process that holds it, or a worker the gang restarts twice within 15 s can be lo
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -59,7 +58,8 @@ from prefect.blocks.core import Block
 from prefect_dask import DaskTaskRunner
 from pydantic import Field
 
-from prefect_ddp.blocks import worker_forkserver
+from prefect_ddp.blocks import nanny_environment, worker_forkserver
+from prefect_ddp.blocks.nanny_environment import CurrentEnvironmentNanny
 from prefect_ddp.blocks.worker_forkserver import (
     FORKSERVER_CONFIG,
     SPAWN_CONFIG,
@@ -99,8 +99,9 @@ def cuda_device_count() -> int:
 # the first decode-check on each fresh worker). A worker imports them as it starts, while
 # the flow lists its data (blocks/cluster_lifetime.py), instead of when its first task arrives.
 PRELOADED_MODULES = ["torch", "torchvision", "prefect_ddp.tasks.data.validation", "prefect_ddp.tasks.training.recipe"]
-# A CPU cluster's workers also set spawn back as their default start method (worker_forkserver).
-LOCAL_CLUSTER_PRELOAD = [*PRELOADED_MODULES, worker_forkserver.__name__]
+# A CPU cluster's workers first drop the variables their nanny did not give (nanny_environment),
+# and set spawn back as their default start method (worker_forkserver).
+LOCAL_CLUSTER_PRELOAD = [nanny_environment.__name__, *PRELOADED_MODULES, worker_forkserver.__name__]
 
 
 # The dashboard shows the cluster's tasks and workers to whoever connects: this host's users
@@ -116,9 +117,10 @@ def create_local_cluster(**kwargs: Any) -> LocalCluster:
     kwargs.setdefault("processes", True)
     kwargs.setdefault("threads_per_worker", 1)
     kwargs.setdefault("dashboard_address", LOOPBACK_DASHBOARD)
-    # A forked worker's own environment is the forkserver's, from this process's first cluster:
-    # each is handed this process's current one, as spawn gave it (blocks/worker_forkserver.py).
-    kwargs["env"] = {**os.environ, **worker_environment(), **kwargs.get("env", {})}
+    # A forked worker's own environment is the forkserver's, from this process's first cluster: each
+    # nanny hands its worker this process's environment as it starts it (blocks/nanny_environment.py).
+    kwargs.setdefault("worker_class", CurrentEnvironmentNanny)
+    kwargs["env"] = {**worker_environment(), **kwargs.get("env", {})}
     return LocalCluster(**kwargs)
 
 

@@ -1,7 +1,13 @@
 import pytest
 
 from prefect_ddp.tasks.data.splitting import Split
-from prefect_ddp.tasks.results.aggregation import global_history, last_epoch_time, summarize
+from prefect_ddp.tasks.results.aggregation import (
+    EpochsDisagree,
+    check_one_best_epoch,
+    global_history,
+    last_epoch_time,
+    summarize,
+)
 from prefect_ddp.tasks.training.optimization import EffectiveRecipe
 from prefect_ddp.tasks.training.rank_result import RankResult
 
@@ -66,3 +72,15 @@ def test_an_epoch_timed_in_another_shape_or_not_at_all_has_no_last_epoch_time():
     epoch's time in the shape of its day: the report goes without it instead of failing the run."""
     assert last_epoch_time([{"epoch": 1}], []) is None
     assert last_epoch_time([{"epoch": 1, "time": {"images_per_s": 3.0, "shares": {}}}], [1.5]) is None
+
+
+def test_files_that_name_different_best_epochs_fail_the_run_loudly():
+    """Issue 56: the result said epoch 2 while model.json (and model.pt) held epoch 1."""
+    summary = summarize([rank(0, history(0.5, 0.9), best_epoch=2)],
+                        Split(train=list(range(10)), val=[10, 11, 12, 13], seed=0, val_fraction=0.3), {})
+    check_one_best_epoch(summary, {"epoch": 2})
+    with pytest.raises(EpochsDisagree, match=r"the ranks' result says epoch 2, model.json says epoch 1"):
+        check_one_best_epoch(summary, {"epoch": 1})
+    scored = summary.model_copy(update={"comparison": {"challenger_epoch": 1}})
+    with pytest.raises(EpochsDisagree, match=r"the champion comparison says epoch 1"):
+        check_one_best_epoch(scored, {"epoch": 2})

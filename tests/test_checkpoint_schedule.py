@@ -279,7 +279,7 @@ def test_a_checkpoint_carries_the_best_epoch_that_model_pt_has_not_got_yet(tmp_p
     history.append({"epoch": 2, "val_acc": 0.1, "seconds": 1.0})
     kept.after_epoch(ended(history))
     # The process dies after the checkpoint is written and before model.pt is.
-    monkeypatch.setattr(BestWeights, "_write", lambda self, epoch, weights: (_ for _ in ()).throw(OSError("killed")))
+    monkeypatch.setattr(BestWeights, "_write", lambda self, best: (_ for _ in ()).throw(OSError("killed")))
     with pytest.raises(CheckpointWriteError, match=r"model.pt \(epoch 1\)"):
         with BackgroundWriter() as writer:
             checkpointing(ctx, state, job, writer, kept).save(history)

@@ -424,3 +424,27 @@ def test_a_card_of_another_shape_is_a_problem_said_not_an_error_raised(tmp_path,
     (tmp_path / "run-a" / "model.json").write_bytes(card)
     problem = model_problem(run)
     assert problem and problem.startswith(("model.json cannot be read", "model.pt cannot be loaded")), problem
+
+
+def test_a_pointer_cut_short_between_the_read_and_the_write_is_said_and_the_last_one_read_is_compared(
+        front, s3_endpoint, tmp_path):
+    """Issue 56: another writer cut the pointer short after this promotion read it (run-a's 0.95) and
+    before its conditional PUT; the promotion said "first model kept under this name" with no previous
+    run, though run-a's model was kept and replaced without being compared."""
+    output = lost_replies_output(front, s3_endpoint, tmp_path, "cut-between")
+    kept = kept_location(output, "nightly")
+    promote.fn(summary_of(0.95), run_with_model(output, "run-a", 0.95), kept, {"name": "run-a", "flow_run_id": "a"},
+               kept_at_start=None)
+    direct = kept.model_copy(update={"endpoint_url": s3_endpoint})  # not through the front
+
+    def cut_the_pointer() -> None:
+        write_bytes(f"{direct.url}/latest.json", b'{"version": "s3://cut-bet', direct.storage_options())
+
+    front.before_forwarding("PUT", f"cut-between/{tmp_path.name}/nightly/latest.json", cut_the_pointer)
+    result = promote.fn(summary_of(0.97), run_with_model(output, "run-b", 0.97), kept,
+                        {"name": "run-b", "flow_run_id": "b"}, kept_at_start=read_pointer(kept)["version"])
+    assert front.rules_left() == 0, "the pointer was never cut"
+    assert result.promoted and result.previous_run == "run-a" and result.previous_metric == 0.95, result
+    assert result.reason.startswith("latest.json could not be read when this run came to write it"), result.reason
+    assert "decided against the last one read, run-a's" in result.reason and "0.95" in result.reason
+    assert read_pointer(kept)["run"]["name"] == "run-b"

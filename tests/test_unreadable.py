@@ -30,6 +30,7 @@ from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader
 from prefect_ddp.tasks.data.shard_writer import ShardFormat, write_shards
+from prefect_ddp.tasks.data.storage import load_torch
 from prefect_ddp.tasks.results.aggregation import check_stopped
 from prefect_ddp.tasks.results.report import unreadable_text
 from prefect_ddp.tasks.training.job import TrainJob
@@ -234,6 +235,10 @@ def test_past_the_limit_every_rank_stops_and_returns_the_reason_without_raising(
     assert result.history == [] and not (tmp_path / "run" / "model.pt").exists()
     with pytest.raises(ValueError, match=r"3 of the 13 images under .* could not be read"):
         check_stopped([result])
+    # The stop is the run's end, checkpointed: a retry stops with it and trains nothing (issue 56).
+    assert load_torch(str(tmp_path / "run" / "checkpoints" / "checkpoint.pt"), {})["stopped"]["kind"] == "unreadable"
+    again = train_classifier(CTX, job)
+    assert again.stopped == stopped and again.history == [] and again.local_train_samples == []
 
 
 @pytest.mark.unit

@@ -4,6 +4,7 @@ spawn as the default start method of what they start (blocks/worker_forkserver.p
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 
@@ -14,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from prefect_ddp.blocks.cluster import create_local_cluster
+from prefect_ddp.blocks.nanny_environment import GIVEN_NAMES, leave_only_given
 from prefect_ddp.blocks.worker_forkserver import FORKSERVER_PRELOAD
 from prefect_ddp.tasks.reporting import flow_api_url
 from tests.support.gang_functions import child_pids
@@ -70,3 +72,34 @@ def test_a_cluster_started_later_gets_this_process_s_environment_of_that_moment(
     with create_local_cluster(n_workers=1) as cluster, distributed.Client(cluster) as client:
         seen = client.run(environment, "SET_AFTER_THE_FORKSERVER", "OMP_NUM_THREADS")
     assert list(seen.values()) == [{"SET_AFTER_THE_FORKSERVER": "seen", "OMP_NUM_THREADS": "7"}]
+
+
+def test_a_restarted_or_added_worker_gets_the_environment_of_its_start_and_no_spec_holds_it(monkeypatch):
+    """Issue 56: each nanny held a copy of the environment made when the cluster was created, so a
+    worker restarted (after a killed rank) or added (the warm cluster's scale) got that copy back: a
+    changed variable reverted, an added one was missing, a removed credential was still there; and
+    every secret of the environment sat in `cluster.worker_spec`."""
+    monkeypatch.setenv("CHANGED_LATER", "before")
+    monkeypatch.setenv("REMOVED_SECRET", "s3cr3t-value")
+    names = ("CHANGED_LATER", "REMOVED_SECRET", "ADDED_LATER", "OMP_NUM_THREADS")
+    with create_local_cluster(n_workers=1) as cluster, distributed.Client(cluster) as client:
+        assert list(client.run(environment, *names).values()) == [
+            {"CHANGED_LATER": "before", "REMOVED_SECRET": "s3cr3t-value", "ADDED_LATER": None, "OMP_NUM_THREADS": "1"}]
+        assert "s3cr3t-value" not in repr(cluster.worker_spec)
+        monkeypatch.setenv("CHANGED_LATER", "after")
+        monkeypatch.delenv("REMOVED_SECRET")
+        monkeypatch.setenv("ADDED_LATER", "seen")
+        client.restart()
+        cluster.scale(2)
+        client.wait_for_workers(2)
+        seen = client.run(environment, *names)
+    assert list(seen.values()) == [
+        {"CHANGED_LATER": "after", "REMOVED_SECRET": None, "ADDED_LATER": "seen", "OMP_NUM_THREADS": "1"}] * 2
+
+
+@pytest.mark.unit
+def test_a_worker_drops_what_it_inherited_that_its_nanny_did_not_give_and_the_list_with_it():
+    inherited = {"FROM_THE_FORKSERVER": "stale", "GIVEN": "1", GIVEN_NAMES: json.dumps(["GIVEN"])}
+    assert leave_only_given(inherited) == ["FROM_THE_FORKSERVER"]
+    assert inherited == {"GIVEN": "1"}
+    assert leave_only_given(inherited) == [] and inherited == {"GIVEN": "1"}  # outside such a worker: nothing

@@ -139,12 +139,13 @@ class RankContext:
         asked = self.is_main and below_top and grow_requested(self.stop_flag)
         return broadcast_flag(asked, self.device)
 
-    def park(self, position: tuple[int, int], data: bytes) -> None:
+    def park(self, position: tuple[int, int], data: bytes, carries: int = -1) -> None:
         """Keep `data` in this worker's memory for the gang's next formation; `position` orders
-        the ranks' parked states (the newest is handed over). Nothing without a gang id (a
-        context made by hand)."""
+        the ranks' parked states (the newest is handed over; of equally new ones, one whose
+        `data` carries weights storage may lack: their epoch, -1 for none). Nothing without a
+        gang id (a context made by hand)."""
         if self.gang_id is not None:
-            park(self.gang_id, position, data)
+            park(self.gang_id, position, data, carries)
 
     def hand_over(self, device: torch.device | str = "cpu") -> Parked | None:
         """The newest state a rank of this formation parked in an earlier one, on every rank (a

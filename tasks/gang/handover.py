@@ -34,12 +34,15 @@ class Parked:
     key: str
     position: tuple[int, int]  # e.g. (epoch, global sample position within it)
     data: bytes
+    # The epoch of best weights the state carries because storage may lack them (the training
+    # function's to say); -1: none. Of states equally new, one that carries them is handed over.
+    carries: int = -1
 
 
-def park(key: str, position: tuple[int, int], data: bytes) -> None:
+def park(key: str, position: tuple[int, int], data: bytes, carries: int = -1) -> None:
     """Keep `data` in this worker process for the next formation of the gang named `key`."""
     _parked.clear()
-    _parked[key] = Parked(key, position, data)
+    _parked[key] = Parked(key, position, data, carries)
 
 
 def drop_parked(key: str | None = None, dask_worker: Any = None) -> bool:
@@ -58,21 +61,23 @@ def hand_over(key: str, device: torch.device | str = "cpu") -> Parked | None:
     """The newest state parked under `key` on any rank of this process group, on every rank
     (a collective: call it on every rank); None where no rank parked any.
 
-    Ties go to the lowest rank. The parked state is dropped on every rank once handed over:
-    the next change parks afresh.
+    Of states equally new, one that `carries` weights storage may lack wins (a rank whose write
+    failed may have parked without them while another rank kept them), then the lowest rank.
+    The parked state is dropped on every rank once handed over: the next change parks afresh.
     """
     mine = _parked.get(key)
-    position = torch.tensor(list(mine.position) if mine else [-1, -1], dtype=torch.int64, device=device)
+    position = torch.tensor([*mine.position, mine.carries] if mine else [-1, -1, -1], dtype=torch.int64,
+                            device=device)
     if not (dist.is_available() and dist.is_initialized()):
         _parked.pop(key, None)
         return mine
     positions = [torch.zeros_like(position) for _ in range(dist.get_world_size())]
     dist.all_gather(positions, position)
     newest = max(range(len(positions)), key=lambda rank: (tuple(positions[rank].tolist()), -rank))
-    best = tuple(int(p) for p in positions[newest].tolist())
-    if best[0] < 0:
+    epoch, sample, carries = (int(p) for p in positions[newest].tolist())
+    if epoch < 0:
         return None
     data = broadcast_bytes(mine.data if mine and dist.get_rank() == newest else None, device, src=newest)
     _parked.pop(key, None)
     assert data is not None  # the source parked it: its length went out above
-    return Parked(key, (best[0], best[1]), data)
+    return Parked(key, (epoch, sample), data, carries)

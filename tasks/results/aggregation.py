@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import Split
-from prefect_ddp.tasks.data.storage import exists, write_json
+from prefect_ddp.tasks.data.storage import exists, read_json, write_json
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.results.records import AttemptRow, RankPlace, TrainingSummary
 from prefect_ddp.tasks.retries import retry_transient
@@ -35,6 +35,30 @@ def check_stopped(results: list[RankResult]) -> None:
     stopped = results[0].stopped if results else None
     if stopped:
         raise ValueError(stopped)
+
+
+class EpochsDisagree(RuntimeError):
+    """The files of a run name different epochs as its best: the model shipped is not the one reported."""
+
+
+def check_one_best_epoch(summary: TrainingSummary, card: dict[str, Any]) -> None:
+    """Fail loudly unless the ranks' result, model.json (the card of model.pt's weights) and the
+    champion comparison name one best epoch; metrics.json and the pointer are written from the result.
+
+    The recipe writes model.pt and its card together, and forgets the best weights only once both
+    landed (tasks/training/best_weights.py): a disagreement is a defect of this project, never
+    something to report around.
+    """
+    named = {"the ranks' result": summary.best_epoch, "model.json": card.get("epoch")}
+    if summary.comparison:
+        named["the champion comparison"] = summary.comparison.get("challenger_epoch")
+    if len(set(named.values())) > 1:
+        said = ", ".join(f"{where} says epoch {epoch}" for where, epoch in named.items())
+        raise EpochsDisagree(
+            f"The run's files disagree on which epoch model.pt holds ({said}), so the model shipped may not "
+            "be the one the metrics describe. Nothing was written or promoted; please report this with the "
+            "run's log. Retrying the flow run resumes from its last checkpoint and writes model.pt again."
+        )
 
 
 def global_history(results: list[RankResult]) -> list[dict[str, Any]]:
@@ -152,7 +176,8 @@ def aggregate(
     """Write metrics, manifest and split under the run's output; return the summary.
 
     `gang_attempts` are run_gang's attempts as dicts (GangAttempt's fields).
-    Fails, writing nothing, when the ranks stopped for too many unreadable images (`check_stopped`).
+    Fails, writing nothing, when the ranks stopped for too many unreadable images (`check_stopped`),
+    or the run's files name different best epochs (`check_one_best_epoch`).
     """
     check_stopped(results)
     options = output.storage_options()
@@ -161,6 +186,7 @@ def aggregate(
     if not exists(files["model.pt"], options):
         raise FileNotFoundError(f"Rank 0 reported success but wrote no model at {files['model.pt']}.")
     summary = summarize(results, split, files, gang_attempts)
+    check_one_best_epoch(summary, read_json(files["model.json"], options))
     write_json(files["metrics.json"], summary.model_dump(), options)
     write_json(files["manifest.json"], manifest.model_dump(), options)
     write_json(files["split.json"], split.model_dump() | {

@@ -146,7 +146,6 @@ def promote(summary: TrainingSummary, run_output: Location, kept: Location,
     version = version_location(kept, run_output)
     pointer_url = child_url(kept.url, POINTER)
     seen = read_pointer(kept)
-    unreadable = seen is None and exists(pointer_url, kept.storage_options())  # there, but cut short or garbled
     comparison = summary.comparison
     retried = names_version(seen, version)  # a retry of this task after its pointer write landed
     if retried:
@@ -160,18 +159,24 @@ def promote(summary: TrainingSummary, run_output: Location, kept: Location,
         registered = (register_version(registry.model, registry.name, version.url, pointer_url, comparison)
                       if registry and registry.model else None)
         wrote = False
+        last_read = seen  # the newest pointer this promotion could read
 
         def swap(current: Document | None) -> Document | None:
-            nonlocal promoted, reason, seen, wrote
-            seen = current
-            promoted, reason = decide(metric, current, comparison, min_improvement, kept_at_start, unusable)
+            nonlocal promoted, reason, seen, wrote, last_read
+            # There but cut short or garbled (another writer's, since it was read): decided against the last read.
+            unreadable = current is None and exists(pointer_url, kept.storage_options())
+            seen = last_read if unreadable else current
+            last_read = seen
+            promoted, reason = decide(metric, seen, comparison, min_improvement, kept_at_start, unusable)
+            if unreadable:
+                reason = unreadable_pointer_reason(seen, reason, promoted)
             pointer = {METRIC: metric, "version": version.url, "run": record} | pointer_fields(summary)
             wrote = wrote or promoted
-            return (pointer | ({"registered": registered} if registered else {})) if promoted else None
+            if not promoted:  # a pointer it could not read names again the model that stays
+                return seen if unreadable else None
+            return pointer | ({"registered": registered} if registered else {})
 
         update_json(pointer_url, kept.storage_options(), swap)
-        if unreadable and seen is None and promoted:
-            reason = f"{POINTER} was there but could not be read (the run's log says why), so it was replaced: {reason}"
         if not promoted and not wrote:  # overtaken by a better model: nothing ever pointed at this version
             remove_tree(version.url, version.storage_options())
             if registered:
@@ -200,6 +205,16 @@ def promote(summary: TrainingSummary, run_output: Location, kept: Location,
         comparison=comparison, registered=registered, champion=check.now if check else None,
         registry_disagrees=check.disagreement() if check and not check.agrees else None,
     )
+
+
+def unreadable_pointer_reason(last_read: Document | None, reason: str, promoted: bool) -> str:
+    """The reason of a promotion that found the pointer there but unreadable when it came to write it."""
+    if last_read is None:
+        return f"{POINTER} was there but could not be read (the run's log says why), so it was replaced: {reason}"
+    run = last_read.get("run", {}).get("name", "an earlier run")
+    then = "this run's pointer replaced it" if promoted else "it names that model again"
+    return (f"{POINTER} could not be read when this run came to write it (cut short or garbled since it was read), "
+            f"so this run was decided against the last one read, {run}'s, and {then}: {reason}")
 
 
 def names_version(pointer: Document | None, version: Location) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -29,6 +31,11 @@ class BestWeights(BoundaryPart):
     a gang resumed from it writes model.pt again (`after_resume`). Weights an elastic gang's
     formation took over in memory (tasks/gang/handover.py) wait for its first checkpoint too:
     that formation may be lost before it, and the gang then resumes from the older checkpoint.
+
+    The copy is forgotten only once model.pt and its card have landed (`_landed`, in the
+    writing thread), never when it is handed to the writer: a write the store refuses leaves
+    the copy here, so that a rank of an elastic gang parks it (tasks/training/leaving.py) and
+    the next formation writes it, instead of going on with model.pt one best behind.
     """
 
     name = "best weights"
@@ -43,7 +50,10 @@ class BestWeights(BoundaryPart):
         self.selection = selection
         self.best: float | None = None
         self.epoch: int | None = None  # the best epoch so far, counted from 1: model.pt's once written
-        self._unwritten: tuple[int, dict[str, torch.Tensor]] | None = None  # (epoch, its weights)
+        # (epoch, its weights) until model.pt holds them; the writing thread clears it (`_landed`).
+        self._unwritten: BestEpoch | None = None
+        self._submitted: BestEpoch | None = None  # the copy last given to the writer
+        self._lock = threading.Lock()
 
     def after_resume(self, resumed: Resumed) -> None:
         """The best epoch of the history resumed, and its weights where model.pt may lack them:
@@ -54,10 +64,11 @@ class BestWeights(BoundaryPart):
         values = [h[self.selection.metric] for h in history]
         best = best_index(values, self.selection.direction)
         self.best, self.epoch = values[best], history[best]["epoch"]
-        if best == len(history) - 1 and resumed.position == 0:  # mid-epoch, the model is past that epoch
+        # Mid-epoch the model is past that epoch; a stopped run's weights may be (tasks/training/run_stop.py).
+        if best == len(history) - 1 and resumed.position == 0 and not resumed.stopped:
             self._keep()
         elif self.keeps and resumed.best and resumed.best[0] == self.epoch:
-            self._unwritten = resumed.best
+            self._hold(resumed.best)
 
     def after_epoch(self, end: EpochEnd) -> Stop | None:
         """An epoch better than the best before it: its weights copied to memory, to be written."""
@@ -69,30 +80,45 @@ class BestWeights(BoundaryPart):
 
     def _keep(self) -> None:
         if self.keeps and self.epoch is not None:
-            self._unwritten = (self.epoch, to_cpu(self.model.state_dict()))
+            self._hold((self.epoch, to_cpu(self.model.state_dict())))
+
+    def _hold(self, best: BestEpoch) -> None:
+        with self._lock:
+            self._unwritten = best
 
     def unwritten(self, epoch: int | None) -> BestEpoch | None:
         """The kept best epoch's weights for the checkpoint of `epoch` (counted from 1; None: a
-        state parked mid-epoch, whose weights are no recorded epoch's) to carry: None when
-        model.pt has them already, or they are that checkpoint's own."""
+        state parked mid-epoch, or a stopped run's, whose weights are taken for no recorded
+        epoch's) to carry: None when model.pt has them already, or they are that checkpoint's own."""
         if self._unwritten is None or self._unwritten[0] == epoch:
             return None
         return self._unwritten
 
     def waiting(self) -> bool:
-        """Whether a best epoch's weights wait for a checkpoint to hold them before model.pt may."""
-        return self._unwritten is not None
+        """Whether a best epoch's weights wait for a checkpoint to hold them before model.pt may
+        (given to the writer already, they wait for the write alone)."""
+        return self._unwritten is not None and self._unwritten is not self._submitted
 
     def write_after_checkpoint(self, writer: BackgroundWriter) -> None:
-        """Give the writer the best epoch kept since the last checkpoint, to write after it (rank 0)."""
-        if self._unwritten is None or not self.enabled:
+        """Give the writer the best epoch kept since the last checkpoint, to write after it (rank 0);
+        the copy stays here until the write lands."""
+        best = self._unwritten
+        if best is None or not self.enabled:
             return
-        epoch, weights = self._unwritten
-        self._unwritten = None
-        writer.submit(f"model.pt (epoch {epoch})", lambda: self._write(epoch, weights))
+        self._submitted = best
+        writer.submit(f"model.pt (epoch {best[0]})", lambda: self._write(best))
 
-    def _write(self, epoch: int, weights: dict[str, torch.Tensor]) -> None:
+    def _write(self, best: BestEpoch) -> None:
+        """In the writing thread: model.pt, then its card; the copy is forgotten once both landed."""
+        epoch, weights = best
         save_torch(self.files.model, weights, self.files.options,
                    on_part=lambda: self.ctx.progress("checkpoint", epoch=epoch))
         write_json(self.files.card, self.files.card_fields | {
             "epoch": epoch, "selected_by": self.selection.describe()}, self.files.options)
+        self._landed(best)
+
+    def _landed(self, best: BestEpoch) -> None:
+        """Forget `best`, unless a newer best took its place while it was written."""
+        with self._lock:
+            if self._unwritten is best:
+                self._unwritten = None

@@ -25,6 +25,7 @@ from typing import Any
 
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.training.pass_sums import PassSums
+from prefect_ddp.tasks.training.run_stop import RunStop
 from prefect_ddp.tasks.training.step_times import StepClock
 
 
@@ -56,10 +57,17 @@ class EpochEnd:
 
 @dataclass(frozen=True)
 class TrainingEnd:
-    """The loop is over: every epoch trained (`completed`), or the run stopped early."""
+    """The loop is over: every epoch trained, or the run stopped early (`stop`)."""
 
     history: list[dict[str, Any]]
-    completed: bool
+    stop: RunStop | None = None
+    stop_saved: bool = False  # the stop was read from the checkpoint: storage holds it already
+
+    @property
+    def completed(self) -> bool:
+        """Every epoch trained, or a part's early stop ended the run as if its last epoch were the
+        one it stopped after (`Stop`); not a prune, nor too many unreadable images."""
+        return self.stop is None or self.stop.kind == "stop"
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,9 @@ class Stop:
 
     `pruned`: a sweep's pruner stopped it, so nothing of the run is kept for promotion and no
     champion is scored (RankResult.pruned_at). Otherwise the run ends as if its last epoch
-    was this one (an early stop): its best epoch is kept and compared as any run's.
+    was this one (an early stop): its best epoch is kept and compared as any run's. Either way
+    the stop is checkpointed as the run's end (tasks/training/run_stop.py): a resumed run
+    trains no epoch after it.
     """
 
     why: str

@@ -18,6 +18,7 @@ from prefect_ddp.tasks.training.checkpoint_interval import CheckpointSchedule
 from prefect_ddp.tasks.training.checkpoint_writer import BackgroundWriter
 from prefect_ddp.tasks.training.checkpoints import TrainingState
 from prefect_ddp.tasks.training.job import RunFiles
+from prefect_ddp.tasks.training.run_stop import RunStop
 
 
 class Checkpointing(BoundaryPart):
@@ -51,24 +52,26 @@ class Checkpointing(BoundaryPart):
         return None
 
     def after_training(self, end: TrainingEnd) -> None:
-        """Best weights taken over after the last epoch get their checkpoint first; then every rank
-        waits for rank 0's writes, in rounds that tell the supervisor it is alive (`wait_for_main`)."""
-        if self.ctx.is_main and self.kept.waiting() and end.completed:
-            self.save(end.history)
+        """A stop the checkpoint lacks (decided now, or taken over in memory) is checkpointed as the
+        run's end, and best weights taken over after the last epoch get their checkpoint; then every
+        rank waits for rank 0's writes, in rounds that tell the supervisor it is alive (`wait_for_main`)."""
+        if self.ctx.is_main and ((end.stop and not end.stop_saved) or self.kept.waiting()):
+            self.save(end.history, end.stop)
         self.ctx.wait_for_main(self.writer.finished)
         self.writer.wait()
 
-    def save(self, history: list[dict[str, Any]]) -> None:
-        """Checkpoint the epochs of `history`, then model.pt's new best after it; the schedule
-        learns the seconds training waited for the copy (δ)."""
+    def save(self, history: list[dict[str, Any]], stop: RunStop | None = None) -> None:
+        """Checkpoint the epochs of `history` (and the run's `stop`), then model.pt's new best after
+        it; the schedule learns the seconds training waited for the copy (δ)."""
         started = time.monotonic()
         writer = self.writer
         writer.wait()  # the writes before: one snapshot in memory at a time, and a failed write raised here
         self.ctx.check_lease()  # a rank whose gang no longer holds its worker copies nothing (the writer checks again)
-        epoch = history[-1]["epoch"]
+        epoch = stop.epoch if stop else history[-1]["epoch"]
+        # A stopped run's weights are taken for no epoch's: it carries its best whatever its epoch (run_stop.py).
         snapshot = self.state.snapshot(epoch - 1, history, self.fingerprint, self.ctx.world_size,
-                                       best=self.kept.unwritten(epoch))
-        writer.submit(f"the checkpoint of epoch {epoch}", lambda: save_torch(
+                                       best=self.kept.unwritten(None if stop else epoch), stop=stop)
+        writer.submit(f"the checkpoint of epoch {epoch}{' (the run stopped)' if stop else ''}", lambda: save_torch(
             self.files.checkpoint, snapshot, self.files.options, on_part=lambda: self.ctx.progress("checkpoint", epoch=epoch)))
         self.kept.write_after_checkpoint(writer)
         if self.ctx.trial is not None:

@@ -28,6 +28,7 @@ from prefect_ddp.tasks.data.storage import (
 from prefect_ddp.tasks.gang import broadcast_bytes
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.training.checkpoint_writer import to_cpu
+from prefect_ddp.tasks.training.run_stop import RunStop
 
 # The recipe fields that change what a resumed training would compute.
 RECIPE_FIELDS = {"batch_size", "image_size", "optimizer", "lr", "momentum", "weight_decay",
@@ -62,6 +63,7 @@ class Resumed(NamedTuple):
     # What the formations before trained of next_epoch up to `position`, where the last left whole
     # (to grow): tasks/training/regrouping.py's EpochSoFar, as parked; None where a rank was lost.
     trained: dict[str, Any] | None = None
+    stopped: RunStop | None = None  # the run ended here early: nothing more is trained (tasks/training/run_stop.py)
 
 
 @dataclass
@@ -74,13 +76,14 @@ class TrainingState:
     scaler: torch.amp.GradScaler
 
     def snapshot(self, epoch: int, history: list[dict[str, Any]], fingerprint: dict[str, Any],
-                 world_size: int, best: BestEpoch | None = None) -> dict[str, Any]:
+                 world_size: int, best: BestEpoch | None = None, stop: RunStop | None = None) -> dict[str, Any]:
         """The checkpoint, copied into memory of its own (`to_cpu`): training may go on while it
         is written (tasks/training/checkpoint_writer.py).
 
         `best`: the best epoch's weights (already a copy) when they are not this epoch's and
         model.pt may not hold them yet: a gang resumed from this checkpoint writes model.pt
-        from them (tasks/training/best_weights.py).
+        from them (tasks/training/best_weights.py). `stop`: the run ended early after `epoch`;
+        a gang resumed from this checkpoint trains nothing more.
         """
         snapshot: dict[str, Any] = to_cpu({
             "model": self.model.state_dict(),
@@ -94,6 +97,8 @@ class TrainingState:
         })
         if best is not None:
             snapshot["best"] = {"epoch": best[0], "model": best[1]}
+        if stop is not None:
+            snapshot["stopped"] = stop.as_dict()
         return snapshot
 
     def resume(self, url: str, options: dict[str, Any], fingerprint: dict[str, Any],
@@ -131,7 +136,7 @@ class TrainingState:
         best = checkpoint.get("best") if is_rank0() or handed is not None else None
         return Resumed(checkpoint["epoch"] + 1, list(checkpoint["history"]),
                        (best["epoch"], best["model"]) if best else None, checkpoint.get("position", 0),
-                       checkpoint.get("trained"))
+                       checkpoint.get("trained"), RunStop.from_dict(checkpoint.get("stopped")))
 
 
 def readable_checkpoint(url: str, data: bytes | None) -> dict[str, Any] | None:

@@ -50,7 +50,7 @@ def take_up(ctx: RankContext, job: TrainJob, rank: RankSetup) -> Formation:
                                 scales_lr(job.training), rank.device, handed=handed.data if handed else None)
     kept.after_resume(resumed)
     carried = EpochSoFar.from_dict(resumed.trained) if resumed.trained else None
-    position = Position(resumed.next_epoch, start=resumed.position, carried=carried)
+    position = Position(resumed.next_epoch, start=resumed.position, carried=carried, stopped=resumed.stopped)
     # A resumed run's warmup is behind it, as far as it got.
     rank.warmup.done = position.epoch * len(rank.data.train) + position.start // (rank.batch_size * ctx.world_size)
     leaving = Leaving(ctx, rank.state, position, rank.data.train.sampler, resumed.history, fingerprint, rank.warmup,
@@ -76,6 +76,9 @@ def begin(ctx: RankContext, job: TrainJob, formation: Formation) -> Attempt:
                 "formation kept in memory; the checkpoint was not read", ctx.rank, position.epoch + 1, position.start)
     elif position.epoch:
         log.log(level, "Rank %d resumed from %s after epoch %d", ctx.rank, formation.files.checkpoint, position.epoch)
+    if position.stopped:
+        log.log(level, "The run stopped after epoch %d in an attempt before this one (%s): nothing more is trained. "
+                "To train it further, give it a new output.url.", position.stopped.epoch, position.stopped.why)
     attempts = record_attempt(formation.files.attempts, formation.files.options, ctx.attempt + 1, ctx.world_size,
                               position.epoch, position.start, formation.handed,
                               ctx.regroups) if ctx.is_main else []

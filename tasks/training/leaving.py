@@ -54,8 +54,10 @@ class Leaving:
             self._park(self.position.carried if self.position.samples == 0 else None)
 
     def _park(self, trained: EpochSoFar | None = None) -> None:
-        # Mid-epoch the model has moved past every recorded epoch: kept best weights go along whatever their epoch.
-        own = self.position.epoch if self.position.global_position(self.sampler) == 0 else None
+        # Mid-epoch the model has moved past every recorded epoch, and a stopped run's is taken for none
+        # (tasks/training/run_stop.py): kept best weights go along whatever their epoch.
+        stopped = self.position.stopped
+        own = self.position.epoch if not stopped and self.position.global_position(self.sampler) == 0 else None
         best = self.kept.unwritten(own)
         park_state(self.ctx, self.state, self.position, self.sampler, self.history, self.fingerprint, self.warmup,
                    best, trained)

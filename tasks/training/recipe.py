@@ -36,6 +36,7 @@ from prefect_ddp.tasks.training.optimization import step_scheduler
 from prefect_ddp.tasks.training.parts import PartFactory, RankTraining, boundary_parts
 from prefect_ddp.tasks.training.rank_result import RankResult
 from prefect_ddp.tasks.training.rank_setup import RankSetup, set_up_rank
+from prefect_ddp.tasks.training.run_stop import RunStop
 from prefect_ddp.tasks.training.step_times import time_gradient_sync
 from prefect_ddp.tasks.training.unreadable import UnreadableTally
 
@@ -75,13 +76,15 @@ def train_formation(ctx: RankContext, job: TrainJob, rank: RankSetup, formation:
     training = RankTraining(ctx, job, rank, formation, begin(ctx, job, formation), writer)
     if not formation.handed:  # a resumed best epoch model.pt may lack; one handed over waits for a checkpoint
         formation.kept.write_after_checkpoint(writer)
+    taken_up = formation.position.stopped  # a formation before stopped the run: nothing more to train
     with Boundaries(boundary_parts(training, parts)) as boundary:
         try:
-            trained = train_epochs(training, ddp_model, unreadable, boundary)
+            trained = Trained(stop=taken_up) if taken_up else train_epochs(training, ddp_model, unreadable, boundary)
         finally:
             rank.data.train_epochs.close()  # its loader processes stop now, busy or not
             remove_dead_loader_folders()  # a killed peer's orphaned loader processes have exited by now
-        boundary.after_training(TrainingEnd(formation.history, completed=trained.completed))
+        boundary.after_training(TrainingEnd(formation.history, trained.stop,
+                                            stop_saved=taken_up is not None and not formation.handed))
         if trained.checkpoint_s:  # the wait for the last writes joins the last epoch's
             trained.checkpoint_s[-1] = round(trained.checkpoint_s[-1] + boundary.spent(WRITING_PARTS), 3)
     return RankResult(
@@ -94,10 +97,10 @@ def train_formation(ctx: RankContext, job: TrainJob, rank: RankSetup, formation:
         history=formation.history,
         best_epoch=formation.kept.epoch,
         selected_by=formation.kept.selection.describe(),
-        pruned_at=trained.pruned_at,
+        pruned_at=trained.stop.pruned_at if trained.stop else None,
         attempts=training.attempt.attempts,
         unreadable=unreadable.summary(),
-        stopped=trained.stopped,
+        stopped=trained.stop.unreadable if trained.stop else None,
         recipe=rank.recipe,
         comparison=formation.comparison,
     )
@@ -111,12 +114,7 @@ class Trained:
     # The seconds training waited for rank 0's copies to memory and writes, outside the record
     # (which the checkpoint holds).
     checkpoint_s: list[float] = field(default_factory=list)
-    pruned_at: int | None = None  # the epoch after which a sweep's pruner stopped the run
-    stopped: str | None = None  # why too many unreadable images stopped it, keeping nothing of that epoch
-
-    @property
-    def completed(self) -> bool:
-        return not (self.pruned_at or self.stopped)
+    stop: RunStop | None = None  # why the run ended before its last epoch, here or in a formation before
 
 
 def train_epochs(training: RankTraining, ddp_model: nn.Module, unreadable: UnreadableTally,
@@ -130,9 +128,10 @@ def train_epochs(training: RankTraining, ddp_model: nn.Module, unreadable: Unrea
     for epoch in range(position.epoch, epochs):
         record, images = run_epoch(ctx, rank, ddp_model, boundary, unreadable, position, epoch,
                                    start=position.start, next_epoch=epoch + 1 if epoch + 1 < epochs else None)
-        trained.stopped = unreadable.exceeded(record["epoch"])  # the gang's count: every rank stops here, or none
-        if trained.stopped:
-            log.log(level, "Stopped after epoch %d, keeping nothing of it: %s", record["epoch"], trained.stopped)
+        exceeded = unreadable.exceeded(record["epoch"])  # the gang's count: every rank stops here, or none
+        if exceeded:
+            log.log(level, "Stopped in epoch %d, keeping nothing of it: %s", record["epoch"], exceeded)
+            trained.stop = position.stopped = RunStop(len(history) and history[-1]["epoch"], exceeded, "unreadable")
             break
         trained.local_train_samples.append(images)
         step_scheduler(rank.state.scheduler, record["val_loss"])
@@ -143,6 +142,6 @@ def train_epochs(training: RankTraining, ddp_model: nn.Module, unreadable: Unrea
         trained.checkpoint_s.append(round(boundary.spent(WRITING_PARTS), 3))  # rank 0's; the others write none
         if stop:
             log.log(level, "Stopped after epoch %d: %s", record["epoch"], stop.why)
-            trained.pruned_at = record["epoch"] if stop.pruned else None
+            trained.stop = position.stopped = RunStop(record["epoch"], stop.why, "pruned" if stop.pruned else "stop")
             break
     return trained

@@ -27,6 +27,7 @@ from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.training.checkpoints import BestEpoch, TrainingState
 from prefect_ddp.tasks.training.optimization import Warmup
+from prefect_ddp.tasks.training.run_stop import RunStop
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Position:
     # What the formations before trained of the epoch up to `start`, where the last left whole;
     # None: it lost a rank, and the images up to `start` are counted without their sums.
     carried: EpochSoFar | None = None
+    stopped: RunStop | None = None  # the run ended early here: no epoch is trained after it
 
     def stepped(self, epoch: int, samples: int) -> None:
         self.epoch, self.samples = epoch, samples
@@ -90,18 +92,20 @@ def park_state(ctx: RankContext, state: TrainingState, position: Position, sampl
     (a position the next formation could not start from, or the snapshot failed: logged, never
     raised, so the rank's own way out stays the one seen). The next formation then reads the
     checkpoint, as a fixed-size gang does. `trained`: the epoch's train sums so far, where every
-    rank is here to add them up (a grow), for the next formation to go on with (`Position.carried`)."""
-    where = position.global_position(sampler)
+    rank is here to add them up (a grow), for the next formation to go on with (`Position.carried`).
+    A stopped run parks its stop: the next formation trains nothing more, wherever it stopped."""
+    where = 0 if position.stopped else position.global_position(sampler)
     if where is None:
         return False
     try:
         warmup.end_epoch(state.optimizer)  # the epoch's own rate, as a checkpoint holds it
-        snapshot = state.snapshot(position.epoch - 1, history, fingerprint, ctx.world_size, best=best)
+        snapshot = state.snapshot(position.epoch - 1, history, fingerprint, ctx.world_size, best=best,
+                                  stop=position.stopped)
         snapshot["position"] = where
         snapshot["trained"] = trained.as_dict() if trained else None
         buffer = io.BytesIO()
         torch.save(snapshot, buffer)
-        ctx.park((position.epoch, where), buffer.getvalue())
+        ctx.park((position.epoch, where), buffer.getvalue(), carries=best[0] if best else -1)
     except Exception:
         run_logger().exception("Rank %d could not park its state; the next formation reads the checkpoint", ctx.rank)
         return False

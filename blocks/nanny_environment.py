@@ -1,0 +1,67 @@
+"""Each worker of a local CPU cluster starts with the environment of the process that starts it,
+as it is at that moment: at the cluster's start, at every restart and every worker added later.
+
+A worker forked from the forkserver (blocks/worker_forkserver.py) begins with the forkserver's
+environment, which was this process's when the first worker started. Handing each nanny a copy
+of `os.environ` made at the cluster's creation (as this project did before) put that copy in
+every restart and every worker `cluster.scale` added: a variable changed since reverted, one
+added since was missing, a credential removed since was still there, and every secret of the
+environment sat in `cluster.worker_spec`. `CurrentEnvironmentNanny` reads the environment when
+it starts its worker instead, and the worker drops whatever it inherited that the nanny did not
+give (`leave_only_given`, run as the worker's first preload, before any other module reads the
+environment). The nanny's options keep only what the cluster was given explicitly (the
+flow's Prefect API URL, a caller's `env`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from distributed import Nanny
+from distributed.core import Status
+
+# The names, never the values, of the variables the nanny gave: the worker keeps those alone.
+GIVEN_NAMES = "PREFECT_DDP_WORKER_ENVIRONMENT"
+
+
+class CurrentEnvironmentNanny(Nanny):
+    """A Nanny whose worker gets this process's environment of the moment it (re)starts it, with
+    Dask's own variables under it and the cluster's `env` over it."""
+
+    def __init__(self, *args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> None:
+        self.given_env = {name: str(value) for name, value in (env or {}).items()}
+        super().__init__(*args, env=self.given_env, **kwargs)
+        self.dask_env = dict(self.env)  # Dask's pre-spawn and nanny environ settings, as the nanny merged them
+
+    async def instantiate(self) -> Status:
+        self.env = self.current_environment()
+        if self.process is not None:  # a restart reuses the worker process's handle, and the env it was given
+            self.process.env = self.env
+        return await super().instantiate()
+
+    def current_environment(self) -> dict[str, str]:
+        env = {**self.dask_env, **os.environ, **self.given_env}
+        return env | {GIVEN_NAMES: json.dumps(sorted(env))}
+
+
+def leave_only_given(environ: Any = os.environ) -> list[str]:
+    """In a worker started by a CurrentEnvironmentNanny: remove the variables it inherited from the
+    forkserver that its nanny did not give; returns their names. Does nothing elsewhere.
+
+    The list of names is taken out of the environment too, so that what the worker starts later
+    (a rank's loader processes) never prunes what the worker set meanwhile.
+    """
+    given = environ.pop(GIVEN_NAMES, None)
+    if given is None:
+        return []
+    keep = set(json.loads(given))
+    removed = [name for name in environ if name not in keep]
+    for name in removed:
+        del environ[name]
+    return removed
+
+
+# A preload module is imported as its worker starts, in the order of the preload list; this one is first.
+leave_only_given()
