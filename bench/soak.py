@@ -2,6 +2,13 @@
 
     .venv/bin/python -m bench.soak [--runs 100] [--seed 0] [--workers 3] [--external]
                                    [--fault-share 0.55] [--store-share 0.55] [--plan-only]
+    .venv/bin/python -m bench.soak --recipe [--runs 100] [--seed 0] [--workers 3] [--plan-only]
+
+With `--recipe` (issue 56) every run is the product's recipe on an elastic gang, under the
+faults of bench/soak_recipe.py (a refused write of the best weights or a checkpoint crossed with
+an elastic take-over, a stop crossed with a retry or a take-over, a worker restarted after the
+environment changed, a killed worker), and after each the invariant "model.pt holds the weights
+of the epoch the run reports" is checked with the others there. What follows is the gang soak's.
 
 A night's life for the gang, compressed: runs of a 2-rank gang (a short training loop of
 collectives that calls `ctx.check_stop()` after each step, `bench/soak_ranks.py`) one after
@@ -92,6 +99,16 @@ from prefect_ddp.tasks.urls import child_url
 from bench import soak_ranks
 from bench.overhead import quiet_dask, running_prefect_server
 from bench.soak_ranks import KEPT_NAME, Store, base_location, checkpoint_url, run_url
+from bench.soak_recipe import (
+    REMOVED_LATER,
+    STOPPING,
+    change_environment,
+    environment_violations,
+    injected,
+    plan_recipe,
+    recipe_violations,
+)
+from tests.support.image_folders import local_image_folder
 from tests.support.external_dask import TRAINING_ENV, dask_processes, owner_environment
 from tests.support.faulty_s3 import FaultyS3, faulty_s3
 
@@ -396,6 +413,56 @@ def soak_cluster(workers: int, external: bool, work: Path) -> Iterator[str]:
         yield address
 
 
+def recipe_soak(runs: int, seed: int, workers: int, client: distributed.Client, address: str, front: FaultyS3,
+                s3_endpoint: str, work: Path) -> list[dict[str, Any]]:
+    """The recipe runs of `--recipe`, one after another; each run's row, as printed."""
+    planned = plan_recipe(runs, seed)
+    images = work / "images"
+    manifest = local_image_folder(images, per_class=6)
+    rows = []
+    for number, (fault, every, scores) in enumerate(planned, start=1):
+        marks = work / f"run-{number}"
+        marks.mkdir()
+        store: Store = {"endpoint": front.endpoint, "bucket": BUCKET, "run": f"run-{number}", "number": number}
+        restarted = change_environment(client, number) if fault == "env-restart" else None
+        began = time.monotonic()
+        with injected(fault, client, front, s3_endpoint, store, marks) as seen:
+            threads = ThreadPoolExecutor(1)  # a hung run must not hold up the runs after it
+            future = threads.submit(copy_context().run, soak_ranks.run_recipe, address, str(marks), store, str(images),
+                                    manifest, every, scores, fault in STOPPING)
+            threads.shutdown(wait=False)
+            try:
+                result = future.result(timeout=RUN_LIMIT_S)
+            except FutureTimeout:
+                result = {"state": "HUNG", "calls": []}
+        found = violations(client, workers, result, None, None)
+        if result["state"] == "COMPLETED":
+            try:
+                found += recipe_violations(s3_endpoint, store, result, fault, marks, seen)
+            except Exception as error:  # noqa: BLE001 -- a file missing, or one that does not load: a violation
+                found.append(f"{type(error).__name__}: {str(error)[:300]}")
+        if restarted:
+            found += environment_violations(client, restarted, number)
+        calls = result.get("calls") or []
+        rows.append({"run": number, "fault": fault, "every": every, "scores": scores, "fired": seen["fired"],
+                     "state": result["state"],
+                     "seconds": round(time.monotonic() - began, 1), "attempts": result.get("attempts"),
+                     "handed_over": any(any(call["handed_over"][1:]) for call in calls),
+                     "best_epoch": calls[-1]["best_epoch"] if calls else None, "violations": found})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def recipe_summary(rows: list[dict[str, Any]], started: float) -> dict[str, Any]:
+    return {"runs": len(rows), "faults": dict(Counter(row["fault"] or "none" for row in rows)),
+            "faults_fired": dict(Counter(row["fault"] for row in rows if row["fired"])),
+            "runs_handed_over": sum(row["handed_over"] for row in rows),
+            "best_epochs": dict(Counter(str(row["best_epoch"]) for row in rows)),
+            "runs_with_violations": sum(bool(row["violations"]) for row in rows),
+            "slowest_s": max((row["seconds"] for row in rows), default=0.0),
+            "minutes": round((time.time() - started) / 60, 1), "load_average_end": os.getloadavg()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100)
@@ -407,7 +474,13 @@ def main() -> None:
     parser.add_argument("--external", action="store_true",
                         help="scheduler and workers as `dask` processes of their own, not a LocalCluster in this process")
     parser.add_argument("--plan-only", action="store_true", help="print the seed's plan's counts and run nothing")
+    parser.add_argument("--recipe", action="store_true",
+                        help="every run the product's recipe, under bench/soak_recipe.py's faults (issue 56)")
     args = parser.parse_args()
+    if args.recipe and args.plan_only:
+        print(json.dumps({"seed": args.seed, "faults": dict(Counter(
+            p.fault or "none" for p in plan_recipe(args.runs, args.seed)))}))
+        return
     # Drawn before any run, so that the seed alone decides them (the injector's timing draws vary).
     planned = plan(args.runs, args.seed, args.fault_share, args.store_share)
     if args.plan_only:
@@ -416,6 +489,8 @@ def main() -> None:
         return
     random.seed(args.seed)
     quiet_dask()
+    if args.recipe:  # inherited by the cluster's forkserver, then removed before an env-restart
+        os.environ[REMOVED_LATER] = "set before the cluster started"
     work = Path(tempfile.mkdtemp(prefix="bench-soak-"))
     started = time.time()
     with (running_prefect_server(work) as api_url,
@@ -424,6 +499,10 @@ def main() -> None:
           soak_cluster(args.workers, args.external, work) as address,
           distributed.Client(address) as client):
         create_bucket(s3_endpoint, BUCKET)
+        if args.recipe:
+            rows = recipe_soak(args.runs, args.seed, args.workers, client, address, front, s3_endpoint, work)
+            print(json.dumps(recipe_summary(rows, started)), flush=True)
+            return
         print(json.dumps({"api": api_url, "scheduler": address, "s3": s3_endpoint, "front": front.endpoint,
                           "external": args.external, "seed": args.seed, "plan": plan_counts(planned),
                           "load_average": os.getloadavg()}), flush=True)

@@ -1,4 +1,4 @@
-"""The soak's gang (bench/soak.py): its rank functions, its flow, and a flow process to run it.
+"""The soak's gang (bench/soak.py): its rank functions, its flows, and a flow process to run one.
 
     python -m bench.soak_ranks SCHEDULER_ADDRESS FN_NAME MARKS_FOLDER STEPS [STORE_JSON]
 
@@ -13,6 +13,13 @@ broadcast from rank 0 as the recipe does), so that each step is counted once; at
 flow writes a tiny real model into the run's folder (model.pt, model.json) and keeps it
 through the product's promotion (`promote`) under `soak/`, with a val accuracy that rises
 with the run's number, so that every completed run is promoted.
+
+`soak_recipe` (bench/soak.py --recipe) runs the product's recipe itself (`train_classifier`, a
+tiny mobilenet on 32-px shapes) on an elastic gang of 1 to 2 ranks, writing its checkpoints
+and model.pt to the run's folder; rank 0 keeps each epoch's weights in the marks folder
+(`EpochWeights`), so that the soak can check that model.pt holds the weights of the epoch the
+run reports. With `stop`, a part stops the run after STOP_AFTER epochs, and the flow runs the
+gang again as a flow retry would: the retry must train nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import json
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, TypedDict, cast
 
@@ -31,7 +39,9 @@ from prefect.runtime import flow_run
 from prefect_dask import DaskTaskRunner
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
-from prefect_ddp.tasks.config import ModelConfig
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
+from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.data.storage import save_torch, write_json
 from prefect_ddp.tasks.gang import (
     GangError,
@@ -42,8 +52,13 @@ from prefect_ddp.tasks.gang import (
 )
 from prefect_ddp.tasks.results.promotion import kept_location, promote, read_pointer
 from prefect_ddp.tasks.results.records import TrainingSummary
+from prefect_ddp.tasks.training.boundary import BoundaryPart, EpochEnd
 from prefect_ddp.tasks.training.checkpoints import read_committed, readable_checkpoint
+from prefect_ddp.tasks.training.job import TrainJob
 from prefect_ddp.tasks.training.model import build_model, model_card
+from prefect_ddp.tasks.training.parts import RankTraining
+from prefect_ddp.tasks.training.recipe import train_classifier
+from tests.support.two_ranks import StopAfterEpochsSeen, scored_epochs
 
 STEPS = 60
 STEP_PAUSE_S = 0.05
@@ -52,6 +67,8 @@ CHECKPOINT_EVERY = 10  # steps; the last step always saves one
 KEPT_NAME = "soak"  # the kept model's name: <bucket>/soak/latest.json, <bucket>/soak/versions/<run>/
 CLASSES = ["a", "b"]
 IMAGE_SIZE = 32
+RECIPE_EPOCHS = 4
+STOP_AFTER = 2  # epochs: StopAfterEpochsSeen's default
 
 
 class Store(TypedDict):
@@ -170,6 +187,76 @@ def keep_model(store: Store, kept_at_start: str | None) -> dict[str, Any]:
                            kept_location(base, KEPT_NAME), {"name": store["run"], "flow_run_id": str(flow_run.get_id())},
                            kept_at_start=kept_at_start)
     return {"promoted": promotion.promoted, "reason": promotion.reason, "kept_url": promotion.kept_url}
+
+
+class EpochWeights(BoundaryPart):
+    """Rank 0 keeps each epoch's weights as `epoch{n}.pt` in `folder` (the weights a best epoch's copy
+    is taken from; an epoch trained again replaces its file)."""
+
+    name = "epoch weights"
+
+    def __init__(self, training: RankTraining, folder: str) -> None:
+        self.training = training
+        self.folder = Path(folder)
+
+    def after_epoch(self, end: EpochEnd) -> None:
+        if self.training.ctx.is_main:  # whole or absent: the soak may kill this process mid-write
+            kept = self.folder / f"epoch{end.record['epoch']}.pt"
+            torch.save(self.training.rank.state.model.state_dict(), kept.with_suffix(".tmp"))
+            kept.with_suffix(".tmp").replace(kept)
+
+
+def recipe_job(store: Store, images: str, manifest: Manifest, every: str) -> TrainJob:
+    """The run's job: the shapes under `images`, its output in the run's folder through the store's
+    endpoint. Its client sends each request once, so that a write the store refuses fails in
+    seconds (6.6 s here), not after botocore's and the product's retries (132 s for model.pt)."""
+    output = base_location(store).with_url(run_url(store)).model_copy(update={"max_attempts": 1})
+    return TrainJob(
+        source=DataLocation(url=images), output=output, manifest=manifest,
+        split=stratified_split(manifest, 0.25, 0), model=ModelConfig(backbone="mobilenet_v3_small"),
+        training=TrainingConfig(epochs=RECIPE_EPOCHS, batch_size=4, image_size=IMAGE_SIZE, num_workers=0,
+                                optimizer="adamw", lr=1e-3, checkpoint_every=every),
+    )
+
+
+def scored_recipe(ctx: RankContext, job: TrainJob, scores: list[float], parts: list[Any]) -> Any:
+    """The recipe, its epochs scoring `scores` (so that the soak's seed chooses the best epoch)."""
+    scored_epochs(scores)
+    return train_classifier(ctx, job, parts=parts)
+
+
+@flow(name="soak-recipe")
+def soak_recipe(address: str, marks: str, store: dict[str, Any], images: str, manifest: Manifest, every: str,
+                scores: list[float], stop: bool = False) -> dict[str, Any]:
+    """The recipe on an elastic gang of 1 to 2 ranks, epoch n scoring scores[n - 1] (with `stop`,
+    stopped by a part after STOP_AFTER epochs and run again as a retry would); what each call
+    returned, as the soak checks it."""
+    job = recipe_job(cast(Store, store), images, manifest, every)
+    parts = [partial(EpochWeights, folder=marks), *([StopAfterEpochsSeen] if stop else [])]
+    calls = []
+    with DaskTaskRunner(address=address) as runner:
+        for _ in range(2 if stop else 1):
+            results = run_gang(partial(scored_recipe, scores=scores, parts=parts), job, task_runner=runner, world_size=2,
+                               min_world_size=1, max_restarts=3, output_url=job.output.url,
+                               init_timeout=timedelta(seconds=60), lease_timeout=timedelta(seconds=180),
+                               timeout=timedelta(seconds=180), hang_timeout=timedelta(seconds=60))
+            first = results[0]
+            calls.append({"best_epoch": first.best_epoch, "history": [h["epoch"] for h in first.history],
+                          "trained": len(first.local_train_samples), "attempts": len(results.attempts),
+                          "handed_over": [a["handed_over"] for a in first.attempts]})
+    return {"calls": calls}
+
+
+def run_recipe(address: str, marks: str, store: Store, images: str, manifest: Manifest, every: str,
+               scores: list[float], stop: bool) -> dict[str, Any]:
+    """The recipe run's outcome, as the soak checks it (`run`'s keys, and `calls`)."""
+    state = soak_recipe(address, marks, dict(store), images, manifest, every, scores, stop, return_state=True)
+    result = state.result(raise_on_failure=False)
+    outcome: dict[str, Any] = result if isinstance(result, dict) else {}
+    return {"state": state.type.value, "error": "" if outcome else f"{type(result).__name__}: {result}"[:2000],
+            "flow_run_id": str(state.state_details.flow_run_id), "gang_failed": isinstance(result, GangError),
+            "calls": outcome.get("calls", []),
+            "attempts": sum(call["attempts"] for call in outcome.get("calls", [])) or None}
 
 
 @flow(name="soak-gang")

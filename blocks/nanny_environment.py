@@ -8,9 +8,15 @@ every restart and every worker `cluster.scale` added: a variable changed since r
 added since was missing, a credential removed since was still there, and every secret of the
 environment sat in `cluster.worker_spec`. `CurrentEnvironmentNanny` reads the environment when
 it starts its worker instead, and the worker drops whatever it inherited that the nanny did not
-give (`leave_only_given`, run as the worker's first preload, before any other module reads the
-environment). The nanny's options keep only what the cluster was given explicitly (the
-flow's Prefect API URL, a caller's `env`).
+give (`leave_only_given`). The nanny's options keep only what the cluster was given
+explicitly (the flow's Prefect API URL, a caller's `env`).
+
+A worker forked from the forkserver imports the script that started the cluster first (as
+`__mp_main__`), before the nanny's environment is applied; a script that imports this package
+at its top imports this module then too. So `leave_only_given` runs both when this module is
+imported as the worker's first preload (before the other preloads read the environment) and
+when Dask calls `dask_setup` as the worker starts, after the environment is applied; whichever
+finds the nanny's list first prunes, and takes the list out.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import json
 import os
 from typing import Any
 
-from distributed import Nanny
+from distributed import Nanny, Worker
 from distributed.core import Status
 
 # The names, never the values, of the variables the nanny gave: the worker keeps those alone.
@@ -61,6 +67,11 @@ def leave_only_given(environ: Any = os.environ) -> list[str]:
     for name in removed:
         del environ[name]
     return removed
+
+
+def dask_setup(worker: Worker) -> None:
+    """Dask calls this in each worker as it starts, after its nanny's environment is applied."""
+    leave_only_given()
 
 
 # A preload module is imported as its worker starts, in the order of the preload list; this one is first.

@@ -12,11 +12,11 @@ Prefect is not preloaded: it reads its settings (PREFECT_API_URL among them) onc
 and each worker is told its API URL only after the fork, by its nanny.
 
 A forked worker starts with the forkserver's environment, which was this process's when the
-first worker started. `create_local_cluster` hands each worker this process's current one, so
-a variable set or changed since still reaches workers, as it does with spawn (where, as here,
-a variable this process has wins over Dask's `distributed.nanny.*environ` defaults); one
-removed since is not removed from them. Each nanny's options (`cluster.worker_spec`) hold that
-copy of the environment: never log or show a worker spec.
+first worker started. `create_local_cluster`'s nannies hand each worker this process's
+environment of the moment they start it, and the worker drops what it inherited that they did
+not give (blocks/nanny_environment.py), so it sees what a spawned worker would: a variable set,
+changed or removed since (where, as with spawn, a variable this process has wins over Dask's
+`distributed.nanny.*environ` defaults).
 
 A process's default start method is the one that started it: each worker sets spawn back
 (`dask_setup`, this module being one of its preloads), so a DataLoader that names no start

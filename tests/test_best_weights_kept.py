@@ -155,3 +155,67 @@ def test_of_states_parked_at_one_position_the_one_carrying_the_best_weights_is_h
     start_ranks(hand_over_as_rank, (free_port(), carries, tmp_path), 2)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"handed{rank}.json").read_text()) == {"data": handed, "carries": max(carries)}
+
+
+@pytest.mark.unit
+def test_a_stop_after_a_refused_model_pt_is_checkpointed_all_the_same(tmp_path, monkeypatch):
+    """A fixed-size gang: the stop comes after epoch 2, whose model.pt the store refused. The stop's
+    checkpoint used to wait for the writes before it, raise their failure and never be written:
+    the retry trained past the stop (break-it review of issue 56)."""
+    job = train_job(tmp_path / "images", tmp_path / "out", epochs=5, every="epoch")
+    scored_epochs([0.5, 0.9, 0.6, 0.6, 0.6], keep_weights=tmp_path, patch=monkeypatch.setattr)
+    refuse_one_write("model.pt", epoch=2, patch=monkeypatch.setattr)
+    with pytest.raises(CheckpointWriteError, match=r"model.pt \(epoch 2\)"):
+        train_classifier(CTX, job, parts=[StopAfterEpochsSeen])
+    again = train_classifier(CTX, job, parts=[StopAfterEpochsSeen])
+    assert [h["epoch"] for h in again.history] == [1, 2] and again.local_train_samples == []
+    assert again.best_epoch == 2 and json.loads((tmp_path / "out" / "model.json").read_text())["epoch"] == 2
+    assert_model_pt_holds(tmp_path / "out", tmp_path / "epoch2.pt")
+
+
+class FailsInTheNextEpoch(torch.nn.Module):
+    """The DDP-wrapped model of a rank whose peer is lost in the first step after `armed` is set: the
+    forward pass has run (BatchNorm's running statistics moved) when the step fails."""
+
+    def __init__(self, inner: torch.nn.Module, armed: dict[str, bool]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.armed = armed
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        out = self.inner(images)
+        if self.training and self.armed["on"]:
+            raise RuntimeError("Connection closed by peer: the gang lost a rank")
+        return out
+
+
+@pytest.mark.unit
+def test_a_take_over_after_a_failed_first_step_keeps_the_best_epoch_s_own_weights(tmp_path, monkeypatch):
+    """Epoch 1 is the best and its model.pt landed; a peer is lost in epoch 2's first step, after its
+    forward pass. The next formation took the parked model for epoch 1's and wrote it over model.pt,
+    though its BatchNorm statistics had moved (found by bench.soak --recipe, issue 56)."""
+    from prefect_ddp.tasks.training import recipe
+
+    job = train_job(tmp_path / "images", tmp_path / "out", epochs=3, every="epoch")
+    ctx = dataclasses.replace(CTX, gang_id="gang-first-step", elastic=True)
+    scored_epochs([0.9, 0.5, 0.5], keep_weights=tmp_path, patch=monkeypatch.setattr)
+    armed = {"on": False}
+    scored, wrap = recipe.run_epoch, recipe.wrap_ddp
+
+    def epoch_then_arm(*args, **kwargs):
+        recorded = scored(*args, **kwargs)
+        armed["on"] = True  # the first epoch is recorded: the next training forward fails
+        return recorded
+
+    monkeypatch.setattr(recipe, "run_epoch", epoch_then_arm)
+    monkeypatch.setattr(recipe, "wrap_ddp", lambda model, device: FailsInTheNextEpoch(wrap(model, device), armed))
+    try:
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            train_classifier(ctx, job)
+        armed["on"] = False
+        monkeypatch.setattr(recipe, "run_epoch", scored)
+        again = train_classifier(dataclasses.replace(ctx, attempt=1), job)
+    finally:
+        drop_parked("gang-first-step")
+    assert again.attempts[-1]["handed_over"] and again.best_epoch == 1
+    assert_model_pt_holds(tmp_path / "out", tmp_path / "epoch1.pt")

@@ -151,7 +151,7 @@ def test_a_gang_resumed_on_fewer_ranks_scales_its_learning_rate_down(tmp_path, s
         saved.scheduler.step()
     save_torch(url, saved.snapshot(0, [], fingerprint, world_size=4), {})
     resumed = state(2)
-    assert resumed.resume(url, {}, fingerprint, world_size=2, scale_lr=True) == (1, [], None, 0, None, None)
+    assert resumed.resume(url, {}, fingerprint, world_size=2, scale_lr=True) == (1, [], None, 0, None, None, True)
     saved_lr = saved.optimizer.param_groups[0]["lr"]
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(saved_lr / 2)
     if scheduler == "cosine":  # the schedule goes on from the halved base lr

@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import distributed
 import psutil
@@ -103,3 +106,15 @@ def test_a_worker_drops_what_it_inherited_that_its_nanny_did_not_give_and_the_li
     assert leave_only_given(inherited) == ["FROM_THE_FORKSERVER"]
     assert inherited == {"GIVEN": "1"}
     assert leave_only_given(inherited) == [] and inherited == {"GIVEN": "1"}  # outside such a worker: nothing
+
+
+def test_a_script_that_imports_the_project_at_its_top_gets_the_same_environment_in_its_workers():
+    """A forked worker imports the user's script (here one that imports prefect_ddp.blocks at its top)
+    before its nanny's environment is applied: the pruning ran then, found nothing to do, and a
+    removed secret stayed in the restarted worker (break-it review of issue 56)."""
+    script = subprocess.run([sys.executable, str(Path(__file__).parent / "support" / "environment_script.py")],
+                            capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert script.returncode == 0, script.stderr[-3000:]
+    seen = json.loads(script.stdout.strip().splitlines()[-1])
+    assert seen == {"started": {"secret": "s3cr3t-value", "child_given_names": "None"},
+                    "restarted": {"secret": None, "child_given_names": "None"}}

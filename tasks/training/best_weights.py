@@ -64,11 +64,12 @@ class BestWeights(BoundaryPart):
         values = [h[self.selection.metric] for h in history]
         best = best_index(values, self.selection.direction)
         self.best, self.epoch = values[best], history[best]["epoch"]
-        # Mid-epoch the model is past that epoch; a stopped run's weights may be (tasks/training/run_stop.py).
-        if best == len(history) - 1 and resumed.position == 0 and not resumed.stopped:
-            self._keep()
-        elif self.keeps and resumed.best and resumed.best[0] == self.epoch:
+        if self.keeps and resumed.best and resumed.best[0] == self.epoch:  # the copy carried: exact
             self._hold(resumed.best)
+        # Mid-epoch the model is past that epoch; a stopped run's weights (tasks/training/run_stop.py) and a
+        # failed formation's (tasks/training/leaving.py) may be too.
+        elif best == len(history) - 1 and resumed.position == 0 and not resumed.stopped and resumed.settled:
+            self._keep()
 
     def after_epoch(self, end: EpochEnd) -> Stop | None:
         """An epoch better than the best before it: its weights copied to memory, to be written."""

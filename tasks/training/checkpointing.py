@@ -15,7 +15,7 @@ from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.training.best_weights import BestWeights
 from prefect_ddp.tasks.training.boundary import BoundaryPart, EpochEnd, Stop, TrainingEnd
 from prefect_ddp.tasks.training.checkpoint_interval import CheckpointSchedule
-from prefect_ddp.tasks.training.checkpoint_writer import BackgroundWriter
+from prefect_ddp.tasks.training.checkpoint_writer import BackgroundWriter, CheckpointWriteError
 from prefect_ddp.tasks.training.checkpoints import TrainingState
 from prefect_ddp.tasks.training.job import RunFiles
 from prefect_ddp.tasks.training.run_stop import RunStop
@@ -55,10 +55,24 @@ class Checkpointing(BoundaryPart):
         """A stop the checkpoint lacks (decided now, or taken over in memory) is checkpointed as the
         run's end, and best weights taken over after the last epoch get their checkpoint; then every
         rank waits for rank 0's writes, in rounds that tell the supervisor it is alive (`wait_for_main`)."""
-        if self.ctx.is_main and ((end.stop and not end.stop_saved) or self.kept.waiting()):
-            self.save(end.history, end.stop)
+        if self.ctx.is_main and end.stop and not end.stop_saved:
+            self.save_stop(end.history, end.stop)
+        elif self.ctx.is_main and self.kept.waiting():
+            self.save(end.history)
         self.ctx.wait_for_main(self.writer.finished)
         self.writer.wait()
+
+    def save_stop(self, history: list[dict[str, Any]], stop: RunStop) -> None:
+        """Checkpoint the run's stop, also after an earlier write failed (then in this thread, and
+        the failure raised after it): the stop's checkpoint is whole on its own, carrying the best
+        weights model.pt may lack, so the gang re-formed after that failure ends at the stop."""
+        try:
+            self.writer.wait()
+        except CheckpointWriteError:
+            self.ctx.check_lease()
+            save_torch(self.files.checkpoint, self.snapshot(history, stop), self.files.options)
+            raise
+        self.save(history, stop)
 
     def save(self, history: list[dict[str, Any]], stop: RunStop | None = None) -> None:
         """Checkpoint the epochs of `history` (and the run's `stop`), then model.pt's new best after
@@ -68,12 +82,17 @@ class Checkpointing(BoundaryPart):
         writer.wait()  # the writes before: one snapshot in memory at a time, and a failed write raised here
         self.ctx.check_lease()  # a rank whose gang no longer holds its worker copies nothing (the writer checks again)
         epoch = stop.epoch if stop else history[-1]["epoch"]
-        # A stopped run's weights are taken for no epoch's: it carries its best whatever its epoch (run_stop.py).
-        snapshot = self.state.snapshot(epoch - 1, history, self.fingerprint, self.ctx.world_size,
-                                       best=self.kept.unwritten(None if stop else epoch), stop=stop)
+        snapshot = self.snapshot(history, stop)
         writer.submit(f"the checkpoint of epoch {epoch}{' (the run stopped)' if stop else ''}", lambda: save_torch(
             self.files.checkpoint, snapshot, self.files.options, on_part=lambda: self.ctx.progress("checkpoint", epoch=epoch)))
         self.kept.write_after_checkpoint(writer)
         if self.ctx.trial is not None:
             writer.wait()
         self.schedule.saved(time.monotonic() - started)
+
+    def snapshot(self, history: list[dict[str, Any]], stop: RunStop | None) -> dict[str, Any]:
+        """The checkpoint of `history`'s last epoch, or of the run's `stop`, in memory of its own."""
+        epoch = stop.epoch if stop else history[-1]["epoch"]
+        # A stopped run's weights are taken for no epoch's: it carries its best whatever its epoch (run_stop.py).
+        return self.state.snapshot(epoch - 1, history, self.fingerprint, self.ctx.world_size,
+                                   best=self.kept.unwritten(None if stop else epoch), stop=stop)

@@ -64,6 +64,9 @@ class Resumed(NamedTuple):
     # (to grow): tasks/training/regrouping.py's EpochSoFar, as parked; None where a rank was lost.
     trained: dict[str, Any] | None = None
     stopped: RunStop | None = None  # the run ended here early: nothing more is trained (tasks/training/run_stop.py)
+    # The model holds exactly the weights of `next_epoch - 1` (a checkpoint, a regroup's park), not a
+    # failed formation's, whose next step may have begun (tasks/training/leaving.py).
+    settled: bool = True
 
 
 @dataclass
@@ -136,7 +139,8 @@ class TrainingState:
         best = checkpoint.get("best") if is_rank0() or handed is not None else None
         return Resumed(checkpoint["epoch"] + 1, list(checkpoint["history"]),
                        (best["epoch"], best["model"]) if best else None, checkpoint.get("position", 0),
-                       checkpoint.get("trained"), RunStop.from_dict(checkpoint.get("stopped")))
+                       checkpoint.get("trained"), RunStop.from_dict(checkpoint.get("stopped")),
+                       checkpoint.get("settled", True))
 
 
 def readable_checkpoint(url: str, data: bytes | None) -> dict[str, Any] | None:

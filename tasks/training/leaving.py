@@ -44,7 +44,7 @@ class Leaving:
                 "its state kept in memory")
         progress.note(self.position.epoch + (sample / self.sampler.size if sample else 0), said)
         run_logger().log(logging.INFO if self.ctx.is_main else logging.DEBUG, said)
-        self._park(trained)
+        self._park(trained, settled=True)
         raise GangRegroup(f"rank {self.ctx.rank} regroups {where}")
 
     def after_failure(self) -> None:
@@ -53,11 +53,13 @@ class Leaving:
         if self.ctx.elastic:
             self._park(self.position.carried if self.position.samples == 0 else None)
 
-    def _park(self, trained: EpochSoFar | None = None) -> None:
+    def _park(self, trained: EpochSoFar | None = None, settled: bool = False) -> None:
+        """`settled`: the model holds exactly the weights of the position parked (a regroup, at a
+        boundary). A rank parking after a failure may have begun the next step: its forward pass
+        changed BatchNorm's running statistics, so its weights are taken for no recorded epoch's."""
         # Mid-epoch the model has moved past every recorded epoch, and a stopped run's is taken for none
         # (tasks/training/run_stop.py): kept best weights go along whatever their epoch.
-        stopped = self.position.stopped
-        own = self.position.epoch if not stopped and self.position.global_position(self.sampler) == 0 else None
-        best = self.kept.unwritten(own)
+        at_boundary = settled and not self.position.stopped and self.position.global_position(self.sampler) == 0
+        best = self.kept.unwritten(self.position.epoch if at_boundary else None)
         park_state(self.ctx, self.state, self.position, self.sampler, self.history, self.fingerprint, self.warmup,
-                   best, trained)
+                   best, trained, settled=settled)

@@ -87,13 +87,16 @@ class Position:
 
 def park_state(ctx: RankContext, state: TrainingState, position: Position, sampler: Any,
                history: list[dict[str, Any]], fingerprint: dict[str, Any], warmup: Warmup,
-               best: BestEpoch | None, trained: EpochSoFar | None = None) -> bool:
+               best: BestEpoch | None, trained: EpochSoFar | None = None, settled: bool = True) -> bool:
     """Park this rank's state in its worker for the gang's next formation; False where it cannot
     (a position the next formation could not start from, or the snapshot failed: logged, never
     raised, so the rank's own way out stays the one seen). The next formation then reads the
     checkpoint, as a fixed-size gang does. `trained`: the epoch's train sums so far, where every
     rank is here to add them up (a grow), for the next formation to go on with (`Position.carried`).
-    A stopped run parks its stop: the next formation trains nothing more, wherever it stopped."""
+    A stopped run parks its stop: the next formation trains nothing more, wherever it stopped.
+    `settled`: the model holds exactly the weights of the position parked; a state parked after a
+    failure is not, and the next formation never takes its weights for a recorded epoch's
+    (tasks/training/best_weights.py)."""
     where = 0 if position.stopped else position.global_position(sampler)
     if where is None:
         return False
@@ -103,6 +106,7 @@ def park_state(ctx: RankContext, state: TrainingState, position: Position, sampl
                                   stop=position.stopped)
         snapshot["position"] = where
         snapshot["trained"] = trained.as_dict() if trained else None
+        snapshot["settled"] = settled
         buffer = io.BytesIO()
         torch.save(snapshot, buffer)
         ctx.park((position.epoch, where), buffer.getvalue(), carries=best[0] if best else -1)
