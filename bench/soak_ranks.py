@@ -16,9 +16,9 @@ with the run's number, so that every completed run is promoted.
 
 `soak_recipe` (bench/soak.py --recipe) runs the product's recipe itself (`train_classifier`, a
 tiny mobilenet on 32-px shapes) on an elastic gang of 1 to 2 ranks, writing its checkpoints
-and model.pt to the run's folder; rank 0 keeps each epoch's weights in the marks folder
-(`EpochWeights`), so that the soak can check that model.pt holds the weights of the epoch the
-run reports. With `stop`, a part stops the run after STOP_AFTER epochs, and the flow runs the
+and model.pt to the run's folder; rank 0 keeps each epoch's weights in the marks folder as the
+epoch is recorded, before any boundary part may fail (`scored_recipe`), so that the soak can
+check that model.pt holds the weights of the epoch the run reports. With `stop`, a part stops the run after STOP_AFTER epochs, and the flow runs the
 gang again as a flow retry would: the retry must train nothing.
 """
 
@@ -52,11 +52,9 @@ from prefect_ddp.tasks.gang import (
 )
 from prefect_ddp.tasks.results.promotion import kept_location, promote, read_pointer
 from prefect_ddp.tasks.results.records import TrainingSummary
-from prefect_ddp.tasks.training.boundary import BoundaryPart, EpochEnd
 from prefect_ddp.tasks.training.checkpoints import read_committed, readable_checkpoint
 from prefect_ddp.tasks.training.job import TrainJob
 from prefect_ddp.tasks.training.model import build_model, model_card
-from prefect_ddp.tasks.training.parts import RankTraining
 from prefect_ddp.tasks.training.recipe import train_classifier
 from tests.support.two_ranks import StopAfterEpochsSeen, scored_epochs
 
@@ -189,23 +187,6 @@ def keep_model(store: Store, kept_at_start: str | None) -> dict[str, Any]:
     return {"promoted": promotion.promoted, "reason": promotion.reason, "kept_url": promotion.kept_url}
 
 
-class EpochWeights(BoundaryPart):
-    """Rank 0 keeps each epoch's weights as `epoch{n}.pt` in `folder` (the weights a best epoch's copy
-    is taken from; an epoch trained again replaces its file)."""
-
-    name = "epoch weights"
-
-    def __init__(self, training: RankTraining, folder: str) -> None:
-        self.training = training
-        self.folder = Path(folder)
-
-    def after_epoch(self, end: EpochEnd) -> None:
-        if self.training.ctx.is_main:  # whole or absent: the soak may kill this process mid-write
-            kept = self.folder / f"epoch{end.record['epoch']}.pt"
-            torch.save(self.training.rank.state.model.state_dict(), kept.with_suffix(".tmp"))
-            kept.with_suffix(".tmp").replace(kept)
-
-
 def recipe_job(store: Store, images: str, manifest: Manifest, every: str) -> TrainJob:
     """The run's job: the shapes under `images`, its output in the run's folder through the store's
     endpoint. Its client sends each request once, so that a write the store refuses fails in
@@ -219,9 +200,10 @@ def recipe_job(store: Store, images: str, manifest: Manifest, every: str) -> Tra
     )
 
 
-def scored_recipe(ctx: RankContext, job: TrainJob, scores: list[float], parts: list[Any]) -> Any:
-    """The recipe, its epochs scoring `scores` (so that the soak's seed chooses the best epoch)."""
-    scored_epochs(scores)
+def scored_recipe(ctx: RankContext, job: TrainJob, scores: list[float], marks: str, parts: list[Any]) -> Any:
+    """The recipe, its epochs scoring `scores` (so that the soak's seed chooses the best epoch); rank
+    0 keeps each epoch's weights in `marks` as `epoch{n}.pt` (an epoch trained again replaces its file)."""
+    scored_epochs(scores, keep_weights=Path(marks) if ctx.is_main else None)
     return train_classifier(ctx, job, parts=parts)
 
 
@@ -232,12 +214,12 @@ def soak_recipe(address: str, marks: str, store: dict[str, Any], images: str, ma
     stopped by a part after STOP_AFTER epochs and run again as a retry would); what each call
     returned, as the soak checks it."""
     job = recipe_job(cast(Store, store), images, manifest, every)
-    parts = [partial(EpochWeights, folder=marks), *([StopAfterEpochsSeen] if stop else [])]
+    parts = [StopAfterEpochsSeen] if stop else []
     calls = []
     with DaskTaskRunner(address=address) as runner:
         for _ in range(2 if stop else 1):
-            results = run_gang(partial(scored_recipe, scores=scores, parts=parts), job, task_runner=runner, world_size=2,
-                               min_world_size=1, max_restarts=3, output_url=job.output.url,
+            results = run_gang(partial(scored_recipe, scores=scores, marks=marks, parts=parts), job,
+                               task_runner=runner, world_size=2, min_world_size=1, max_restarts=3, output_url=job.output.url,
                                init_timeout=timedelta(seconds=60), lease_timeout=timedelta(seconds=180),
                                timeout=timedelta(seconds=180), hang_timeout=timedelta(seconds=60))
             first = results[0]

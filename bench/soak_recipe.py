@@ -15,7 +15,7 @@ gang, each run given one of RECIPE_FAULTS, and what each run must leave behind.
 
 After each run, read from moto itself: the run completed; model.json names the epoch the run
 reports; model.pt holds that epoch's weights (rank 0 kept each epoch's, bench/soak_ranks.py
-`EpochWeights`); the checkpoint loads and records the stop where there was one; a stopped
+`scored_recipe`); the checkpoint loads and records the stop where there was one; a stopped
 run's retry trained nothing.
 """
 

@@ -36,9 +36,10 @@ class CurrentEnvironmentNanny(Nanny):
     """A Nanny whose worker gets this process's environment of the moment it (re)starts it, with
     Dask's own variables under it and the cluster's `env` over it."""
 
-    def __init__(self, *args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> None:
-        self.given_env = {name: str(value) for name, value in (env or {}).items()}
-        super().__init__(*args, env=self.given_env, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.given_env = {name: str(value) for name, value in (kwargs.get("env") or {}).items()}
+        kwargs["env"] = self.given_env
+        super().__init__(*args, **kwargs)
         self.dask_env = dict(self.env)  # Dask's pre-spawn and nanny environ settings, as the nanny merged them
 
     async def instantiate(self) -> Status:

@@ -93,3 +93,16 @@ def test_a_store_fault_targets_one_put_of_its_own_run():
     assert target_pattern(store, "pointer") == "gangs/soak/latest.json"
     assert target_pattern(store, "model.pt") == "gangs/soak/versions/run-7/model.pt"
     assert target_pattern(store, "metrics.json") == "gangs/soak/versions/run-7/metrics.json"
+
+
+@pytest.mark.unit
+def test_the_recipe_soaks_plan_draws_every_fault_both_checkpoint_settings_and_later_best_epochs():
+    """bench/soak.py --recipe (issue 56), as bench/RESULTS.md records it: a change to the drawing that
+    left out a fault, or made epoch 1 always the best, would soak less and still pass."""
+    from bench.soak_recipe import RECIPE_FAULTS, plan_recipe
+
+    planned = plan_recipe(runs=100, seed=56)
+    assert plan_recipe(runs=100, seed=56) == planned  # the seed alone decides
+    assert {p.fault for p in planned} == set(RECIPE_FAULTS) and {p.every for p in planned} == {"epoch", "auto"}
+    best = {max(range(len(p.scores)), key=lambda epoch: (p.scores[epoch], -epoch)) for p in planned}
+    assert best == {0, 1, 2, 3}

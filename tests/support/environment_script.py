@@ -3,9 +3,11 @@ import this script again (as `__mp_main__`) before their nanny's environment is 
 
     python tests/support/environment_script.py
 
-Prints one JSON line: what the worker saw of a secret set before the cluster started and removed
-before a restart, at its start and after the restart, and whether a process the worker starts
-inherits the nanny's list of names.
+Prints one JSON line: what the worker saw at its start; whether the cluster's worker spec holds
+a secret of the environment; and what each worker saw after the environment changed (a variable
+changed, one added, a secret set before the cluster started removed) and the worker was
+restarted, and a second one added (`cluster.scale`); each time, whether a process the worker
+starts inherits the nanny's list of names.
 """
 
 from __future__ import annotations
@@ -20,18 +22,24 @@ import distributed
 from prefect_ddp.blocks.cluster import create_local_cluster
 from prefect_ddp.blocks.nanny_environment import GIVEN_NAMES
 
+NAMES = ("CHANGED_LATER", "REMOVED_SECRET", "ADDED_LATER", "OMP_NUM_THREADS")
+
 
 def seen() -> dict[str, object]:
     child = subprocess.run([sys.executable, "-c", f"import os; print(os.environ.get({GIVEN_NAMES!r}))"],
                            capture_output=True, text=True, check=True).stdout.strip()
-    return {"secret": os.environ.get("REMOVED_SECRET"), "child_given_names": child}
+    return {name: os.environ.get(name) for name in NAMES} | {"child_given_names": child}
 
 
 if __name__ == "__main__":
-    os.environ["REMOVED_SECRET"] = "s3cr3t-value"
+    os.environ |= {"CHANGED_LATER": "before", "REMOVED_SECRET": "s3cr3t-value"}
     with create_local_cluster(n_workers=1) as cluster, distributed.Client(cluster) as client:
         (started,) = client.run(seen).values()
+        spec_holds_secret = "s3cr3t-value" in repr(cluster.worker_spec)
+        os.environ |= {"CHANGED_LATER": "after", "ADDED_LATER": "seen"}
         del os.environ["REMOVED_SECRET"]
         client.restart()
-        (restarted,) = client.run(seen).values()
-    print(json.dumps({"started": started, "restarted": restarted}))
+        cluster.scale(2)
+        client.wait_for_workers(2)
+        later = list(client.run(seen).values())
+    print(json.dumps({"started": started, "spec_holds_secret": spec_holds_secret, "later": later}))

@@ -83,8 +83,10 @@ def scored_epochs(scores: list[float], keep_weights: Path | None = None, patch: 
     def scripted(ctx, rank, *args, **kwargs):
         record, images = measured(ctx, rank, *args, **kwargs)
         record["val_acc"] = scores[record["epoch"] - 1]
-        if keep_weights is not None:
-            torch.save(rank.state.model.state_dict(), keep_weights / f"epoch{record['epoch']}.pt")
+        if keep_weights is not None:  # whole or absent: a soak may kill this process mid-write
+            kept = keep_weights / f"epoch{record['epoch']}.pt"
+            torch.save(rank.state.model.state_dict(), kept.with_suffix(".tmp"))
+            kept.with_suffix(".tmp").replace(kept)
         return record, images
 
     patch(recipe, "run_epoch", scripted)
