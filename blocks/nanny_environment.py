@@ -12,17 +12,21 @@ give (`leave_only_given`). The nanny's options keep only what the cluster was gi
 explicitly (the flow's Prefect API URL, a caller's `env`).
 
 A worker forked from the forkserver imports the script that started the cluster first (as
-`__mp_main__`), before the nanny's environment is applied; a script that imports this package
-at its top imports this module then too. So `leave_only_given` runs both when this module is
-imported as the worker's first preload (before the other preloads read the environment) and
-when Dask calls `dask_setup` as the worker starts, after the environment is applied; whichever
-finds the nanny's list first prunes, and takes the list out.
+`__mp_main__`), before the nanny's environment is applied, and importing this package imports
+Prefect, which reads its settings from the environment once, on import. So `leave_only_given`
+runs both when this module is imported as the worker's first preload and when Dask calls
+`dask_setup` as the worker starts, after the environment is applied (whichever finds the
+nanny's list first prunes, and takes the list out), and `dask_setup` then has Prefect read its
+settings again (`prefect.context.refresh_global_settings_context`, Prefect's own way to pick
+up a changed environment). Modules the forkserver imported before (torch, torchvision,
+distributed) keep what they read of the environment when it started.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 from distributed import Nanny, Worker
@@ -71,8 +75,13 @@ def leave_only_given(environ: Any = os.environ) -> list[str]:
 
 
 def dask_setup(worker: Worker) -> None:
-    """Dask calls this in each worker as it starts, after its nanny's environment is applied."""
+    """Dask calls this in each worker as it starts, after its nanny's environment is applied: prune
+    it, and have Prefect, where the worker imported it already, read its settings from it again."""
     leave_only_given()
+    if "prefect.context" in sys.modules:
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
 
 
 # A preload module is imported as its worker starts, in the order of the preload list; this one is first.

@@ -91,13 +91,14 @@ def test_a_restarted_or_added_worker_gets_the_environment_of_its_start_and_no_sp
     changed variable reverted, an added one was missing, a removed credential was still there; and
     every secret of the environment sat in `cluster.worker_spec`. Run from a script that imports the
     project at its top, as a user's does: a forked worker imports it before its nanny's environment
-    is applied, and the pruning once ran only then, doing nothing (break-it review of issue 56)."""
+    is applied, and the pruning once ran only then, doing nothing; and Prefect, imported with it,
+    kept a removed setting (the break-it reviews of issue 56)."""
     script = subprocess.run([sys.executable, str(Path(__file__).parent / "support" / "environment_script.py")],
                             capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert script.returncode == 0, script.stderr[-3000:]
     seen = json.loads(script.stdout.strip().splitlines()[-1])
     assert seen["started"] == {"CHANGED_LATER": "before", "REMOVED_SECRET": "s3cr3t-value", "ADDED_LATER": None,
-                               "OMP_NUM_THREADS": "1", "child_given_names": "None"}
+                               "OMP_NUM_THREADS": "1", "prefect_max_retries": 7, "child_given_names": "None"}
     assert not seen["spec_holds_secret"]
     assert seen["later"] == [{"CHANGED_LATER": "after", "REMOVED_SECRET": None, "ADDED_LATER": "seen",
-                              "OMP_NUM_THREADS": "1", "child_given_names": "None"}] * 2
+                              "OMP_NUM_THREADS": "1", "prefect_max_retries": 5, "child_given_names": "None"}] * 2
