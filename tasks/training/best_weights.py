@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import torch
 from torch import nn
 
 from prefect_ddp.tasks.data.storage import save_torch, write_json
