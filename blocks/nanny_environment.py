@@ -11,9 +11,10 @@ it starts its worker instead, and the worker drops whatever it inherited that th
 give (`leave_only_given`). The nanny's options keep only what the cluster was given
 explicitly (the flow's Prefect API URL, a caller's `env`).
 
-A worker forked from the forkserver imports the script that started the cluster first (as
-`__mp_main__`), before the nanny's environment is applied, and importing this package imports
-Prefect, which reads its settings from the environment once, on import. So `leave_only_given`
+A worker forked from the forkserver imports this package's blocks first (this module is its
+first preload; a script that started the cluster is no longer imported there: tasks/script_main.py),
+before the nanny's environment is applied, and importing this package imports Prefect, which
+reads its settings from the environment once, on import. So `leave_only_given`
 runs both when this module is imported as the worker's first preload and when Dask calls
 `dask_setup` as the worker starts, after the environment is applied (whichever finds the
 nanny's list first prunes, and takes the list out), and `dask_setup` then has Prefect read its
@@ -24,6 +25,7 @@ distributed) keep what they read of the environment when it started.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -34,13 +36,21 @@ from distributed.core import Status
 
 # The names, never the values, of the variables the nanny gave: the worker keeps those alone.
 GIVEN_NAMES = "PREFECT_DDP_WORKER_ENVIRONMENT"
+# A forked worker is up in seconds here, a spawned one importing torch in about 5 s (docs/architecture.md,
+# "Facts: Dask"); Dask itself waits for one forever, even one that hangs in a preload.
+WORKER_START_TIMEOUT_S = 300.0
+
+
+class WorkerStartTimeout(RuntimeError):
+    """A worker process that its nanny started did not come up in time."""
 
 
 class CurrentEnvironmentNanny(Nanny):
     """A Nanny whose worker gets this process's environment of the moment it (re)starts it, with
     Dask's own variables under it and the cluster's `env` over it."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, start_timeout_s: float = WORKER_START_TIMEOUT_S, **kwargs: Any) -> None:
+        self.start_timeout_s = start_timeout_s
         self.given_env = {name: str(value) for name, value in (kwargs.get("env") or {}).items()}
         kwargs["env"] = self.given_env
         super().__init__(*args, **kwargs)
@@ -50,7 +60,23 @@ class CurrentEnvironmentNanny(Nanny):
         self.env = self.current_environment()
         if self.process is not None:  # a restart reuses the worker process's handle, and the env it was given
             self.process.env = self.env
-        return await super().instantiate()
+        try:
+            return await asyncio.wait_for(super().instantiate(), self.start_timeout_s)
+        except asyncio.TimeoutError:
+            await self.kill_unstarted()
+            raise WorkerStartTimeout(
+                f"The worker process of nanny {self.name!r} did not start within {self.start_timeout_s:.0f} s, "
+                "and was killed. A worker runs the cluster's preload modules as it starts (a module that "
+                "waits there, or imports a script that starts another cluster or flow, holds it); its "
+                "log above says how far it got."
+            ) from None
+
+    async def kill_unstarted(self) -> None:
+        """Kill a worker process that never reported itself started (Dask's own kill waits for that)."""
+        process = self.process.process if self.process is not None else None
+        if process is not None:
+            await process.kill()
+            await process.join()
 
     def current_environment(self) -> dict[str, str]:
         env = {**self.dask_env, **os.environ, **self.given_env}

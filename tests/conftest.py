@@ -364,3 +364,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         if cleaned:
             warnings.warn(ClusterLeftovers(cleaned), stacklevel=1)
     return outcome
+
+
+# What tests/test_docs_blocks.py ran or checked of each page's blocks, under this key of its reports'
+# user properties: they travel from pytest-xdist's workers to this process, which prints them.
+DOCS_BLOCK = "docs_block"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """List each documented block the docs test ran or checked, for CI's log."""
+    done = sorted({value for report in terminalreporter.stats.get("passed", [])
+                   for key, value in report.user_properties if key == DOCS_BLOCK})
+    if done:
+        terminalreporter.write_sep("-", f"documented blocks run or checked: {len(done)}")
+        for line in done:
+            terminalreporter.write_line(line)

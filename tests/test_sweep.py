@@ -170,6 +170,28 @@ def test_a_sweep_none_of_whose_trials_trained_fails_naming_their_errors(images, 
     assert len(child_runs(state.state_details.flow_run_id)) == 2
 
 
+def test_a_sweep_whose_trials_all_failed_trains_them_when_run_again_after_the_fix(dask_cluster, tmp_path):
+    """Run again after its function was fixed, it said "0 trial(s) to train" and ended Completed with
+    `best: None` (issue 57): failed trials counted as finished."""
+    settings = SweepSettings(name="fixed", n_trials=2, concurrency=2, metric="loss", direction="minimize",
+                             sampler="random", pruner="none")
+    broken = custom_sweep(dask_cluster.scheduler_address, str(tmp_path), settings, broken=True, return_state=True)
+    with pytest.raises(NoTrialTrained, match=r"none of its 2 trial\(s\) trained.*'ellipsis'.*run it again under "
+                       r"the same settings.name: it trains the failed trials again"):
+        broken.result()
+    record = custom_sweep(dask_cluster.scheduler_address, str(tmp_path), settings)
+    trials = {row["trial"]: row for row in record["trials"]}
+    assert sorted(trials) == [0, 1, 2, 3]
+    for number in (0, 1):  # the failures stay in the study and the report, marked as trained again
+        assert trials[number]["state"].startswith("failed: GangError") and "'ellipsis'" in trials[number]["state"]
+        assert trials[number]["state"].endswith("(its parameters trained again in a later run)")
+    assert [trials[n]["state"] for n in (2, 3)] == ["completed", "completed"]
+    assert {trials[2]["params"]["lr"], trials[3]["params"]["lr"]} == {trials[0]["params"]["lr"], trials[1]["params"]["lr"]}
+    assert record["best"]["trial"] in (2, 3)
+    again = custom_sweep(dask_cluster.scheduler_address, str(tmp_path), settings)  # nothing left to train
+    assert [row["trial"] for row in again["trials"]] == [row["trial"] for row in record["trials"]]
+
+
 def test_promoting_needs_a_name_to_keep_the_model_under(images, dask_cluster, tmp_path):
     state = run_sweep(images, dask_cluster, tmp_path, SweepSettings(name="nameless", promote=True))
     with pytest.raises(ValueError, match=r"settings.promote=true keeps the best trial's model under "
@@ -180,10 +202,10 @@ def test_promoting_needs_a_name_to_keep_the_model_under(images, dask_cluster, tm
 
 @flow(name="custom-sweep")
 def custom_sweep(address: str, output: str, settings: SweepSettings, keep_losses: bool = True,
-                 fail_first_attempt: bool = False) -> dict:
+                 fail_first_attempt: bool = False, broken: bool = False) -> dict:
     with DaskTaskRunner(address=address) as runner:
         return sweep(report_every_epoch, {"lr": 1.0, "epochs": 4, "keep_losses": keep_losses,
-                                          "fail_first_attempt": fail_first_attempt},
+                                          "fail_first_attempt": fail_first_attempt, "broken": broken},
                      {"lr": {"kind": "log_uniform", "low": 0.01, "high": 10.0}},
                      settings, task_runner=runner, output=output)
 

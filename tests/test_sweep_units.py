@@ -135,7 +135,28 @@ def test_a_database_password_is_refused_as_a_parameter_and_taken_from_a_block_in
 def test_a_sweep_fails_only_when_no_trial_of_its_study_trained():
     failed = TrialsRun(trained=0, failed={0: "ValueError: batch_size too large", 1: "ValueError: batch_size too large"})
     with pytest.raises(NoTrialTrained, match=r"Sweep 's': none of its 2 trial\(s\) trained.*trial 0: ValueError"):
-        failed.require_one_trained("s", best=None)
+        failed.require_one_trained("s", best=None, earlier={})
     # Continued with more trials that all failed: the study keeps the result of its earlier run.
-    failed.require_one_trained("s", best={"trial": 3, "value": 0.8})
-    TrialsRun(trained=1, failed={1: "boom"}).require_one_trained("s", best=None)  # a run with one result
+    failed.require_one_trained("s", best={"trial": 3, "value": 0.8}, earlier={})
+    TrialsRun(trained=1, failed={1: "boom"}).require_one_trained("s", best=None, earlier={})  # a run with one result
+    # Run again with nothing left to train, over a study none of whose trials trained: never Completed.
+    with pytest.raises(NoTrialTrained, match=r"Sweep 's' trained no trial in this run.*trial 0: NameError.*"
+                       r"settings.retry_failed=true"):
+        TrialsRun().require_one_trained("s", best=None, earlier={0: "NameError: name 'loss' is not defined"})
+
+
+@pytest.mark.unit
+def test_a_sweep_run_again_queues_its_failed_trials_once_unless_told_not_to():
+    study = optuna.create_study(direction="maximize")
+    distribution = {"training.lr": SPACE["training.lr"].distribution()}
+    study.tell(study.ask(distribution), 0.5)
+    for _ in range(2):
+        study.tell(study.ask(distribution), state=TrialState.FAIL)
+    assert trials_left(study, SweepSettings(n_trials=3, retry_failed=False), SPACE) == 0
+    assert trials_left(study, SweepSettings(n_trials=3), SPACE) == 2
+    retried = [study.ask(distribution) for _ in range(2)]
+    assert [trial.params for trial in retried] == [study.trials[1].params, study.trials[2].params]
+    for trial in retried:
+        study.tell(trial, 0.6)
+    assert trials_left(study, SweepSettings(n_trials=3), SPACE) == 0  # the same failures are not queued twice
+    assert not study.get_trials(states=(TrialState.WAITING,))

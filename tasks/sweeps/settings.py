@@ -14,6 +14,9 @@ from prefect_ddp.tasks.sweeps.search_space import Value
 # Trial outcomes, kept on the Optuna trial as user attributes.
 OUTCOME = "outcome"
 INTERRUPTED = "interrupted"
+# On the study: the numbers of failed trials whose parameters a later run of the sweep trained again
+# (a finished trial's own attributes can no longer be changed).
+RETRIED = "retried_trials"
 
 
 class TrialOutcome(BaseModel):
@@ -78,6 +81,11 @@ class SweepSettings(BaseModel):
     )
     storage_block: str | None = Field(
         default=None, description="Name of a saved study-storage block: a database URL with its password, kept secret."
+    )
+    retry_failed: bool = Field(
+        default=True, description="Run again under the same name, the sweep trains the trials that failed before "
+        "again, with the same parameters (their failures stay in the study and the report). False: a failed "
+        "trial counts as finished."
     )
     lease_timeout_s: int = Field(
         default=1800, ge=0, description="How long a trial waits for free workers before it fails."

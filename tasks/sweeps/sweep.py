@@ -60,7 +60,14 @@ from prefect_ddp.tasks.sweeps.search_space import (
     grid_size,
     with_params,
 )
-from prefect_ddp.tasks.sweeps.settings import INTERRUPTED, OUTCOME, SweepSettings, TrialOutcome, direction_of
+from prefect_ddp.tasks.sweeps.settings import (
+    INTERRUPTED,
+    OUTCOME,
+    RETRIED,
+    SweepSettings,
+    TrialOutcome,
+    direction_of,
+)
 from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
 from prefect_ddp.tasks.sweeps.trial_relay import TrialRelay
 from prefect_ddp.tasks.urls import absolute_url, child_url, is_local_url, safe_segment
@@ -140,15 +147,25 @@ def open_study(settings: SweepSettings, space: dict[str, Dimension], storage: st
 
 
 def trials_left(study: Any, settings: SweepSettings, space: dict[str, Dimension]) -> int:
-    """How many trials still to train; trials a crash left running are queued again."""
+    """How many trials still to train; trials a crash left running are queued again, and so are
+    those that failed in an earlier run (unless `settings.retry_failed` is false)."""
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         optuna.trial.Trial(study, trial._trial_id).set_user_attr(INTERRUPTED, True)
         study.tell(trial.number, state=TrialState.FAIL)
         study.enqueue_trial(trial.params)
+    retried = set(study.user_attrs.get(RETRIED, []))
+    if settings.retry_failed:
+        again = [t for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+                 if not t.user_attrs.get(INTERRUPTED) and t.number not in retried]
+        for trial in again:
+            study.enqueue_trial(trial.params)
+        retried |= {trial.number for trial in again}
+        study.set_user_attr(RETRIED, sorted(retried))
     if not study.trials:
         for params in settings.first_trials:
             study.enqueue_trial(params)
-    done = [t for t in study.trials if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED)]
+    done = [t for t in study.trials
+            if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED) and t.number not in retried]
     wanted = min(settings.n_trials, grid_size(space)) if settings.sampler == "grid" else settings.n_trials
     return max(0, wanted - len(done))
 
@@ -169,17 +186,30 @@ class TrialsRun:
     trained: int = 0
     failed: dict[int, str] = field(default_factory=dict)  # trial number -> why it failed
 
-    def require_one_trained(self, name: str, best: dict[str, Any] | None) -> None:
-        """Raise where trials ran, none of them trained and the study has no `best` trial from an
-        earlier run of it either (a sweep continued with more trials keeps its result), naming each
-        one's error."""
-        if self.trained or not self.failed or best is not None:
+    def require_one_trained(self, name: str, best: dict[str, Any] | None, earlier: dict[int, str]) -> None:
+        """Raise where no trial trained in this run and the study has no `best` trial from an earlier
+        run either (a sweep continued with more trials keeps its result): a sweep that trained
+        nothing never ends Completed. Names this run's errors, else the study's `earlier` ones."""
+        if self.trained or best is not None:
             return
-        errors = "; ".join(f"trial {number}: {reason}" for number, reason in sorted(self.failed.items()))
+        if self.failed:
+            errors = "; ".join(f"trial {number}: {reason}" for number, reason in sorted(self.failed.items()))
+            raise NoTrialTrained(
+                f"Sweep {name!r}: none of its {len(self.failed)} trial(s) trained, so there is no result to compare "
+                f"or promote. Their errors: {errors}. Fix the cause and run it again under the same settings.name: "
+                "it trains the failed trials again.")
+        errors = "; ".join(f"trial {number}: {reason}" for number, reason in sorted(earlier.items())) or "none"
         raise NoTrialTrained(
-            f"Sweep {name!r}: none of its {len(self.failed)} trial(s) trained, so there is no result to compare "
-            f"or promote. Their errors: {errors}. Fix the cause and run it again (under another settings.name, "
-            "or with a larger settings.n_trials: failed trials count as finished in the study).")
+            f"Sweep {name!r} trained no trial in this run and its study has none that trained, so there is no result "
+            f"to compare or promote. The study's failed trials: {errors}. Set settings.retry_failed=true to train "
+            "them again, raise settings.n_trials, or give another settings.name to start a new study.")
+
+
+def failed_trials(study: optuna.Study) -> dict[int, str]:
+    """Why each failed trial of the study failed (not those a crash interrupted), by number."""
+    return {trial.number: TrialOutcome.model_validate(trial.user_attrs.get(OUTCOME, {})).message or "no metric reported"
+            for trial in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+            if not trial.user_attrs.get(INTERRUPTED)}
 
 
 def owner_of(study: optuna.Study) -> dict[str, Any] | None:
@@ -370,7 +400,8 @@ def sweep(
         What `sweep.json` holds: every trial (best first), the best one, importances.
 
     Raises:
-        NoTrialTrained: trials ran and every one failed (after the report is written).
+        NoTrialTrained: no trial trained, in this run or an earlier one of the study (after the
+            report is written).
 
     Example:
         >>> sweep(train, {"lr": 0.1, "epochs": 5},                      # doctest: +SKIP
@@ -390,5 +421,5 @@ def sweep(
 
     trials = run_trials(study, dimensions, settings, runner.client, train_trial)
     record = publish_sweep_report(study, settings, output)
-    trials.require_one_trained(settings.name, record["best"])
+    trials.require_one_trained(settings.name, record["best"], failed_trials(study))
     return record

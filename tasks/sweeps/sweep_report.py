@@ -25,6 +25,7 @@ from prefect_ddp.tasks.sweeps.search_space import describe
 from prefect_ddp.tasks.sweeps.settings import (
     INTERRUPTED,
     OUTCOME,
+    RETRIED,
     SweepSettings,
     TrialOutcome,
     direction_of,
@@ -37,6 +38,7 @@ MIN_TRIALS_FOR_IMPORTANCE = 3
 def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
     """One record per trial the sweep ran (not those a crash interrupted), best first."""
     maximize = study.direction.name == "MAXIMIZE"
+    retried = set(study.user_attrs.get(RETRIED, []))
     rows = []
     for trial in study.get_trials(deepcopy=False):
         if trial.user_attrs.get(INTERRUPTED) or not trial.state.is_finished():
@@ -49,7 +51,7 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
         rows.append({
             "trial": trial.number,
             "params": trial.params,
-            "state": state_text(trial.state.name, outcome, curve),
+            "state": state_text(trial.state.name, outcome, curve, trial.number in retried),
             "value": trial.value if trial.value is not None else (dict(curve).get(best_epoch) if best_epoch is not None else None),
             "best_epoch": best_epoch,
             "seconds": outcome.seconds,
@@ -65,11 +67,12 @@ def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["value"] if r["value"] is not None else missing, reverse=maximize)
 
 
-def state_text(state: str, outcome: TrialOutcome, curve: list) -> str:
+def state_text(state: str, outcome: TrialOutcome, curve: list, retried: bool = False) -> str:
     if state == "PRUNED":
         return f"pruned at epoch {curve[-1][0]}" if curve else "pruned"
     if state == "FAIL":
-        return f"failed: {outcome.message or 'no metric reported'}"
+        again = " (its parameters trained again in a later run)" if retried else ""
+        return f"failed: {outcome.message or 'no metric reported'}{again}"
     return "completed"
 
 

@@ -166,9 +166,12 @@ def cancel_own_dask_future() -> None:
 
 def report_every_epoch(ctx: RankContext, config: dict) -> dict:
     """A sweep trainable: the loss falls with epochs, faster with a larger lr; stops when told.
-    With `fail_first_attempt`, the gang's first attempt fails before it reports anything."""
+    With `fail_first_attempt`, the gang's first attempt fails before it reports anything; with
+    `broken`, every attempt does, as a template's `loss = ...` would."""
     if config.get("fail_first_attempt") and ctx.attempt == 0:
         raise RuntimeError("the first attempt fails, as a lost worker would")
+    if config.get("broken"):
+        raise TypeError("unsupported operand type(s) for /: 'float' and 'ellipsis'")
     losses = []
     for epoch in range(1, config["epochs"] + 1):
         loss = all_reduce_sum([1.0 / (1.0 + config["lr"] * epoch)])[0] / ctx.world_size

@@ -1,0 +1,5 @@
+"""A preload module that never returns, as one waiting on a service that never answers would."""
+
+import threading
+
+threading.Event().wait()

@@ -1,0 +1,226 @@
+"""Every code block of README.md and docs/ runs as written, or says it is a template (issue 57).
+
+A block is `python`, `bash` or `text` (a diagram, a transcript). A code block whose first line
+is `# template: ...` names what the reader replaces, and is not run. Otherwise:
+
+- `python` blocks run as a script, `python block.py` in a folder of their own (no main guard:
+  that is how a reader runs them), against the session's Prefect server and Dask cluster. The
+  one placeholder they may hold is the scheduler's address (`HOSTS`).
+- `bash` blocks are commands a reader types: each program and subcommand must exist and take
+  every option the line gives (its `--help`), and each `prefect deployment run` must name a
+  deployment of prefect.yaml with parameters its flow accepts. The servers and workers they start
+  (`prefect server start`, `prefect-ddp worker`, `dask worker`) run for real in
+  tests/test_deployments.py, tests/test_cli.py and tests/test_external_cluster.py.
+- The README's two commands are the ones CI runs (tests/test_docs.py, .ci/run).
+
+The claims that drifted before are read from one place here: the suite's time
+(tests/DURATIONS.md), pytest's options (pyproject.toml) and the CLI's commands (cli.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect import Flow
+
+from prefect_ddp.cli import COMMANDS
+from prefect_ddp.tasks.sweeps.settings import SweepSettings
+from tests.conftest import DOCS_BLOCK
+from tests.test_docs import TWO_COMMANDS
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+PAGES = [REPOSITORY / "README.md", *sorted((REPOSITORY / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+TEMPLATE = "# template:"
+LANGUAGES = {"python", "bash", "text"}
+BLOCK_TIMEOUT_S = 300
+HELP_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int
+    language: str
+    text: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.page.relative_to(REPOSITORY)}:{self.line}"
+
+    @property
+    def kind(self) -> str:
+        """text, ci (the README's two commands), template, or the language it runs in."""
+        if self.language == "text":
+            return "text"
+        if self.text.splitlines() == TWO_COMMANDS:
+            return "ci"
+        if self.text.startswith(TEMPLATE):
+            return "template"
+        return self.language
+
+
+def blocks() -> list[Block]:
+    found = []
+    for page in PAGES:
+        markdown = page.read_text(encoding="utf-8")
+        for match in FENCE.finditer(markdown):
+            found.append(Block(page, markdown.count("\n", 0, match.start()) + 1, match.group(1), match.group(2)))
+    return found
+
+
+def of_kind(kind: str) -> list[Block]:
+    return [block for block in blocks() if block.kind == kind]
+
+
+@pytest.mark.unit
+def test_every_block_says_its_language_and_every_template_what_to_replace(record_property):
+    assert len(blocks()) >= 20, "the fence pattern found too few blocks"
+    untyped = [block.name for block in blocks() if block.language not in LANGUAGES]
+    assert not untyped, f"blocks without python, bash or text after their fence: {untyped}"
+    vague = [block.name for block in of_kind("template") if len(block.text.splitlines()[0]) < len(TEMPLATE) + 10]
+    assert not vague, f"templates that do not say what to replace: {vague}"
+    for block in of_kind("template") + of_kind("ci") + of_kind("text"):
+        record_property(DOCS_BLOCK, f"{block.name}: {block.kind}, not run here")
+
+
+def command_lines(text: str) -> list[list[str]]:
+    """A bash block's commands, continued and quoted lines joined, comments and `export`s left out."""
+    commands, pending = [], ""
+    for line in text.replace("\\\n", " ").splitlines():
+        pending += line + "\n"
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # a quote still open: the command goes on on the next line
+            continue
+        pending = ""
+        while words and re.fullmatch(r"\w+=.*", words[0]):  # VAR=value before a command
+            words = words[1:]
+        if words and words[0] != "export":
+            commands.append(words)
+    assert not pending, f"a quote is never closed in:\n{text}"
+    return commands
+
+
+def program_and_subcommand(words: list[str]) -> tuple[list[str], list[str]]:
+    """(the command that takes --help, the options the line gives it)."""
+    program = Path(words[0]).name
+    rest = [word for word in words[1:] if word != "--no-prompt"]  # prefect's own option, before the subcommand
+    positional = [word for word in rest if not word.startswith("-")]
+    depth = {"prefect": 2, "prefect-ddp": 1, "dask": 1}.get(program, 0)
+    options = sorted({word.split("=")[0] for word in rest if word.startswith("--")})
+    return [program, *positional[:depth]], options
+
+
+def deployment_parameters() -> dict[str, tuple[Flow, dict]]:
+    """prefect.yaml's deployments: 'flow-name/deployment' -> (its flow, its parameters)."""
+    config = yaml.safe_load((REPOSITORY / "prefect.yaml").read_text())
+    found = {}
+    for deployment in config["deployments"]:
+        module, function = deployment["entrypoint"].split(":")
+        flow_object = getattr(importlib.import_module(module), function)
+        found[f"{flow_object.name}/{deployment['name']}"] = (flow_object, deployment.get("parameters") or {})
+    return found
+
+
+def cli_value(text: str):
+    """A `--param` value as Prefect's CLI reads it: JSON where it parses, else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def check_deployment_run(words: list[str], deployments: dict[str, tuple[Flow, dict]]) -> None:
+    """The deployment exists, and its flow takes its parameters with the line's over them."""
+    name = words[3]
+    assert name in deployments, f"{name} is no deployment of prefect.yaml: {sorted(deployments)}"
+    flow_object, parameters = deployments[name]
+    given = dict(parameters)
+    for flag, value in zip(words, words[1:]):
+        if flag == "--param":
+            key, _, text = value.partition("=")
+            given[key] = cli_value(text)
+    flow_object.validate_parameters(given)
+
+
+def test_every_command_of_a_bash_block_exists_and_takes_its_options(prefect_api, record_property):
+    commands = [(block, words) for block in of_kind("bash") for words in command_lines(block.text)]
+    assert commands, "no bash block found"
+    deployments = deployment_parameters()
+    helps: dict[tuple[str, ...], set[str]] = {}
+    for block, words in commands:
+        if words[:3] == ["prefect", "deployment", "run"]:
+            check_deployment_run(words, deployments)
+        command, options = program_and_subcommand(words)
+        helps.setdefault(tuple(command), set()).update(options)
+    env = dict(os.environ, PREFECT_API_URL=prefect_api, COLUMNS="300", NO_COLOR="1")
+    bin_dir = Path(sys.executable).parent
+    started = {command: subprocess.Popen([str(bin_dir / command[0]), *command[1:], "--help"], env=env, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+               for command in helps}
+    for command, process in started.items():
+        output, _ = process.communicate(timeout=HELP_TIMEOUT_S)
+        assert process.returncode == 0, f"{' '.join(command)} --help exited {process.returncode}:\n{output[-2000:]}"
+        missing = [option for option in helps[command] if option not in output]
+        assert not missing, f"{' '.join(command)} takes no {missing}:\n{output[-2000:]}"
+    for block in of_kind("bash"):
+        record_property(DOCS_BLOCK, f"{block.name}: bash, each command checked against its --help and prefect.yaml")
+
+
+def test_every_python_block_runs_as_a_script(prefect_api, dask_cluster, tmp_path, record_property):
+    hosts = {"tcp://scheduler:8786": dask_cluster.scheduler_address}
+    env = dict(os.environ, PREFECT_API_URL=prefect_api)
+    running = {}
+    for number, block in enumerate(of_kind("python")):
+        folder = tmp_path / str(number)
+        folder.mkdir()
+        text = block.text
+        for placeholder, address in hosts.items():
+            text = text.replace(placeholder, address)
+        (folder / "block.py").write_text(text)
+        running[block.name] = subprocess.Popen([sys.executable, "block.py"], cwd=folder, env=env, text=True,
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert len(running) >= 4, f"too few python blocks run: {sorted(running)}"
+    for name, process in running.items():
+        output, _ = process.communicate(timeout=BLOCK_TIMEOUT_S)
+        assert process.returncode == 0, f"{name} exited {process.returncode}:\n{output[-3000:]}"
+        record_property(DOCS_BLOCK, f"{name}: python, ran as a script")
+
+
+def suite_minutes() -> int:
+    """The suite's wall time as tests/DURATIONS.md records it, in whole minutes up."""
+    wall = re.search(r"Wall time ([\d.]+) min", (REPOSITORY / "tests" / "DURATIONS.md").read_text())
+    assert wall, "tests/DURATIONS.md names no wall time"
+    return math.ceil(float(wall.group(1)))
+
+
+@pytest.mark.unit
+def test_the_pages_say_the_suite_s_time_options_and_commands_as_the_repository_has_them():
+    minutes = suite_minutes()
+    addopts = " ".join(tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+                       ["addopts"])
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for said in re.findall(r"about (\d+) minutes on 2 cores", text):
+            assert int(said) == minutes, f"{page.name} says the suite takes {said} minutes; tests/DURATIONS.md: {minutes}"
+        for said in re.findall(r"pyproject's `addopts`: `([^`]*)`", text):
+            assert said == addopts, f"{page.name} gives addopts `{said}`; pyproject.toml: `{addopts}`"
+    commands = "\\|".join(COMMANDS)  # a | inside a table cell is escaped
+    assert f"`prefect-ddp {commands}`" in (REPOSITORY / "docs" / "architecture.md").read_text(), (
+        f"docs/architecture.md's layout names other commands than cli.py's {list(COMMANDS)}")
+    sweeps = (REPOSITORY / "docs" / "sweeps.md").read_text()
+    unnamed = [name for name in SweepSettings.model_fields if f"`{name}`" not in sweeps]
+    assert not unnamed, f"docs/sweeps.md's settings list leaves out {unnamed}"
