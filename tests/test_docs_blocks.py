@@ -58,7 +58,8 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"{self.page.relative_to(REPOSITORY)}:{self.line}"
+        page = self.page.relative_to(REPOSITORY) if self.page.is_relative_to(REPOSITORY) else self.page.name
+        return f"{page}:{self.line}"
 
     @property
     def kind(self) -> str:
@@ -72,9 +73,9 @@ class Block:
         return self.language
 
 
-def blocks() -> list[Block]:
+def blocks(pages: list[Path] = PAGES) -> list[Block]:
     found = []
-    for page in PAGES:
+    for page in pages:
         markdown = page.read_text(encoding="utf-8")
         for match in FENCE.finditer(markdown):
             found.append(Block(page, markdown.count("\n", 0, match.start()) + 1, match.group(1), match.group(2)))
@@ -156,48 +157,103 @@ def check_deployment_run(words: list[str], deployments: dict[str, tuple[Flow, di
     flow_object.validate_parameters(given)
 
 
-def test_every_command_of_a_bash_block_exists_and_takes_its_options(prefect_api, record_property):
-    commands = [(block, words) for block in of_kind("bash") for words in command_lines(block.text)]
-    assert commands, "no bash block found"
+def bash_failures(bash_blocks: list[Block], env: dict[str, str]) -> list[str]:
+    """What is wrong with the commands of `bash_blocks`: a deployment or parameter prefect.yaml's
+    flows refuse, a program or subcommand without `--help`, an option its help does not name."""
+    failures = []
     deployments = deployment_parameters()
     helps: dict[tuple[str, ...], set[str]] = {}
-    for block, words in commands:
-        if words[:3] == ["prefect", "deployment", "run"]:
-            check_deployment_run(words, deployments)
-        command, options = program_and_subcommand(words)
-        helps.setdefault(tuple(command), set()).update(options)
-    env = dict(os.environ, PREFECT_API_URL=prefect_api, COLUMNS="300", NO_COLOR="1")
+    for block in bash_blocks:
+        for words in command_lines(block.text):
+            if words[:3] == ["prefect", "deployment", "run"]:
+                try:
+                    check_deployment_run(words, deployments)
+                except Exception as exc:
+                    failures.append(f"{block.name}: {' '.join(words[:4])}: {exc}")
+            command, options = program_and_subcommand(words)
+            helps.setdefault(tuple(command), set()).update(options)
     bin_dir = Path(sys.executable).parent
     started = {command: subprocess.Popen([str(bin_dir / command[0]), *command[1:], "--help"], env=env, text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                for command in helps}
     for command, process in started.items():
         output, _ = process.communicate(timeout=HELP_TIMEOUT_S)
-        assert process.returncode == 0, f"{' '.join(command)} --help exited {process.returncode}:\n{output[-2000:]}"
-        missing = [option for option in helps[command] if option not in output]
-        assert not missing, f"{' '.join(command)} takes no {missing}:\n{output[-2000:]}"
+        if process.returncode != 0:
+            failures.append(f"{' '.join(command)} --help exited {process.returncode}: {output[-1000:]}")
+            continue
+        missing = [option for option in helps[command] if not re.search(rf"{re.escape(option)}(?![\w-])", output)]
+        if missing:
+            failures.append(f"{' '.join(command)} takes no {missing}")
+    return failures
+
+
+def python_failures(python_blocks: list[Block], folder: Path, env: dict[str, str],
+                    hosts: dict[str, str]) -> dict[str, str]:
+    """Run each block as `python block.py` in a folder of its own, all at once; the output of each
+    that failed, by block."""
+    running = {}
+    for number, block in enumerate(python_blocks):
+        (folder / str(number)).mkdir()
+        text = block.text
+        for placeholder, address in hosts.items():
+            text = text.replace(placeholder, address)
+        (folder / str(number) / "block.py").write_text(text)
+        running[block.name] = subprocess.Popen([sys.executable, "block.py"], cwd=folder / str(number), env=env,
+                                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    failures = {}
+    for name, process in running.items():
+        output, _ = process.communicate(timeout=BLOCK_TIMEOUT_S)
+        if process.returncode != 0:
+            failures[name] = f"exited {process.returncode}:\n{output[-3000:]}"
+    return failures
+
+
+def cli_environment(prefect_api: str) -> dict[str, str]:
+    return dict(os.environ, PREFECT_API_URL=prefect_api, COLUMNS="300", NO_COLOR="1")
+
+
+def test_every_command_of_a_bash_block_exists_and_takes_its_options(prefect_api, record_property):
+    assert of_kind("bash"), "no bash block found"
+    failures = bash_failures(of_kind("bash"), cli_environment(prefect_api))
+    assert not failures, "\n".join(failures)
     for block in of_kind("bash"):
         record_property(DOCS_BLOCK, f"{block.name}: bash, each command checked against its --help and prefect.yaml")
 
 
 def test_every_python_block_runs_as_a_script(prefect_api, dask_cluster, tmp_path, record_property):
-    hosts = {"tcp://scheduler:8786": dask_cluster.scheduler_address}
-    env = dict(os.environ, PREFECT_API_URL=prefect_api)
-    running = {}
-    for number, block in enumerate(of_kind("python")):
-        folder = tmp_path / str(number)
-        folder.mkdir()
-        text = block.text
-        for placeholder, address in hosts.items():
-            text = text.replace(placeholder, address)
-        (folder / "block.py").write_text(text)
-        running[block.name] = subprocess.Popen([sys.executable, "block.py"], cwd=folder, env=env, text=True,
-                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    assert len(running) >= 4, f"too few python blocks run: {sorted(running)}"
-    for name, process in running.items():
-        output, _ = process.communicate(timeout=BLOCK_TIMEOUT_S)
-        assert process.returncode == 0, f"{name} exited {process.returncode}:\n{output[-3000:]}"
-        record_property(DOCS_BLOCK, f"{name}: python, ran as a script")
+    ran = of_kind("python")
+    assert len(ran) >= 4, f"too few python blocks run: {[block.name for block in ran]}"
+    failures = python_failures(ran, tmp_path, cli_environment(prefect_api),
+                               {"tcp://scheduler:8786": dask_cluster.scheduler_address})
+    assert not failures, "\n".join(f"{name} {output}" for name, output in failures.items())
+    for block in ran:
+        record_property(DOCS_BLOCK, f"{block.name}: python, ran as a script")
+
+
+def test_a_page_whose_blocks_break_fails_the_checks(prefect_api, tmp_path):
+    page = tmp_path / "broken.md"
+    page.write_text("""```python
+def train(ctx, config):
+    return {"loss": loss}
+
+print(train(None, {}))
+```
+
+```bash
+prefect deployment run transfer-learning/on-demand --param training='{"epoch": 2}'
+prefect deployment run transfer-learning/nowhere
+prefect-ddp worker --pools ddp-pool
+prefect-ddp work --pool ddp-pool
+```
+""")
+    python, bash = blocks([page])
+    failures = python_failures([python], tmp_path, cli_environment(prefect_api), {})
+    assert "NameError: name 'loss' is not defined" in failures[f"{page.name}:1"]
+    found = "\n".join(bash_failures([bash], cli_environment(prefect_api)))
+    assert "transfer-learning/on-demand: " in found and "epoch" in found
+    assert "transfer-learning/nowhere is no deployment of prefect.yaml" in found
+    assert "prefect-ddp worker takes no ['--pools']" in found
+    assert "prefect-ddp work --help exited" in found
 
 
 def suite_minutes() -> int:
