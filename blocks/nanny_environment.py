@@ -66,10 +66,13 @@ class CurrentEnvironmentNanny(Nanny):
             await self.kill_unstarted()
             raise WorkerStartTimeout(
                 f"The worker process of nanny {self.name!r} did not start within {self.start_timeout_s:.0f} s, "
-                "and was killed. A worker runs the cluster's preload modules as it starts (a module that "
-                "waits there, or imports a script that starts another cluster or flow, holds it); its "
-                "log above says how far it got."
+                "and was killed. A worker imports the cluster's preload modules, and a guarded script "
+                "that started it, as it starts (a module that waits there holds it); its log above says "
+                "how far it got."
             ) from None
+        except asyncio.CancelledError:  # the start given up on (a cluster closed while starting)
+            await self.kill_unstarted()
+            raise
 
     async def kill_unstarted(self) -> None:
         """Kill a worker process that never reported itself started (Dask's own kill waits for that)."""

@@ -52,7 +52,7 @@ from prefect_ddp.tasks.results.tracking_run import (
 )
 from prefect_ddp.tasks.sweeps.search_space import Dimension, with_params
 from prefect_ddp.tasks.sweeps.settings import SweepSettings, TrialOutcome
-from prefect_ddp.tasks.sweeps.sweep import failed_trials, open_study, run_trials, study_storage, trial_run_name
+from prefect_ddp.tasks.sweeps.sweep import open_study, run_trials, study_storage, trial_run_name
 from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
 from prefect_ddp.tasks.tracking import Tracking
 from prefect_ddp.tasks.urls import child_url, safe_segment
@@ -170,7 +170,7 @@ def hyperparameter_sweep(
 
             trials = run_trials(study, space, settings, runner.client, train_trial)
         record = publish_sweep_report(study, settings, out)
-        trials.require_one_trained(settings.name, record["best"], failed_trials(study))  # after the report: it shows their errors
+        trials.require_one_trained(study)  # after the report: it shows their errors
         promotion = promote_best(record["best"], out, kept, tracker, kept_name, output.min_improvement) if kept else None
         if parent:
             complete_run(parent, out.with_url(child_url(out.url, safe_segment(settings.name))),

@@ -42,7 +42,8 @@ from tests.test_docs import TWO_COMMANDS
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 PAGES = [REPOSITORY / "README.md", *sorted((REPOSITORY / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+# A fence may be indented (a block inside a list item); its text is dedented by the same.
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
 TEMPLATE = "# template:"
 LANGUAGES = {"python", "bash", "text"}
 BLOCK_TIMEOUT_S = 300
@@ -78,7 +79,9 @@ def blocks(pages: list[Path] = PAGES) -> list[Block]:
     for page in pages:
         markdown = page.read_text(encoding="utf-8")
         for match in FENCE.finditer(markdown):
-            found.append(Block(page, markdown.count("\n", 0, match.start()) + 1, match.group(1), match.group(2)))
+            indent, language, text = match.groups()
+            text = "".join(line.removeprefix(indent) for line in text.splitlines(keepends=True))
+            found.append(Block(page, markdown.count("\n", 0, match.start()) + 1, language, text))
     return found
 
 
@@ -121,7 +124,7 @@ def program_and_subcommand(words: list[str]) -> tuple[list[str], list[str]]:
     rest = [word for word in words[1:] if word != "--no-prompt"]  # prefect's own option, before the subcommand
     positional = [word for word in rest if not word.startswith("-")]
     depth = {"prefect": 2, "prefect-ddp": 1, "dask": 1}.get(program, 0)
-    options = sorted({word.split("=")[0] for word in rest if word.startswith("--")})
+    options = sorted({word.split("=")[0] for word in rest if re.match(r"--?[A-Za-z]", word)})
     return [program, *positional[:depth]], options
 
 
@@ -151,9 +154,11 @@ def check_deployment_run(words: list[str], deployments: dict[str, tuple[Flow, di
     flow_object, parameters = deployments[name]
     given = dict(parameters)
     for flag, value in zip(words, words[1:]):
-        if flag == "--param":
+        if flag in ("--param", "-p"):
             key, _, text = value.partition("=")
             given[key] = cli_value(text)
+        elif flag == "--params":
+            given.update(json.loads(value))
     flow_object.validate_parameters(given)
 
 
@@ -181,7 +186,8 @@ def bash_failures(bash_blocks: list[Block], env: dict[str, str]) -> list[str]:
         if process.returncode != 0:
             failures.append(f"{' '.join(command)} --help exited {process.returncode}: {output[-1000:]}")
             continue
-        missing = [option for option in helps[command] if not re.search(rf"{re.escape(option)}(?![\w-])", output)]
+        missing = [option for option in helps[command]
+                   if not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", output)]
         if missing:
             failures.append(f"{' '.join(command)} takes no {missing}")
     return failures
@@ -244,16 +250,27 @@ prefect deployment run transfer-learning/on-demand --param training='{"epoch": 2
 prefect deployment run transfer-learning/nowhere
 prefect-ddp worker --pools ddp-pool
 prefect-ddp work --pool ddp-pool
+prefect deployment run transfer-learning/on-demand -p epochz=3
+prefect deployment run transfer-learning/on-demand --params '{"lrate": 0.1}'
+dask worker -z tcp://scheduler:8786
 ```
+
+- in a list item:
+
+  ```python
+  print(undefined_in_a_list)
+  ```
 """)
-    python, bash = blocks([page])
-    failures = python_failures([python], tmp_path, cli_environment(prefect_api), {})
+    python, bash, indented = blocks([page])
+    failures = python_failures([python, indented], tmp_path, cli_environment(prefect_api), {})
     assert "NameError: name 'loss' is not defined" in failures[f"{page.name}:1"]
+    assert "NameError: name 'undefined_in_a_list'" in failures[f"{page.name}:{indented.line}"]
     found = "\n".join(bash_failures([bash], cli_environment(prefect_api)))
     assert "transfer-learning/on-demand: " in found and "epoch" in found
     assert "transfer-learning/nowhere is no deployment of prefect.yaml" in found
     assert "prefect-ddp worker takes no ['--pools']" in found
     assert "prefect-ddp work --help exited" in found
+    assert "epochz" in found and "lrate" in found and "dask worker takes no ['-z']" in found
 
 
 def suite_minutes() -> int:

@@ -9,6 +9,7 @@ that does not start is killed after its nanny's deadline (blocks/nanny_environme
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -18,12 +19,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from distributed import Scheduler
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
 from prefect_ddp.blocks.cluster import LOCAL_CLUSTER_PRELOAD, create_local_cluster
-from prefect_ddp.blocks.nanny_environment import WorkerStartTimeout
-from prefect_ddp.tasks.script_main import DASK_WORKER_PROCESS, MAIN_ENTRIES
+from prefect_ddp.blocks.nanny_environment import CurrentEnvironmentNanny, WorkerStartTimeout
+from prefect_ddp.tasks.script_main import DASK_WORKER_PROCESS, MAIN_ENTRIES, inside_main_guard
 
 REPO = Path(__file__).resolve().parents[1]
 # Generous: the script ends in about 15 s here; before the fix it never ended.
@@ -31,30 +33,53 @@ SCRIPT_DEADLINE_S = 300
 
 UNGUARDED = '''
 import os
+import torch
 from prefect import flow
 from prefect_ddp import DaskCluster, run_gang
 
+torch.set_float32_matmul_precision("medium")  # a setting of the script's top level
+
 def rank(ctx, config):
-    return ctx.rank
+    return torch.get_float32_matmul_precision()
 
 @flow(name=os.environ["SCRIPT_FLOW_NAME"])
-def unguarded():
+def script_flow():
     with DaskCluster(n_workers=1).task_runner() as runner:
         return run_gang(rank, {}, task_runner=runner)
 
-print("ranks", list(unguarded()))
+print("ranks", list(script_flow()))
 '''
+# The same script with the guard: its workers import it as before, so its top-level setting holds there.
+GUARDED = UNGUARDED.replace('print("ranks"', 'if __name__ == "__main__":\n    print("ranks"')
 
 
 @pytest.mark.unit
-def test_a_dask_worker_process_is_prepared_without_the_script_and_other_processes_with_it():
-    import prefect_ddp  # noqa: F401  (importing the package is what leaves the script out)
+def test_a_call_is_unguarded_where_the_script_s_top_level_runs_it_outside_the_main_guard():
+    source = """import os
+setting = 1
+run()
+if __name__ == "__main__":
+    try:
+        run()
+    finally:
+        pass
+if "__main__" == __name__ and os.environ.get("X"):
+    run()
+if __name__ != "__main__":
+    run()
+"""
+    assert [inside_main_guard(source, line) for line in (3, 6, 10, 12)] == [False, True, True, False]
 
+
+@pytest.mark.unit
+def test_a_dask_worker_process_is_prepared_with_a_guarded_script_and_other_processes_as_python_does():
+    import prefect_ddp  # noqa: F401  (importing the package is what decides)
+
+    # pytest's own __main__ runs its tests inside its guard: a worker imports it as before.
     script = spawn.get_preparation_data("SomeProcess")
     worker = spawn.get_preparation_data(DASK_WORKER_PROCESS)
-    assert any(entry in script for entry in MAIN_ENTRIES)  # pytest's __main__ is a module or a file
-    assert not any(entry in worker for entry in MAIN_ENTRIES)
-    assert worker["sys_path"] == script["sys_path"]
+    assert any(entry in script for entry in MAIN_ENTRIES)
+    assert {entry: worker.get(entry) for entry in MAIN_ENTRIES} == {entry: script.get(entry) for entry in MAIN_ENTRIES}
 
 
 def flow_runs_named(name: str) -> list:
@@ -62,14 +87,15 @@ def flow_runs_named(name: str) -> list:
         return api.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[name])))
 
 
-def test_a_script_without_the_main_guard_runs_as_a_file_and_on_stdin(prefect_api, tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(UNGUARDED)
+def test_a_script_without_the_main_guard_runs_as_a_file_and_on_stdin_and_a_guarded_one_as_before(prefect_api,
+                                                                                                tmp_path):
+    (tmp_path / "unguarded.py").write_text(UNGUARDED)
+    (tmp_path / "guarded.py").write_text(GUARDED)
     runs = {}
-    for how in ("file", "stdin"):
-        env = dict(os.environ, PREFECT_API_URL=prefect_api, SCRIPT_FLOW_NAME=f"unguarded-{how}-{tmp_path.name}")
-        command = [sys.executable, str(script)] if how == "file" else [sys.executable, "-"]
-        runs[how] = subprocess.Popen(command, stdin=script.open() if how == "stdin" else subprocess.DEVNULL,
+    for how, script, stdin in (("file", "unguarded.py", None), ("stdin", "-", "unguarded.py"),
+                               ("guarded", "guarded.py", None)):
+        env = dict(os.environ, PREFECT_API_URL=prefect_api, SCRIPT_FLOW_NAME=f"script-{how}-{tmp_path.name}")
+        runs[how] = subprocess.Popen([sys.executable, script], stdin=(tmp_path / stdin).open() if stdin else None,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
                                      env=env, start_new_session=True)
     for how, process in runs.items():
@@ -78,9 +104,10 @@ def test_a_script_without_the_main_guard_runs_as_a_file_and_on_stdin(prefect_api
         finally:
             process.kill()
         assert process.returncode == 0, f"{how}: exited {process.returncode}:\n{output[-3000:]}"
-        assert "ranks [0]" in output, output[-3000:]
+        # The unguarded script's top level never ran in the worker; the guarded one's did, as before.
+        assert f"ranks ['{'medium' if how == 'guarded' else 'highest'}']" in output, output[-3000:]
         # One flow run, the script's own: no worker ran the script's call again.
-        (run,) = flow_runs_named(f"unguarded-{how}-{tmp_path.name}")
+        (run,) = flow_runs_named(f"script-{how}-{tmp_path.name}")
         assert run.state.is_completed()
         left = left_in_session(process.pid)
         assert not left, f"{how}: processes left behind: {left}"
@@ -114,3 +141,22 @@ def test_a_worker_that_never_starts_is_killed_and_the_cluster_s_start_fails_nami
     assert time.monotonic() - started < SCRIPT_DEADLINE_S
     hung = [p for p in psutil.Process().children(recursive=True) if "hanging_preload" in " ".join(p.cmdline())]
     assert not hung
+
+
+def test_a_worker_whose_start_is_given_up_on_is_killed(prefect_api):
+    """A cancelled start (a cluster closed while its worker starts) left the hung process behind."""
+
+    async def cancel_a_start() -> int:
+        async with Scheduler(dashboard_address="127.0.0.1:0") as scheduler:
+            nanny = CurrentEnvironmentNanny(scheduler.address, preload=["tests.support.hanging_preload"])
+            starting = asyncio.ensure_future(nanny.start())
+            while nanny.process is None or nanny.process.process is None or nanny.process.process.pid is None:
+                await asyncio.sleep(0.1)
+            pid = nanny.process.process.pid
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await nanny.close()
+            return pid
+
+    pid = asyncio.run(asyncio.wait_for(cancel_a_start(), SCRIPT_DEADLINE_S))
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

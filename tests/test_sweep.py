@@ -182,9 +182,9 @@ def test_a_sweep_whose_trials_all_failed_trains_them_when_run_again_after_the_fi
     record = custom_sweep(dask_cluster.scheduler_address, str(tmp_path), settings)
     trials = {row["trial"]: row for row in record["trials"]}
     assert sorted(trials) == [0, 1, 2, 3]
-    for number in (0, 1):  # the failures stay in the study and the report, marked as trained again
+    for number in (0, 1):  # the failures stay in the study and the report, marked as queued again
         assert trials[number]["state"].startswith("failed: GangError") and "'ellipsis'" in trials[number]["state"]
-        assert trials[number]["state"].endswith("(its parameters trained again in a later run)")
+        assert trials[number]["state"].endswith("(its parameters queued again by a later run)")
     assert [trials[n]["state"] for n in (2, 3)] == ["completed", "completed"]
     assert {trials[2]["params"]["lr"], trials[3]["params"]["lr"]} == {trials[0]["params"]["lr"], trials[1]["params"]["lr"]}
     assert record["best"]["trial"] in (2, 3)

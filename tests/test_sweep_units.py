@@ -11,7 +11,7 @@ from prefect_ddp.blocks.study_storage import StudyStorage
 from prefect_ddp.flows.sweep import check_metric, check_space, check_trial_sizes
 from prefect_ddp.tasks.config import ClusterConfig
 from prefect_ddp.tasks.sweeps.search_space import Dimension, grid, with_params
-from prefect_ddp.tasks.sweeps.settings import INTERRUPTED, SweepSettings
+from prefect_ddp.tasks.sweeps.settings import INTERRUPTED, RETRIED, SweepSettings
 from prefect_ddp.tasks.sweeps.sweep import (
     NoTrialTrained,
     TrialsRun,
@@ -133,30 +133,68 @@ def test_a_database_password_is_refused_as_a_parameter_and_taken_from_a_block_in
 
 @pytest.mark.unit
 def test_a_sweep_fails_only_when_no_trial_of_its_study_trained():
+    study = optuna.create_study(study_name="s", direction="maximize")
+    distribution = {"training.lr": SPACE["training.lr"].distribution()}
+    for _ in range(2):
+        trial = study.ask(distribution)
+        trial.set_user_attr("outcome", {"state": "failed", "message": "NameError: name 'loss' is not defined"})
+        study.tell(trial, state=TrialState.FAIL)
     failed = TrialsRun(trained=0, failed={0: "ValueError: batch_size too large", 1: "ValueError: batch_size too large"})
     with pytest.raises(NoTrialTrained, match=r"Sweep 's': none of its 2 trial\(s\) trained.*trial 0: ValueError"):
-        failed.require_one_trained("s", best=None, earlier={})
-    # Continued with more trials that all failed: the study keeps the result of its earlier run.
-    failed.require_one_trained("s", best={"trial": 3, "value": 0.8}, earlier={})
-    TrialsRun(trained=1, failed={1: "boom"}).require_one_trained("s", best=None, earlier={})  # a run with one result
+        failed.require_one_trained(study)
     # Run again with nothing left to train, over a study none of whose trials trained: never Completed.
     with pytest.raises(NoTrialTrained, match=r"Sweep 's' trained no trial in this run.*trial 0: NameError.*"
                        r"settings.retry_failed=true"):
-        TrialsRun().require_one_trained("s", best=None, earlier={0: "NameError: name 'loss' is not defined"})
+        TrialsRun().require_one_trained(study)
+    pruned = study.ask(distribution)
+    pruned.report(0.1, 1)
+    study.tell(pruned, state=TrialState.PRUNED)
+    TrialsRun().require_one_trained(study)  # a pruned trial trained: run again, the sweep ends as it did
+    failed.require_one_trained(study)  # continued with more trials that all failed: the study keeps its result
 
 
 @pytest.mark.unit
 def test_a_sweep_run_again_queues_its_failed_trials_once_unless_told_not_to():
     study = optuna.create_study(direction="maximize")
-    distribution = {"training.lr": SPACE["training.lr"].distribution()}
+    space = {"training.lr": SPACE["training.lr"]}
+    distribution = {"training.lr": space["training.lr"].distribution()}
     study.tell(study.ask(distribution), 0.5)
     for _ in range(2):
         study.tell(study.ask(distribution), state=TrialState.FAIL)
-    assert trials_left(study, SweepSettings(n_trials=3, retry_failed=False), SPACE) == 0
-    assert trials_left(study, SweepSettings(n_trials=3), SPACE) == 2
+    assert trials_left(study, SweepSettings(n_trials=3, retry_failed=False), space) == 0
+    assert trials_left(study, SweepSettings(n_trials=3), space) == 2
     retried = [study.ask(distribution) for _ in range(2)]
     assert [trial.params for trial in retried] == [study.trials[1].params, study.trials[2].params]
     for trial in retried:
         study.tell(trial, 0.6)
-    assert trials_left(study, SweepSettings(n_trials=3), SPACE) == 0  # the same failures are not queued twice
+    assert trials_left(study, SweepSettings(n_trials=3), space) == 0  # the same failures are not queued twice
+    assert trials_left(study, SweepSettings(n_trials=3, retry_failed=False), space) == 0  # each counted once
     assert not study.get_trials(states=(TrialState.WAITING,))
+
+
+@pytest.mark.unit
+def test_failed_trials_are_queued_again_only_as_room_and_the_space_allow():
+    wide = {"training.lr": Dimension(kind="log_uniform", low=1e-4, high=10.0)}
+    distribution = {"training.lr": wide["training.lr"].distribution()}
+
+    def study_of(completed: int, failed_lrs: tuple[float, ...]) -> optuna.Study:
+        study = optuna.create_study(direction="maximize")
+        for _ in range(completed):
+            study.tell(study.ask(distribution), 0.5)
+        for lr in failed_lrs:
+            study.enqueue_trial({"training.lr": lr})
+            study.tell(study.ask(distribution), state=TrialState.FAIL)
+        return study
+
+    # n_trials lowered to 2 beside one completed trial: room for one retry; the other failure is
+    # neither queued nor marked, and waits for room in a later run.
+    lowered = study_of(1, (0.001, 0.002))
+    assert trials_left(lowered, SweepSettings(n_trials=2), wide) == 1
+    assert lowered.user_attrs[RETRIED] == [1]
+    assert [t.system_attrs["fixed_params"] for t in lowered.get_trials(states=(TrialState.WAITING,))] == [{"training.lr": 0.001}]
+    # The space narrowed so that lr=5.0 lies outside it: that failure is never queued again, and counts.
+    narrowed = study_of(0, (5.0, 0.001))
+    narrow = {"training.lr": Dimension(kind="log_uniform", low=1e-4, high=1e-2)}
+    assert trials_left(narrowed, SweepSettings(n_trials=4), narrow) == 3
+    assert narrowed.user_attrs[RETRIED] == [1]
+    assert [t.system_attrs["fixed_params"] for t in narrowed.get_trials(states=(TrialState.WAITING,))] == [{"training.lr": 0.001}]

@@ -13,11 +13,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from prefect_ddp.tasks.script_main import start_workers_without_main
+from prefect_ddp.tasks.script_main import start_workers_without_unguarded_main
 
 # A script without `if __name__ == "__main__":` runs as written: Dask workers started from this
-# process never run its top level again (tasks/script_main.py).
-start_workers_without_main()
+# process never run its flow call again (tasks/script_main.py).
+start_workers_without_unguarded_main()
 
 # public name -> the module that defines it
 _HOMES = {

@@ -148,26 +148,38 @@ def open_study(settings: SweepSettings, space: dict[str, Dimension], storage: st
 
 def trials_left(study: Any, settings: SweepSettings, space: dict[str, Dimension]) -> int:
     """How many trials still to train; trials a crash left running are queued again, and so are
-    those that failed in an earlier run (unless `settings.retry_failed` is false)."""
+    those that failed in an earlier run, as many as `n_trials` has room for (unless
+    `settings.retry_failed` is false, or their parameters lie outside `space` now)."""
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         optuna.trial.Trial(study, trial._trial_id).set_user_attr(INTERRUPTED, True)
         study.tell(trial.number, state=TrialState.FAIL)
         study.enqueue_trial(trial.params)
-    retried = set(study.user_attrs.get(RETRIED, []))
-    if settings.retry_failed:
-        again = [t for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
-                 if not t.user_attrs.get(INTERRUPTED) and t.number not in retried]
-        for trial in again:
-            study.enqueue_trial(trial.params)
-        retried |= {trial.number for trial in again}
-        study.set_user_attr(RETRIED, sorted(retried))
     if not study.trials:
         for params in settings.first_trials:
             study.enqueue_trial(params)
-    done = [t for t in study.trials
-            if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED) and t.number not in retried]
     wanted = min(settings.n_trials, grid_size(space)) if settings.sampler == "grid" else settings.n_trials
-    return max(0, wanted - len(done))
+    retried = set(study.user_attrs.get(RETRIED, []))
+    finished = [t for t in study.trials if t.state.is_finished() and not t.user_attrs.get(INTERRUPTED)]
+    if not settings.retry_failed:  # a failure counts as finished, once: its retry, where one ran, instead
+        return max(0, wanted - len([t for t in finished if t.number not in retried]))
+    failed = [t for t in finished if t.state == TrialState.FAIL and t.number not in retried
+              and in_space(t.params, space)]
+    counted = [t for t in finished if t.number not in retried and t not in failed]  # out of the space: counted
+    again = failed[:max(0, wanted - len(counted))]  # a retry takes its failure's place; the rest wait for room
+    for trial in again:
+        study.enqueue_trial(trial.params)
+    if again:
+        run_logger().info("Sweep %r trains the parameters of failed trial(s) %s again.", settings.name,
+                          ", ".join(str(t.number) for t in again))
+        study.set_user_attr(RETRIED, sorted(retried | {t.number for t in again}))
+    return max(0, wanted - len(counted))
+
+
+def in_space(params: dict[str, Any], space: dict[str, Dimension]) -> bool:
+    """Whether `params` name the space's dimensions, each within its range or values now."""
+    return set(params) == set(space) and all(
+        distribution._contains(distribution.to_internal_repr(params[path]))
+        for path, distribution in distributions(space).items())
 
 
 class SweepAlreadyRunning(RuntimeError):
@@ -186,23 +198,24 @@ class TrialsRun:
     trained: int = 0
     failed: dict[int, str] = field(default_factory=dict)  # trial number -> why it failed
 
-    def require_one_trained(self, name: str, best: dict[str, Any] | None, earlier: dict[int, str]) -> None:
-        """Raise where no trial trained in this run and the study has no `best` trial from an earlier
-        run either (a sweep continued with more trials keeps its result): a sweep that trained
-        nothing never ends Completed. Names this run's errors, else the study's `earlier` ones."""
-        if self.trained or best is not None:
+    def require_one_trained(self, study: optuna.Study) -> None:
+        """Raise where no trial of `study` trained, in this run or an earlier one (a pruned trial
+        trained): a sweep that trained nothing never ends Completed. Names this run's errors, else
+        the study's."""
+        if self.trained or study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
             return
+        name = study.study_name
         if self.failed:
             errors = "; ".join(f"trial {number}: {reason}" for number, reason in sorted(self.failed.items()))
             raise NoTrialTrained(
                 f"Sweep {name!r}: none of its {len(self.failed)} trial(s) trained, so there is no result to compare "
                 f"or promote. Their errors: {errors}. Fix the cause and run it again under the same settings.name: "
                 "it trains the failed trials again.")
-        errors = "; ".join(f"trial {number}: {reason}" for number, reason in sorted(earlier.items())) or "none"
+        errors = "; ".join(f"trial {number}: {reason}" for number, reason in sorted(failed_trials(study).items()))
         raise NoTrialTrained(
             f"Sweep {name!r} trained no trial in this run and its study has none that trained, so there is no result "
-            f"to compare or promote. The study's failed trials: {errors}. Set settings.retry_failed=true to train "
-            "them again, raise settings.n_trials, or give another settings.name to start a new study.")
+            f"to compare or promote. The study's failed trials: {errors or 'none'}. Set settings.retry_failed=true "
+            "to train them again, raise settings.n_trials, or give another settings.name to start a new study.")
 
 
 def failed_trials(study: optuna.Study) -> dict[int, str]:
@@ -421,5 +434,5 @@ def sweep(
 
     trials = run_trials(study, dimensions, settings, runner.client, train_trial)
     record = publish_sweep_report(study, settings, output)
-    trials.require_one_trained(settings.name, record["best"], failed_trials(study))
+    trials.require_one_trained(study)
     return record

@@ -71,7 +71,7 @@ def state_text(state: str, outcome: TrialOutcome, curve: list, retried: bool = F
     if state == "PRUNED":
         return f"pruned at epoch {curve[-1][0]}" if curve else "pruned"
     if state == "FAIL":
-        again = " (its parameters trained again in a later run)" if retried else ""
+        again = " (its parameters queued again by a later run)" if retried else ""
         return f"failed: {outcome.message or 'no metric reported'}{again}"
     return "completed"
 
