@@ -39,6 +39,8 @@ GIVEN_NAMES = "PREFECT_DDP_WORKER_ENVIRONMENT"
 # A forked worker is up in seconds here, a spawned one importing torch in about 5 s (docs/architecture.md,
 # "Facts: Dask"); Dask itself waits for one forever, even one that hangs in a preload.
 WORKER_START_TIMEOUT_S = 300.0
+# SIGKILL ends a process at once; this only bounds the wait for the kernel to say so.
+KILL_WAIT_S = 30.0
 
 
 class WorkerStartTimeout(RuntimeError):
@@ -75,11 +77,19 @@ class CurrentEnvironmentNanny(Nanny):
             raise
 
     async def kill_unstarted(self) -> None:
-        """Kill a worker process that never reported itself started (Dask's own kill waits for that)."""
+        """Kill a worker process that never reported itself started (Dask's own kill waits for that).
+
+        The kill is queued behind the process's start (a first start waits for the forkserver to
+        import torch), so it kills what that start makes; a start that failed left nothing to kill.
+        """
         process = self.process.process if self.process is not None else None
-        if process is not None:
+        if process is None:
+            return
+        try:
             await process.kill()
-            await process.join()
+        except Exception:  # its start raised: multiprocessing made no process
+            return
+        await asyncio.wait_for(process.join(), KILL_WAIT_S)
 
     def current_environment(self) -> dict[str, str]:
         env = {**self.dask_env, **os.environ, **self.given_env}

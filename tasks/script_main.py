@@ -16,16 +16,18 @@ multiprocessing hands it. It needs nothing of the script: Dask sends what it run
 cloudpickle, which sends functions and classes defined in `__main__` by value
 (tasks/gang/sending.py). A guarded script is imported by its workers as before, so what its top
 level sets up (a torch setting, logging) applies there too; every other process (a user's own
-pool, a DataLoader's loaders) starts as Python starts it.
+pool, a DataLoader's loaders) starts as Python starts it. The check reads the script as it is
+on disk at that moment, and looks at the main thread: a call from a thread that the script's
+unguarded top level started, while the main thread waits inside the guard, is not recognised.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-import os
 import sys
 import threading
+import tokenize
 from collections.abc import Callable
 from multiprocessing import spawn
 from types import FrameType, ModuleType
@@ -46,22 +48,49 @@ def script_path(main: ModuleType) -> str | None:
     return getattr(main, "__file__", None)
 
 
-def is_main_guard(test: ast.expr) -> bool:
-    """`__name__ == "__main__"`, either way round, alone or in an `and`."""
+def guard_truth(test: ast.expr) -> bool | None:
+    """True where `test` holds only in the script run as `__main__` (`__name__ == "__main__"`, either
+    way round, `in ("__main__",)`, in an `and`), False where it holds only elsewhere (`!=`, `not`),
+    None where it says neither."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = guard_truth(test.operand)
+        return None if inner is None else not inner
     if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
-        return any(is_main_guard(value) for value in test.values)
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
-        return False
-    sides = [test.left, test.comparators[0]]
-    return (any(isinstance(side, ast.Name) and side.id == "__name__" for side in sides)
-            and any(isinstance(side, ast.Constant) and side.value == "__main__" for side in sides))
+        return True if any(guard_truth(value) is True for value in test.values) else None
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return None
+    left, right, op = test.left, test.comparators[0], test.ops[0]
+    names = [side for side in (left, right) if isinstance(side, ast.Name) and side.id == "__name__"]
+    if not names:
+        return None
+    other = right if names[0] is left else left
+    if isinstance(op, (ast.Eq, ast.NotEq)) and isinstance(other, ast.Constant) and other.value == "__main__":
+        return isinstance(op, ast.Eq)
+    if (isinstance(op, (ast.In, ast.NotIn)) and isinstance(other, (ast.Tuple, ast.List, ast.Set))
+            and any(isinstance(item, ast.Constant) and item.value == "__main__" for item in other.elts)):
+        return isinstance(op, ast.In)
+    return None
+
+
+def guarded_spans(tree: ast.AST) -> list[tuple[int, int]]:
+    """The line spans that run only in the script run as `__main__`: an `if`'s body under a guard,
+    its `else` under the guard's negation, and the same of a conditional expression."""
+    spans = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp)):
+            truth = guard_truth(node.test)
+            if truth is None:
+                continue
+            branch = node.body if truth else node.orelse
+            parts = branch if isinstance(branch, list) else [branch]
+            if parts:
+                spans.append((parts[0].lineno, max(part.end_lineno or part.lineno for part in parts)))
+    return spans
 
 
 def inside_main_guard(source: str, line: int) -> bool:
-    """Whether `line` of the module `source` lies in the body of an `if __name__ == "__main__":`."""
-    return any(isinstance(node, ast.If) and is_main_guard(node.test)
-               and node.body[0].lineno <= line <= (node.body[-1].end_lineno or node.body[-1].lineno)
-               for node in ast.walk(ast.parse(source)))
+    """Whether `line` of the module `source` runs only in the script run as `__main__`."""
+    return any(first <= line <= last for first, last in guarded_spans(ast.parse(source)))
 
 
 def top_level_line(frame: FrameType | None, main: ModuleType) -> int | None:
@@ -76,18 +105,19 @@ def top_level_line(frame: FrameType | None, main: ModuleType) -> int | None:
 def runs_unguarded() -> bool:
     """Whether a child that imports this process's `__main__` would run the call now being made
     again: the main thread is in the script's top level outside the guard, or the script is no
-    file to import (stdin)."""
+    file to import (stdin), or no source this can read (then the child starts without it: it
+    must never fail, or Dask's nanny waits for it forever)."""
     main = sys.modules.get("__main__")
     path = script_path(main) if main is not None else None
     if main is None or path is None:
         return False
-    if not os.path.isfile(path):
-        return True
     line = top_level_line(sys._current_frames().get(threading.main_thread().ident or 0), main)
-    if line is None:
-        return False
-    with open(path, encoding="utf-8") as file:
-        return not inside_main_guard(file.read(), line)
+    try:
+        with tokenize.open(path) as file:  # the encoding Python read it in: a BOM, a coding line
+            source = file.read()
+        return line is not None and not inside_main_guard(source, line)
+    except (OSError, SyntaxError, UnicodeError, ValueError):
+        return True
 
 
 def without_unguarded_main(get_preparation_data: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:

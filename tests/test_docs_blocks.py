@@ -147,18 +147,33 @@ def cli_value(text: str):
         return text
 
 
+def parameter_options(words: list[str]) -> list[tuple[str, str]]:
+    """(`--param` or `--params`, its value) for each `--param X`, `--param=X`, `-p X`, `-pX`,
+    `--params X` and `--params=X` of a command line."""
+    found = []
+    for index, word in enumerate(words):
+        for flag, spellings in (("--param", ("--param", "-p")), ("--params", ("--params",))):
+            for spelling in spellings:
+                if word == spelling and index + 1 < len(words):
+                    found.append((flag, words[index + 1]))
+                elif word.startswith(spelling + "=") or (spelling == "-p" and word.startswith("-p")
+                                                          and len(word) > 2 and word[2] != "="):
+                    found.append((flag, word[len(spelling):].removeprefix("=")))
+    return found
+
+
 def check_deployment_run(words: list[str], deployments: dict[str, tuple[Flow, dict]]) -> None:
     """The deployment exists, and its flow takes its parameters with the line's over them."""
     name = words[3]
     assert name in deployments, f"{name} is no deployment of prefect.yaml: {sorted(deployments)}"
     flow_object, parameters = deployments[name]
     given = dict(parameters)
-    for flag, value in zip(words, words[1:]):
-        if flag in ("--param", "-p"):
+    for flag, value in parameter_options(words):
+        if flag == "--params":
+            given.update(json.loads(value))
+        else:
             key, _, text = value.partition("=")
             given[key] = cli_value(text)
-        elif flag == "--params":
-            given.update(json.loads(value))
     flow_object.validate_parameters(given)
 
 
@@ -252,6 +267,7 @@ prefect-ddp worker --pools ddp-pool
 prefect-ddp work --pool ddp-pool
 prefect deployment run transfer-learning/on-demand -p epochz=3
 prefect deployment run transfer-learning/on-demand --params '{"lrate": 0.1}'
+prefect deployment run transfer-learning/on-demand --param=epocha=3 --params='{"lrateb": 0.1}'
 dask worker -z tcp://scheduler:8786
 ```
 
@@ -270,7 +286,8 @@ dask worker -z tcp://scheduler:8786
     assert "transfer-learning/nowhere is no deployment of prefect.yaml" in found
     assert "prefect-ddp worker takes no ['--pools']" in found
     assert "prefect-ddp work --help exited" in found
-    assert "epochz" in found and "lrate" in found and "dask worker takes no ['-z']" in found
+    assert all(name in found for name in ("epochz", "lrate", "epocha", "lrateb"))
+    assert "dask worker takes no ['-z']" in found
 
 
 def suite_minutes() -> int:

@@ -35,7 +35,9 @@ ALLOWED = {
     "flows": {FOUNDATION, "gang", "data", "training", "results", "blocks", "sweeps", "prediction", "flows"},
     "deployments": {FOUNDATION, "gang", "data", "training", "results", "blocks", "sweeps", "prediction", "flows",
                     "deployments"},
-    "package": set(),  # prefect_ddp/: the public names, imported lazily by name, and the CLI
+    # prefect_ddp/: the public names, imported lazily by name, and the CLI; and the one foundation
+    # module that acts on import, so that a script's Dask workers never run its call again (tasks/script_main.py)
+    "package": {FOUNDATION},
 }
 BARE_NAMES = ("tasks", "flows", "blocks", "deployments")
 

@@ -25,7 +25,13 @@ from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
 from prefect_ddp.blocks.cluster import LOCAL_CLUSTER_PRELOAD, create_local_cluster
 from prefect_ddp.blocks.nanny_environment import CurrentEnvironmentNanny, WorkerStartTimeout
-from prefect_ddp.tasks.script_main import DASK_WORKER_PROCESS, MAIN_ENTRIES, inside_main_guard
+from prefect_ddp.tasks import script_main
+from prefect_ddp.tasks.script_main import (
+    DASK_WORKER_PROCESS,
+    inside_main_guard,
+    runs_unguarded,
+    without_unguarded_main,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # Generous: the script ends in about 15 s here; before the fix it never ended.
@@ -67,19 +73,47 @@ if "__main__" == __name__ and os.environ.get("X"):
     run()
 if __name__ != "__main__":
     run()
+else:
+    run()
+if __name__ in ("__main__",):
+    run()
+if not __name__ != "__main__":
+    run()
+run() if __name__ == "__main__" else None
+if __name__ == "__main__" or os.environ.get("X"):
+    run()
 """
-    assert [inside_main_guard(source, line) for line in (3, 6, 10, 12)] == [False, True, True, False]
+    runs = [number for number, line in enumerate(source.splitlines(), 1) if line.strip() == "run()"]
+    assert [inside_main_guard(source, line) for line in runs] == [False, True, True, False, True, True, True,
+                                                                   False]
+    assert inside_main_guard(source, source.splitlines().index('run() if __name__ == "__main__" else None') + 1)
 
 
 @pytest.mark.unit
-def test_a_dask_worker_process_is_prepared_with_a_guarded_script_and_other_processes_as_python_does():
-    import prefect_ddp  # noqa: F401  (importing the package is what decides)
+def test_a_script_python_reads_but_this_check_cannot_leaves_the_script_out(tmp_path, monkeypatch):
+    """A BOM (Notepad's UTF-8) once failed the check inside multiprocessing's start: the nanny hung."""
+    script = tmp_path / "bom.py"
+    script.write_bytes(b"\xef\xbb\xbfimport sys\nif __name__ == '__main__':\n    pass\n")
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+    for line, unguarded in ((3, False), (1, True)):  # the main thread at this line of the script's top level
+        monkeypatch.setattr(script_main, "top_level_line", lambda frame, main, line=line: line)
+        assert runs_unguarded() is unguarded  # read in the encoding Python read it in
+    script.write_bytes(b"def broken(:\n")
+    assert runs_unguarded() is True
 
-    # pytest's own __main__ runs its tests inside its guard: a worker imports it as before.
-    script = spawn.get_preparation_data("SomeProcess")
-    worker = spawn.get_preparation_data(DASK_WORKER_PROCESS)
-    assert any(entry in script for entry in MAIN_ENTRIES)
-    assert {entry: worker.get(entry) for entry in MAIN_ENTRIES} == {entry: script.get(entry) for entry in MAIN_ENTRIES}
+
+@pytest.mark.unit
+def test_only_a_dask_worker_process_started_by_an_unguarded_call_is_prepared_without_the_script(monkeypatch):
+    import prefect_ddp  # noqa: F401  (importing the package installs the wrapper, once)
+
+    assert spawn.get_preparation_data.leaves_main_out  # type: ignore[attr-defined]
+    prepared = without_unguarded_main(lambda name: {"name": name, "init_main_from_path": "/s.py", "dir": "/"})
+    for unguarded in (True, False):
+        monkeypatch.setattr(script_main, "runs_unguarded", lambda: unguarded)
+        worker, other = prepared(DASK_WORKER_PROCESS), prepared("SomeProcess")
+        assert ("init_main_from_path" in worker) is not unguarded and "init_main_from_path" in other
+        assert worker["dir"] == other["dir"] == "/"
 
 
 def flow_runs_named(name: str) -> list:

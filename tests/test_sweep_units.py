@@ -15,6 +15,7 @@ from prefect_ddp.tasks.sweeps.settings import INTERRUPTED, RETRIED, SweepSetting
 from prefect_ddp.tasks.sweeps.sweep import (
     NoTrialTrained,
     TrialsRun,
+    in_space,
     make_sampler,
     study_storage,
     trial_run_name,
@@ -198,3 +199,7 @@ def test_failed_trials_are_queued_again_only_as_room_and_the_space_allow():
     assert trials_left(narrowed, SweepSettings(n_trials=4), narrow) == 3
     assert narrowed.user_attrs[RETRIED] == [1]
     assert [t.system_attrs["fixed_params"] for t in narrowed.get_trials(states=(TrialState.WAITING,))] == [{"training.lr": 0.001}]
+    # A choice that no longer holds a failed value, a dimension added or gone: not queued, no error.
+    sizes = {"training.batch_size": Dimension(kind="grid", values=[16, 32])}
+    assert not in_space({"training.batch_size": 64}, sizes) and in_space({"training.batch_size": 32}, sizes)
+    assert not in_space({"training.batch_size": 32, "training.lr": 0.1}, sizes) and not in_space({}, sizes)

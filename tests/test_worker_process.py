@@ -21,12 +21,20 @@ from prefect_ddp.deployments.local_services import running
 DEADLINE_S = 120
 
 
+def command_line(process: psutil.Process) -> list[str]:
+    """Its command line; none for a child that has ended (a zombie not yet reaped has none to read)."""
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
 def prefect_worker_child(parent: psutil.Process, log: Path) -> psutil.Process:
     """The parent's `prefect worker start`, once it says it started (so it polls for work)."""
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
         started = "started!" in log.read_text()
-        children = [c for c in parent.children() if "worker" in c.cmdline() and "start" in c.cmdline()]
+        children = [c for c in parent.children() if {"worker", "start"} <= set(command_line(c))]
         if started and children:
             return children[0]
         assert parent.is_running(), log.read_text()

@@ -177,9 +177,13 @@ def trials_left(study: Any, settings: SweepSettings, space: dict[str, Dimension]
 
 def in_space(params: dict[str, Any], space: dict[str, Dimension]) -> bool:
     """Whether `params` name the space's dimensions, each within its range or values now."""
-    return set(params) == set(space) and all(
-        distribution._contains(distribution.to_internal_repr(params[path]))
-        for path, distribution in distributions(space).items())
+    if set(params) != set(space):
+        return False
+    try:  # a choice's to_internal_repr raises for a value it no longer holds
+        return all(distribution._contains(distribution.to_internal_repr(params[path]))
+                   for path, distribution in distributions(space).items())
+    except ValueError:
+        return False
 
 
 class SweepAlreadyRunning(RuntimeError):
