@@ -72,9 +72,6 @@ class CurrentEnvironmentNanny(Nanny):
                 "that started it, as it starts (a module that waits there holds it); its log above says "
                 "how far it got."
             ) from None
-        except asyncio.CancelledError:  # the start given up on (a cluster closed while starting)
-            await self.kill_unstarted()
-            raise
 
     async def kill_unstarted(self) -> None:
         """Kill a worker process that never reported itself started (Dask's own kill waits for that).

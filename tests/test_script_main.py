@@ -9,7 +9,6 @@ that does not start is killed after its nanny's deadline (blocks/nanny_environme
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -19,12 +18,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from distributed import Scheduler
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
 from prefect_ddp.blocks.cluster import LOCAL_CLUSTER_PRELOAD, create_local_cluster
-from prefect_ddp.blocks.nanny_environment import CurrentEnvironmentNanny, WorkerStartTimeout
+from prefect_ddp.blocks.nanny_environment import WorkerStartTimeout
 from prefect_ddp.tasks import script_main
 from prefect_ddp.tasks.script_main import (
     DASK_WORKER_PROCESS,
@@ -176,21 +174,3 @@ def test_a_worker_that_never_starts_is_killed_and_the_cluster_s_start_fails_nami
     hung = [p for p in psutil.Process().children(recursive=True) if "hanging_preload" in " ".join(p.cmdline())]
     assert not hung
 
-
-def test_a_worker_whose_start_is_given_up_on_is_killed(prefect_api):
-    """A cancelled start (a cluster closed while its worker starts) left the hung process behind."""
-
-    async def cancel_a_start() -> int:
-        async with Scheduler(dashboard_address="127.0.0.1:0") as scheduler:
-            nanny = CurrentEnvironmentNanny(scheduler.address, preload=["tests.support.hanging_preload"])
-            starting = asyncio.ensure_future(nanny.start())
-            while nanny.process is None or nanny.process.process is None or nanny.process.process.pid is None:
-                await asyncio.sleep(0.1)
-            pid = nanny.process.process.pid
-            starting.cancel()
-            await asyncio.gather(starting, return_exceptions=True)
-            await nanny.close()
-            return pid
-
-    pid = asyncio.run(asyncio.wait_for(cancel_a_start(), SCRIPT_DEADLINE_S))
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
