@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import sys
 import threading
 import tokenize
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing import spawn
 from types import FrameType, ModuleType
 from typing import Any
@@ -37,6 +38,11 @@ from typing import Any
 DASK_WORKER_PROCESS = "Dask Worker process (from Nanny)"
 # What multiprocessing's preparation data holds of the parent's `__main__` (multiprocessing/spawn.py).
 MAIN_ENTRIES = ("init_main_from_path", "init_main_from_name")
+# A cluster starts its nannies together, each starting its worker in a thread of its own, and
+# Python 3.11's `ast.parse` run in two threads at once can fail with "SystemError: AST constructor
+# recursion depth mismatch" (docs/architecture.md, "Facts: Python"). So a script is parsed once
+# per version of its file, under this lock.
+PARSE_LOCK = threading.Lock()
 
 
 def script_path(main: ModuleType) -> str | None:
@@ -88,9 +94,25 @@ def guarded_spans(tree: ast.AST) -> list[tuple[int, int]]:
     return spans
 
 
-def inside_main_guard(source: str, line: int) -> bool:
-    """Whether `line` of the module `source` runs only in the script run as `__main__`."""
-    return any(first <= line <= last for first, last in guarded_spans(ast.parse(source)))
+def inside_main_guard(spans: Iterable[tuple[int, int]], line: int) -> bool:
+    """Whether `line` of a module whose `guarded_spans` are `spans` runs only in the script run as `__main__`."""
+    return any(first <= line <= last for first, last in spans)
+
+
+@functools.lru_cache(maxsize=8)
+def file_guarded_spans(path: str, version: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """`guarded_spans` of the script at `path`, read in the encoding Python read it in (a BOM, a
+    coding line); `version` (its modification time and size) keys the cache, so an edited
+    script is read again."""
+    with tokenize.open(path) as file:
+        return tuple(guarded_spans(ast.parse(file.read())))
+
+
+def script_guarded_spans(path: str) -> tuple[tuple[int, int], ...]:
+    """The guarded spans of the script at `path` as it is on disk now, parsed by one thread at a time."""
+    stat = os.stat(path)
+    with PARSE_LOCK:
+        return file_guarded_spans(path, (stat.st_mtime_ns, stat.st_size))
 
 
 def top_level_line(frame: FrameType | None, main: ModuleType) -> int | None:
@@ -106,18 +128,17 @@ def runs_unguarded() -> bool:
     """Whether a child that imports this process's `__main__` would run the call now being made
     again: the main thread is in the script's top level outside the guard, or the script is no
     file to import (stdin), or no source this can read (then the child starts without it: it
-    must never fail, or Dask's nanny waits for it forever)."""
+    must never fail: the nanny's start fails, and its cluster waits for the worker forever)."""
     main = sys.modules.get("__main__")
     path = script_path(main) if main is not None else None
     if main is None or path is None:
         return False
     line = top_level_line(sys._current_frames().get(threading.main_thread().ident or 0), main)
     try:
-        with tokenize.open(path) as file:  # the encoding Python read it in: a BOM, a coding line
-            source = file.read()
-        return line is not None and not inside_main_guard(source, line)
-    except (OSError, SyntaxError, UnicodeError, ValueError):
+        spans = script_guarded_spans(path)
+    except Exception:  # noqa: BLE001 - unreadable, not Python, or a parser's own failure: leave it out
         return True
+    return line is not None and not inside_main_guard(spans, line)
 
 
 def without_unguarded_main(get_preparation_data: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:

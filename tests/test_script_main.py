@@ -9,10 +9,13 @@ that does not start is killed after its nanny's deadline (blocks/nanny_environme
 
 from __future__ import annotations
 
+import ast
+import gc
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import spawn
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from prefect_ddp.blocks.nanny_environment import WorkerStartTimeout
 from prefect_ddp.tasks import script_main
 from prefect_ddp.tasks.script_main import (
     DASK_WORKER_PROCESS,
+    guarded_spans,
     inside_main_guard,
     runs_unguarded,
     without_unguarded_main,
@@ -82,9 +86,10 @@ if __name__ == "__main__" or os.environ.get("X"):
     run()
 """
     runs = [number for number, line in enumerate(source.splitlines(), 1) if line.strip() == "run()"]
-    assert [inside_main_guard(source, line) for line in runs] == [False, True, True, False, True, True, True,
+    spans = guarded_spans(ast.parse(source))
+    assert [inside_main_guard(spans, line) for line in runs] == [False, True, True, False, True, True, True,
                                                                    False]
-    assert inside_main_guard(source, source.splitlines().index('run() if __name__ == "__main__" else None') + 1)
+    assert inside_main_guard(spans, source.splitlines().index('run() if __name__ == "__main__" else None') + 1)
 
 
 @pytest.mark.unit
@@ -99,6 +104,43 @@ def test_a_script_python_reads_but_this_check_cannot_leaves_the_script_out(tmp_p
         assert runs_unguarded() is unguarded  # read in the encoding Python read it in
     script.write_bytes(b"def broken(:\n")
     assert runs_unguarded() is True
+
+
+@pytest.fixture
+def gil_yielding_collections():
+    """Garbage collections that often hand the GIL to another thread, as a busy Dask process's do."""
+    threshold = gc.get_threshold()
+
+    def yield_gil(phase: str, info: dict) -> None:
+        if phase == "start":
+            time.sleep(0.00001)
+
+    gc.set_threshold(50)
+    gc.callbacks.append(yield_gil)
+    yield
+    gc.callbacks.remove(yield_gil)
+    gc.set_threshold(*threshold)
+
+
+@pytest.mark.unit
+def test_workers_started_together_read_a_guarded_script_right_and_parse_it_once(tmp_path, monkeypatch,
+                                                                                gil_yielding_collections):
+    """A cluster's nannies start their workers in threads at once. Parsed in each, Python 3.11 failed
+    "AST constructor recursion depth mismatch": the nanny's start failed and the soak's cluster hung."""
+    script = tmp_path / "guarded.py"
+    script.write_text("import os\n" + "x = [1, (2, {3: [4]})]\n" * 400 + "if __name__ == '__main__':\n    main()\n")
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+    monkeypatch.setattr(script_main, "top_level_line", lambda frame, main: 403)  # main() under the guard
+    parses = []
+    real_parse = ast.parse
+    monkeypatch.setattr(ast, "parse", lambda *args, **kwargs: parses.append(1) or real_parse(*args, **kwargs))
+    script_main.file_guarded_spans.cache_clear()
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: runs_unguarded(), range(64)))
+    assert answers == [False] * 64 and len(parses) == 1
+    script.write_text(script.read_text().replace("if __name__ == '__main__':", "if True:"))
+    assert runs_unguarded() is True and len(parses) == 2  # the edited script is read again
 
 
 @pytest.mark.unit
