@@ -45,6 +45,15 @@ MAIN_ENTRIES = ("init_main_from_path", "init_main_from_name")
 PARSE_LOCK = threading.Lock()
 
 
+def new_parse_lock() -> None:
+    """A child forked while another thread held the lock would wait for it forever: it gets its own."""
+    global PARSE_LOCK
+    PARSE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=new_parse_lock)
+
+
 def script_path(main: ModuleType) -> str | None:
     """The file a child would import as `__mp_main__` (`python -m` names a module); None where
     multiprocessing imports none (`python -c`, a notebook)."""
@@ -100,10 +109,9 @@ def inside_main_guard(spans: Iterable[tuple[int, int]], line: int) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def file_guarded_spans(path: str, version: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+def file_guarded_spans(path: str, version: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """`guarded_spans` of the script at `path`, read in the encoding Python read it in (a BOM, a
-    coding line); `version` (its modification time and size) keys the cache, so an edited
-    script is read again."""
+    coding line); `version` keys the cache, so an edited script is read again."""
     with tokenize.open(path) as file:
         return tuple(guarded_spans(ast.parse(file.read())))
 
@@ -111,30 +119,38 @@ def file_guarded_spans(path: str, version: tuple[int, int]) -> tuple[tuple[int, 
 def script_guarded_spans(path: str) -> tuple[tuple[int, int], ...]:
     """The guarded spans of the script at `path` as it is on disk now, parsed by one thread at a time."""
     stat = os.stat(path)
+    # The change time too: a copy that puts the old modification time back (`cp -p`, `rsync -t`)
+    # cannot set it, and a file renamed over the script has another inode.
+    version = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
     with PARSE_LOCK:
-        return file_guarded_spans(path, (stat.st_mtime_ns, stat.st_size))
+        return file_guarded_spans(path, version)
 
 
 def top_level_line(frame: FrameType | None, main: ModuleType) -> int | None:
-    """The line of `main`'s top level that `frame`'s thread is running, or None where it runs none."""
+    """The line of `main`'s top level that `frame`'s thread is running, or None where it runs none.
+
+    The outermost such frame: code the script runs with `exec` in its own globals is a `<module>`
+    frame too, whose lines are not the file's.
+    """
+    line = None
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals is main.__dict__:
-            return frame.f_lineno
+            line = frame.f_lineno
         frame = frame.f_back
-    return None
+    return line
 
 
 def runs_unguarded() -> bool:
     """Whether a child that imports this process's `__main__` would run the call now being made
     again: the main thread is in the script's top level outside the guard, or the script is no
-    file to import (stdin), or no source this can read (then the child starts without it: it
-    must never fail: the nanny's start fails, and its cluster waits for the worker forever)."""
+    file to import (stdin), or no source this can read. Never raises, as it runs inside a process
+    start: a nanny whose start fails leaves its cluster waiting (docs/architecture.md, "Facts: Python")."""
     main = sys.modules.get("__main__")
-    path = script_path(main) if main is not None else None
-    if main is None or path is None:
-        return False
-    line = top_level_line(sys._current_frames().get(threading.main_thread().ident or 0), main)
     try:
+        path = script_path(main) if main is not None else None
+        if main is None or path is None:
+            return False
+        line = top_level_line(sys._current_frames().get(threading.main_thread().ident or 0), main)
         spans = script_guarded_spans(path)
     except Exception:  # noqa: BLE001 - unreadable, not Python, or a parser's own failure: leave it out
         return True

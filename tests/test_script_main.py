@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import spawn
 from pathlib import Path
+from types import ModuleType
 
 import psutil
 import pytest
@@ -141,6 +142,47 @@ def test_workers_started_together_read_a_guarded_script_right_and_parse_it_once(
     assert answers == [False] * 64 and len(parses) == 1
     script.write_text(script.read_text().replace("if __name__ == '__main__':", "if True:"))
     assert runs_unguarded() is True and len(parses) == 2  # the edited script is read again
+
+
+@pytest.mark.unit
+def test_a_script_edited_to_the_same_size_with_its_old_modification_time_put_back_is_read_again(tmp_path,
+                                                                                                 monkeypatch):
+    """`cp -p` and `rsync -t` put the old modification time back: the cached answer of the guarded
+    version would have had workers import the unguarded one, which runs the call again."""
+    script = tmp_path / "edited.py"
+    script.write_text("if __name__ == '__main__':\n    main()\n")
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+    monkeypatch.setattr(script_main, "top_level_line", lambda frame, main: 2)
+    assert runs_unguarded() is False
+    before = script.stat()
+    script.write_text("if __name__ != '__main__':\n    main()\n")
+    assert script.stat().st_size == before.st_size
+    os.utime(script, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert runs_unguarded() is True
+
+
+@pytest.mark.unit
+def test_the_script_s_line_is_its_top_level_s_not_that_of_code_it_runs_with_exec():
+    main = ModuleType("script")
+    exec(compile("import sys\nx = 1\nexec('\\n\\n\\n\\nframe = sys._getframe()')\n", "script.py", "exec"),
+         main.__dict__)
+    assert main.frame.f_lineno == 5 and script_main.top_level_line(main.frame, main) == 3
+
+
+def test_a_process_forked_while_another_thread_parses_a_script_can_still_check_its_own():
+    """A fork copies a held lock held forever: the child's nannies would wait for it in every worker start."""
+    child = """
+import os, sys
+from prefect_ddp.tasks import script_main
+with script_main.PARSE_LOCK:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if script_main.PARSE_LOCK.acquire(timeout=20) else 3)
+    _, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+    assert subprocess.run([sys.executable, "-c", child], timeout=120).returncode == 0
 
 
 @pytest.mark.unit
