@@ -93,15 +93,25 @@ if __name__ == "__main__" or os.environ.get("X"):
     assert inside_main_guard(spans, source.splitlines().index('run() if __name__ == "__main__" else None') + 1)
 
 
+@pytest.fixture
+def script_as_main(monkeypatch):
+    """Makes a file this process's `__main__` script, its main thread at a line of the file's top level."""
+
+    def as_main(script: Path, line: int) -> None:
+        monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+        monkeypatch.setattr(script_main, "top_level_line", lambda frame, main: line)
+
+    return as_main
+
+
 @pytest.mark.unit
-def test_a_script_python_reads_but_this_check_cannot_leaves_the_script_out(tmp_path, monkeypatch):
+def test_a_script_python_reads_but_this_check_cannot_leaves_the_script_out(tmp_path, script_as_main):
     """A BOM (Notepad's UTF-8) once failed the check inside multiprocessing's start: the nanny hung."""
     script = tmp_path / "bom.py"
     script.write_bytes(b"\xef\xbb\xbfimport sys\nif __name__ == '__main__':\n    pass\n")
-    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
-    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
-    for line, unguarded in ((3, False), (1, True)):  # the main thread at this line of the script's top level
-        monkeypatch.setattr(script_main, "top_level_line", lambda frame, main, line=line: line)
+    for line, unguarded in ((3, False), (1, True)):
+        script_as_main(script, line)
         assert runs_unguarded() is unguarded  # read in the encoding Python read it in
     script.write_bytes(b"def broken(:\n")
     assert runs_unguarded() is True
@@ -124,15 +134,13 @@ def gil_yielding_collections():
 
 
 @pytest.mark.unit
-def test_workers_started_together_read_a_guarded_script_right_and_parse_it_once(tmp_path, monkeypatch,
+def test_workers_started_together_read_a_guarded_script_right_and_parse_it_once(tmp_path, monkeypatch, script_as_main,
                                                                                 gil_yielding_collections):
     """A cluster's nannies start their workers in threads at once. Parsed in each, Python 3.11 failed
     "AST constructor recursion depth mismatch": the nanny's start failed and the soak's cluster hung."""
     script = tmp_path / "guarded.py"
     script.write_text("import os\n" + "x = [1, (2, {3: [4]})]\n" * 400 + "if __name__ == '__main__':\n    main()\n")
-    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
-    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
-    monkeypatch.setattr(script_main, "top_level_line", lambda frame, main: 403)  # main() under the guard
+    script_as_main(script, 403)  # main() under the guard
     parses = []
     real_parse = ast.parse
     monkeypatch.setattr(ast, "parse", lambda *args, **kwargs: parses.append(1) or real_parse(*args, **kwargs))
@@ -146,14 +154,12 @@ def test_workers_started_together_read_a_guarded_script_right_and_parse_it_once(
 
 @pytest.mark.unit
 def test_a_script_edited_to_the_same_size_with_its_old_modification_time_put_back_is_read_again(tmp_path,
-                                                                                                 monkeypatch):
+                                                                                                 script_as_main):
     """`cp -p` and `rsync -t` put the old modification time back: the cached answer of the guarded
     version would have had workers import the unguarded one, which runs the call again."""
     script = tmp_path / "edited.py"
     script.write_text("if __name__ == '__main__':\n    main()\n")
-    monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
-    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
-    monkeypatch.setattr(script_main, "top_level_line", lambda frame, main: 2)
+    script_as_main(script, 2)
     assert runs_unguarded() is False
     before = script.stat()
     script.write_text("if __name__ != '__main__':\n    main()\n")
