@@ -10,20 +10,20 @@ placeholders are written in capitals (URL/CLASS/IMAGE.jpg).
 
 from __future__ import annotations
 
+import difflib
+import functools
 import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal, Optional, TypedDict, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-BACKBONES = ("resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0")
 # How often an elastic gang asks mid-epoch whether to grow: each ask is a one-integer broadcast,
 # measured at well under a millisecond against steps of tens of milliseconds or more (bench/RESULTS.md,
 # "An elastic gang's boundary"), while a worker come free waits at most this many steps.
 REGROUP_EVERY_STEPS = 50
 # The most DataLoader processes a rank may be given (training.num_workers).
 MAX_NUM_WORKERS = 64
-Backbone = Literal["resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0"]
 
 
 class _Strict(BaseModel):
@@ -77,10 +77,40 @@ class DataConfig(_Strict):
         return self
 
 
+@functools.cache
+def backbone_names() -> list[str]:
+    """The classification models of the installed torchvision (not its detection or video models)."""
+    import torchvision  # here, not on import: the flows' parameters are read without torch
+
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def known_backbone(value: str | None) -> str | None:
+    """`value` when torchvision has a classifier of that name (or it is left empty, as a shortcut may be)."""
+    known = backbone_names()
+    if value is None or value in known:
+        return value
+    closest = difflib.get_close_matches(value, known, n=5, cutoff=0.5)
+    hint = f"the closest: {', '.join(closest)}" if closest else f"e.g. {', '.join(known[:5])}"
+    raise ValueError(
+        f"model.backbone={value!r} is not a torchvision classification model; {hint}. Every name: "
+        "torchvision.models.list_models(module=torchvision.models)."
+    )
+
+
+# A validator in the type, not on the model, so that the flat `backbone` shortcut checks it too.
+BackboneName = Annotated[str, AfterValidator(known_backbone)]
+
+
 class ModelConfig(_Strict):
     """Which torchvision backbone to fine-tune and where its starting weights come from."""
 
-    backbone: Backbone = Field(default="resnet18", description="torchvision model name.")
+    backbone: BackboneName = Field(
+        default="resnet18",
+        description="Any torchvision classification model by name: resnet18, resnet50, convnext_tiny, "
+        "efficientnet_v2_s, vit_b_16, swin_t, regnet_y_800mf, mobilenet_v3_small, ... "
+        "(torchvision.models.list_models(module=torchvision.models) lists them).",
+    )
     weights: str | None = Field(
         default=None,
         description="Empty: random init. A torchvision weights name (DEFAULT, IMAGENET1K_V1): "

@@ -85,6 +85,14 @@ def test_an_unknown_torchvision_weights_name_lists_the_allowed_ones(earlier_run)
     assert_failed_cleanly(state, ValueError, r"Unknown weights 'IMAGENET9K' for mobilenet_v3_small: use one of")
 
 
+def test_an_image_side_the_backbone_cannot_take_fails_before_the_cluster_is_reached(earlier_run):
+    output, _, before = earlier_run
+    state = run_tiny_flow(output, {"address": "tcp://127.0.0.1:1"}, model={"backbone": "vit_b_32"})
+    assert_failed_cleanly(state, ValueError, r"model.backbone='vit_b_32' cannot take training.image_size=\d+ "
+                                             r"\(AssertionError: Wrong image height.*it takes 224: set training.image_size")
+    assert {k: v for k, v in snapshot(output).items() if k in before} == before
+
+
 def test_a_batch_larger_than_the_training_set_still_trains(earlier_run, dask_cluster):
     output, _, _ = earlier_run
     state = run_tiny_flow(output, {"address": dask_cluster.scheduler_address}, training={"batch_size": 256})

@@ -51,8 +51,8 @@ def test_data_url_alone_is_enough_and_neither_names_both_ways():
 @pytest.mark.parametrize("parameters, field", [
     ({"lr": 0}, "lr"),
     ({"training": {"lr": -1}}, "lr"),
-    ({"backbone": "vgg11"}, "backbone"),
-    ({"model": {"backbone": "vgg11"}}, "backbone"),
+    ({"backbone": "vgg12"}, "backbone"),
+    ({"model": {"backbone": "vgg12"}}, "backbone"),
     ({"training": {"epoch": 3}}, "epoch"),
 ])
 def test_the_flow_refuses_bad_parameters_before_any_cluster_starts(prefect_api, parameters, field):

@@ -24,13 +24,15 @@ from prefect import task
 from pydantic import BaseModel
 from torch import nn
 
-from prefect_ddp.tasks.config import BACKBONES, ModelConfig
+from prefect_ddp.tasks.config import ModelConfig
 from prefect_ddp.tasks.data.dataset import IMAGENET_MEAN, IMAGENET_STD, resize_size
 from prefect_ddp.tasks.data.storage import GARBLED, exists, garbled_text, load_torch, read_bytes, torch_from_bytes
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.urls import child_url
 
+# torchvision classifiers built with auxiliary heads unless told otherwise.
+AUXILIARY_HEADS = ("googlenet", "inception_v3")
 # A saved model's files, in the order they are copied: the card last, so a copy that has it is whole.
 SAVED_MODEL_FILES = ("model.pt", "model.json")
 # torchvision weights are downloaded in chunks of this size, each one progress.
@@ -41,29 +43,40 @@ DOWNLOAD_STALL_S = 30.0
 
 
 def classifier_path(model: nn.Module) -> tuple[nn.Module, str]:
-    """The module holding the final Linear layer and that layer's attribute name.
+    """The module holding the classifier's last layer and that layer's attribute name.
 
-    resnets end in `fc`; mobilenet_v3 and efficientnet in `classifier[-1]`.
+    The last `nn.Linear` in the model's module order (resnets' `fc`, `classifier[-1]` of
+    mobilenets, efficientnets, convnexts and maxvit, `heads.head` of ViTs, `head` of Swin
+    transformers), or, in a model without one (SqueezeNet), the last 1x1 convolution: checked for
+    every torchvision classifier (tests/test_backbones.py).
     """
-    if isinstance(getattr(model, "fc", None), nn.Linear):
-        return model, "fc"
-    classifier = getattr(model, "classifier", None)
-    if isinstance(classifier, nn.Sequential) and isinstance(classifier[-1], nn.Linear):
-        return classifier, str(len(classifier) - 1)
-    raise ValueError(f"Cannot find the classifier head of {type(model).__name__}.")
+    modules = list(model.named_modules())
+    linear = [name for name, module in modules if isinstance(module, nn.Linear)]
+    pointwise = [name for name, module in modules if isinstance(module, nn.Conv2d) and module.kernel_size == (1, 1)]
+    if not (linear or pointwise):
+        raise ValueError(f"Cannot find the classifier head of {type(model).__name__}: it has no Linear layer "
+                         "and no 1x1 convolution.")
+    parent, _, name = (linear or pointwise)[-1].rpartition(".")
+    return model.get_submodule(parent), name
 
 
-def replace_head(model: nn.Module, num_classes: int) -> nn.Linear:
+def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
+    """A new last layer for `num_classes`, of the kind and width of the one it replaces."""
     parent, name = classifier_path(model)
-    old: nn.Linear = getattr(parent, name)
-    head = nn.Linear(old.in_features, num_classes)
+    old = getattr(parent, name)
+    if isinstance(old, nn.Linear):
+        head: nn.Module = nn.Linear(old.in_features, num_classes)
+    else:
+        head = nn.Conv2d(old.in_channels, num_classes, kernel_size=1)
     setattr(parent, name, head)
     return head
 
 
 def head_prefix(model: nn.Module) -> str:
+    """The state_dict prefix of the head's parameters (`fc.`, `classifier.3.`, `heads.head.`)."""
     parent, name = classifier_path(model)
-    return "fc." if parent is model else f"classifier.{name}."
+    path = next(path for path, module in model.named_modules() if module is parent)
+    return f"{path}.{name}." if path else f"{name}."
 
 
 def _torchvision_weights(backbone: str, weights: str | None) -> Any:
@@ -79,6 +92,18 @@ def _torchvision_weights(backbone: str, weights: str | None) -> Any:
         ) from None
 
 
+def torchvision_model(backbone: str, weights: Any) -> nn.Module:
+    """torchvision's `backbone`, with `weights` (None: random init) and 1000 classes as they were
+    trained; GoogLeNet and Inception v3 without their auxiliary heads, whose outputs a training
+    step would take for the logits (torchvision keeps them when it builds either from scratch)."""
+    extra: dict[str, Any] = {}
+    if backbone in AUXILIARY_HEADS:
+        extra["aux_logits"] = False
+        if weights is None:  # torchvision warns that its default initialisation will change; this is it
+            extra["init_weights"] = True
+    return torchvision.models.get_model(backbone, weights=weights, **extra)
+
+
 def is_state_dict_uri(weights: str | None) -> bool:
     return weights is not None and ("://" in weights or weights.endswith((".pt", ".pth")))
 
@@ -87,19 +112,22 @@ def build_model(
     config: ModelConfig, num_classes: int, storage_options: dict[str, Any] | None = None
 ) -> nn.Module:
     """The backbone with starting weights loaded and a head for `num_classes`."""
-    if config.backbone not in BACKBONES:
-        raise ValueError(f"Unknown backbone {config.backbone!r}; supported: {', '.join(BACKBONES)}.")
     uri = config.weights if is_state_dict_uri(config.weights) else None
     weights = None if uri else _torchvision_weights(config.backbone, config.weights)
-    model = torchvision.models.get_model(config.backbone, weights=weights)
+    model = torchvision_model(config.backbone, weights)
     replace_head(model, num_classes)
     if uri:
         load_backbone_state(model, load_starting_weights(uri, storage_options or {}), uri)
     if config.freeze_backbone:
-        prefix = head_prefix(model)
-        for name, param in model.named_parameters():
-            param.requires_grad = name.startswith(prefix)
+        freeze_all_but_head(model)
     return model
+
+
+def freeze_all_but_head(model: nn.Module) -> None:
+    """Only the head's parameters train (`model.freeze_backbone`)."""
+    prefix = head_prefix(model)
+    for name, param in model.named_parameters():
+        param.requires_grad = name.startswith(prefix)
 
 
 def download_weights(config: ModelConfig, on_progress: Callable[[], None]) -> None:
@@ -218,7 +246,7 @@ def card_resize(card: dict[str, Any]) -> int:
 
 def load_model(card: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:
     """Rebuild a trained classifier from its model card and state_dict, in eval mode."""
-    model = torchvision.models.get_model(card["backbone"], weights=None)
+    model = torchvision_model(card["backbone"], None)
     replace_head(model, len(card["classes"]))
     model.load_state_dict(state)
     return model.eval()
