@@ -20,6 +20,7 @@ from torch import nn
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig, backbone_names
 from prefect_ddp.tasks.training.input_side import meta_model, parameters_on_meta, require_input_side, side_problem
 from prefect_ddp.tasks.training.model import (
+    AUXILIARY_HEADS,
     build_model,
     classifier_path,
     freeze_all_but_head,
@@ -135,3 +136,26 @@ def test_the_flow_fine_tunes_a_convnext_and_keeps_a_model_that_loads(image_locat
     model = load_model(card, torch.load(folder / "model.pt", weights_only=True))
     with torch.no_grad():
         assert model(torch.rand(2, 3, card["image_size"], card["image_size"])).shape == (2, len(card["classes"]))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backbone", AUXILIARY_HEADS)
+def test_googlenet_and_inception_build_with_pretrained_weights_as_their_card_rebuilds_them(backbone, monkeypatch):
+    """torchvision refused `aux_logits=False` with weights; and rebuilt without weights, the model
+    scaled its input otherwise than the trained one (review of issue 58's first part)."""
+    weights = torchvision.models.get_model_weights(backbone).DEFAULT
+    with parameters_on_meta():
+        state = torchvision.models.get_model(backbone, weights=None, aux_logits=True, init_weights=True).state_dict()
+        monkeypatch.setattr(type(weights), "get_state_dict", lambda self, *args, **kwargs: state)
+        trained = torchvision_model(backbone, weights)
+        rebuilt = load_model({"backbone": backbone, "classes": list(range(1000))}, trained.state_dict())
+    assert not trained.aux_logits and trained.transform_input and rebuilt.transform_input
+
+
+@pytest.mark.unit
+def test_a_nested_meta_build_leaves_the_outer_one_on_meta():
+    with parameters_on_meta():
+        with parameters_on_meta():
+            pass
+        assert {p.device.type for p in nn.Linear(2, 2).parameters()} == {"meta"}
+    assert {p.device.type for p in nn.Linear(2, 2).parameters()} == {"cpu"}

@@ -59,11 +59,12 @@ def parameters_on_meta() -> Iterator[None]:
             nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign,assignment]
             nn.Module.register_buffer = _register_buffer  # type: ignore[method-assign,assignment]
         _installed += 1
+    outer = getattr(_building, "on_meta", False)
     _building.on_meta = True
     try:
         yield
     finally:
-        _building.on_meta = False
+        _building.on_meta = outer
         with _install_lock:
             _installed -= 1
             if _installed == 0:

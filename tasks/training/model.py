@@ -94,14 +94,19 @@ def _torchvision_weights(backbone: str, weights: str | None) -> Any:
 
 def torchvision_model(backbone: str, weights: Any) -> nn.Module:
     """torchvision's `backbone`, with `weights` (None: random init) and 1000 classes as they were
-    trained; GoogLeNet and Inception v3 without their auxiliary heads, whose outputs a training
-    step would take for the logits (torchvision keeps them when it builds either from scratch)."""
-    extra: dict[str, Any] = {}
-    if backbone in AUXILIARY_HEADS:
-        extra["aux_logits"] = False
-        if weights is None:  # torchvision warns that its default initialisation will change; this is it
-            extra["init_weights"] = True
-    return torchvision.models.get_model(backbone, weights=weights, **extra)
+    trained. GoogLeNet and Inception v3 always scale their input as their pretrained weights
+    expect (so a model rebuilt without weights from its card computes what the trained one did),
+    and lose their auxiliary heads, whose outputs a training step would take for the logits
+    (torchvision keeps Inception's with weights, and refuses to be told otherwise then)."""
+    if backbone not in AUXILIARY_HEADS:
+        return torchvision.models.get_model(backbone, weights=weights)
+    extra = {"transform_input": True} | ({"init_weights": True} if weights is None else {})  # its note on defaults
+    model = torchvision.models.get_model(backbone, weights=weights, **extra)
+    model.aux_logits = False
+    for head in ("aux1", "aux2", "AuxLogits"):  # GoogLeNet's and Inception's, set as torchvision drops them
+        if hasattr(model, head):
+            setattr(model, head, None)
+    return model
 
 
 def is_state_dict_uri(weights: str | None) -> bool:
