@@ -10,12 +10,13 @@ each is drawn. Running it again under the same `settings.name` continues the stu
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from prefect import flow
 from prefect.runtime import deployment
 from prefect.states import State
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from prefect_ddp.blocks.cluster import shared_in_process
 from prefect_ddp.blocks.data_location import DataLocation
@@ -55,6 +56,8 @@ from prefect_ddp.tasks.sweeps.settings import SweepSettings, TrialOutcome
 from prefect_ddp.tasks.sweeps.sweep import open_study, run_trials, study_storage, trial_run_name
 from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
 from prefect_ddp.tasks.tracking import Tracking
+from prefect_ddp.tasks.training.input_side import require_input_side
+from prefect_ddp.tasks.training.model import is_state_dict_uri, torchvision_weights
 from prefect_ddp.tasks.urls import child_url, safe_segment
 
 SWEEP_FILES = ("report.md", "curves.png", "sweep.json")  # what publish_sweep_report writes, logged to the parent run
@@ -81,6 +84,39 @@ def transfer_learning_trial(parameters: dict[str, Any], link: TrialLink, run_nam
     with training_trial(link):
         state = transfer_learning.with_options(flow_run_name=run_name)(**parameters, return_state=True)
     return trial_outcome(state).model_copy(update={"run": run_name})
+
+
+def offered(space: dict[str, Dimension], path: str, base: Any) -> list[Any]:
+    """The values of `path` a trial may draw: its grid or choice, the base configuration's when the
+    space leaves it out, none known before the draw when the space draws it from a range."""
+    if path not in space:
+        return [base]
+    return list(space[path].values or [])
+
+
+def check_space_values(space: dict[str, Dimension], model: ModelConfig, training: TrainingConfig) -> None:
+    """Refuse, before any trial starts, a grid or choice value its parameter refuses, and a backbone
+    of the space with weights or an image side of the space it cannot take: each would fail only
+    the trials that drew it."""
+    bases: dict[str, BaseModel] = {"model": model, "training": training}
+    for path, dimension in space.items():
+        section, _, field = path.partition(".")
+        base = bases.get(section)
+        if base is None:  # data: each trial's data as the sweep's, checked with it
+            continue
+        for value in dimension.values or []:
+            try:
+                type(base).model_validate(base.model_dump() | {field: value})
+            except ValidationError as error:
+                raise ValueError(f"The search space offers {path}={value!r}, which transfer-learning refuses: "
+                                 f"{error.errors()[0]['msg'].removeprefix('Value error, ').rstrip('.')}. "
+                                 "Take it out of the space's values.") from None
+    backbones = offered(space, "model.backbone", model.backbone)
+    for backbone, weights in itertools.product(backbones, offered(space, "model.weights", model.weights)):
+        if not is_state_dict_uri(weights):  # a state_dict's fit is checked by loading it, in each trial
+            torchvision_weights(backbone, weights)
+    for backbone, side in itertools.product(backbones, offered(space, "training.image_size", training.image_size)):
+        require_input_side(backbone, side)
 
 
 def check_space(space: dict[str, Dimension]) -> None:
@@ -140,6 +176,7 @@ def hyperparameter_sweep(
         tracking: Record the sweep in MLflow as a parent run, each trial a child run (an mlflow-tracking block).
     """
     check_space(space)
+    check_space_values(space, model, training)
     check_metric(settings)
     check_trial_sizes(cluster)
     data = with_overrides(data or DataConfig.model_construct())

@@ -245,7 +245,7 @@ def transfer_learning(
     kept_name = kept_model_name(output, model)
     tracker = tracking_settings(tracking)
     require_registry(model, tracker)
-    require_input_side(model, training)  # an image side the backbone cannot take fails here, not in every rank
+    require_input_side(model.backbone, training.image_size)  # an image side the backbone cannot take fails here, not in every rank
     source = data_location(data)
     base = output_base(output, source)
     run_name = flow_run.get_name() or "run"
@@ -264,7 +264,7 @@ def transfer_learning(
         )(source)
         warm = warm_start(model, kept, tracker, manifest.classes, out)
         if not warm:
-            check_starting_weights(model, len(manifest.classes), source)
+            check_starting_weights(model, len(manifest.classes), source, training.image_size)
         runner = starting.ready()
         world_size = gang_size(runner, cluster.world_size, cluster.min_world_size)
         listed = len(manifest)

@@ -87,9 +87,9 @@ def test_an_unknown_torchvision_weights_name_lists_the_allowed_ones(earlier_run)
 
 def test_an_image_side_the_backbone_cannot_take_fails_before_the_cluster_is_reached(earlier_run):
     output, _, before = earlier_run
-    state = run_tiny_flow(output, {"address": "tcp://127.0.0.1:1"}, model={"backbone": "vit_b_32"})
-    assert_failed_cleanly(state, ValueError, r"model.backbone='vit_b_32' cannot take training.image_size=\d+ "
-                                             r"\(AssertionError: Wrong image height.*it takes 224: set training.image_size")
+    state = run_tiny_flow(output, {"address": "tcp://127.0.0.1:1"}, model={"backbone": "maxvit_t"})
+    assert_failed_cleanly(state, ValueError, r"model.backbone='maxvit_t' cannot take training.image_size=\d+ "
+                                             r"\(ValueError: Input size .* it takes 224, 448: set training.image_size")
     assert {k: v for k, v in snapshot(output).items() if k in before} == before
 
 

@@ -1,12 +1,12 @@
 """Whether a backbone takes the run's image side, told before any cluster starts.
 
-torchvision's classifiers differ in the sides they take: a ViT only the side its position
-embeddings were made for (224), MaxViT multiples of 224, Inception v3 75 px and more, AlexNet 64,
-SqueezeNet 24, most others 16. A run whose `training.image_size` its backbone cannot take failed
-in every rank's first step, after the data check and the gang's start. So the flow builds the
-backbone first with its parameters and buffers on the meta device (shapes without memory or
-initialisation: the largest torchvision classifier holds 644M parameters) and runs one forward
-of a meta image of that side through it.
+torchvision's classifiers differ in the sides they take: a ViT multiples of its patch (built for
+the side, prefect_ddp.tasks.training.model.SIDE_KEYWORDS), MaxViT multiples of 224, Inception v3
+75 px and more, AlexNet 64, SqueezeNet 24, most others 16. A run whose `training.image_size` its
+backbone cannot take failed in every rank's first step, after the data check and the gang's
+start. So the flow builds the backbone first, for that side, with its parameters and buffers on
+the meta device (shapes without memory or initialisation: the largest torchvision classifier
+holds 644M parameters) and runs one forward of a meta image of that side through it.
 
 `torch.device("meta")` alone cannot build them all (RegNet computes its widths with tensors and
 reads them back), so the parameters and buffers are moved to the meta device as each module
@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.training.model import torchvision_model
 
 # The sides offered when the one given does not fit: common crops, and each family's own.
@@ -72,31 +71,31 @@ def parameters_on_meta() -> Iterator[None]:
                 nn.Module.register_buffer = _originals["register_buffer"]  # type: ignore[method-assign]
 
 
-def meta_model(backbone: str) -> nn.Module:
-    """`backbone` as training builds it, with its parameters and buffers on the meta device, in eval mode."""
+def meta_model(backbone: str, side: int | None = None) -> nn.Module:
+    """`backbone` as training builds it for `side`, with its parameters and buffers on the meta
+    device, in eval mode."""
     with parameters_on_meta():
-        return torchvision_model(backbone, None).eval()
+        return torchvision_model(backbone, None, side).eval()
 
 
-def side_problem(model: nn.Module, side: int) -> str | None:
-    """Why `model` cannot classify square images of `side` pixels, or None when it can."""
+def side_problem(backbone: str, side: int) -> str | None:
+    """Why `backbone`, built for `side`, cannot classify square images of `side` pixels, or None when it can."""
     try:
         with torch.no_grad():
-            model(torch.empty(1, 3, side, side, device="meta"))
+            meta_model(backbone, side)(torch.empty(1, 3, side, side, device="meta"))
     except Exception as error:  # noqa: BLE001 - torchvision's asserts and the shape errors of its layers
-        return f"{type(error).__name__}: {error}"
+        return f"{type(error).__name__}: {' '.join(str(error).split())}"  # on one line: MaxViT's spans two
     return None
 
 
-def require_input_side(model: ModelConfig, training: TrainingConfig) -> None:
+def require_input_side(backbone: str, side: int) -> None:
     """Refuse a backbone and image side that do not go together, naming the sides that do."""
-    built = meta_model(model.backbone)
-    problem = side_problem(built, training.image_size)
+    problem = side_problem(backbone, side)
     if problem is None:
         return
-    sides = [side for side in SIDES_TRIED if side_problem(built, side) is None]
+    sides = [tried for tried in SIDES_TRIED if side_problem(backbone, tried) is None]
     raise ValueError(
-        f"model.backbone={model.backbone!r} cannot take training.image_size={training.image_size} ({problem}). "
+        f"model.backbone={backbone!r} cannot take training.image_size={side} ({problem}). "
         f"Of {', '.join(map(str, SIDES_TRIED))} it takes {', '.join(map(str, sides)) or 'none'}: set "
         "training.image_size to one of them, or choose another backbone."
     )

@@ -13,6 +13,7 @@ import os
 import urllib.parse
 import urllib.request
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ import torchvision
 from prefect import task
 from pydantic import BaseModel
 from torch import nn
+from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
 
 from prefect_ddp.tasks.config import ModelConfig
 from prefect_ddp.tasks.data.dataset import IMAGENET_MEAN, IMAGENET_STD, resize_size
@@ -31,8 +33,16 @@ from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.urls import child_url
 
-# torchvision classifiers built with auxiliary heads unless told otherwise.
+# torchvision classifiers built with auxiliary heads unless told otherwise, and the heads' modules.
 AUXILIARY_HEADS = ("googlenet", "inception_v3")
+AUXILIARY_MODULES = ("aux1", "aux2", "AuxLogits")
+# torchvision classifiers built for one input side, given by keyword: a ViT's position embeddings
+# are made for it, MaxViT sizes its attention grids by it. They are built for the run's side and
+# their pretrained weights, made for the weights' own side, fitted to it (`fitted_state`).
+SIDE_KEYWORDS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "vit_": lambda side: {"image_size": side},
+    "maxvit_": lambda side: {"input_size": (side, side)},
+}
 # A saved model's files, in the order they are copied: the card last, so a copy that has it is whole.
 SAVED_MODEL_FILES = ("model.pt", "model.json")
 # torchvision weights are downloaded in chunks of this size, each one progress.
@@ -79,7 +89,8 @@ def head_prefix(model: nn.Module) -> str:
     return f"{path}.{name}." if path else f"{name}."
 
 
-def _torchvision_weights(backbone: str, weights: str | None) -> Any:
+def torchvision_weights(backbone: str, weights: str | None) -> Any:
+    """torchvision's weights `weights` names for `backbone` (None: random init); refused naming those it has."""
     if weights is None:
         return None
     try:
@@ -92,20 +103,48 @@ def _torchvision_weights(backbone: str, weights: str | None) -> Any:
         ) from None
 
 
-def torchvision_model(backbone: str, weights: Any) -> nn.Module:
+def side_keywords(backbone: str, side: int | None) -> dict[str, Any]:
+    """The keywords that build `backbone` for square images of `side` (`SIDE_KEYWORDS`); none for
+    the families that take any side their layers allow, or when `side` is None (torchvision's default).
+
+    >>> side_keywords("vit_b_16", 384), side_keywords("resnet18", 384), side_keywords("vit_b_16", None)
+    ({'image_size': 384}, {}, {})
+    """
+    prefix = next((prefix for prefix in SIDE_KEYWORDS if backbone.startswith(prefix)), None)
+    return SIDE_KEYWORDS[prefix](side) if prefix and side else {}
+
+
+def fitted_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` fitted to `model`'s input side: a ViT's position embeddings interpolated (bicubic,
+    as torchvision's `interpolate_embeddings` does) when they were made for another side."""
+    if isinstance(model, VisionTransformer) and "encoder.pos_embedding" in state:
+        return dict(interpolate_embeddings(model.image_size, model.patch_size, OrderedDict(state)))
+    return state
+
+
+def torchvision_model(backbone: str, weights: Any, side: int | None = None) -> nn.Module:
     """torchvision's `backbone`, with `weights` (None: random init) and 1000 classes as they were
-    trained. GoogLeNet and Inception v3 always scale their input as their pretrained weights
-    expect (so a model rebuilt without weights from its card computes what the trained one did),
-    and lose their auxiliary heads, whose outputs a training step would take for the logits
-    (torchvision keeps Inception's with weights, and refuses to be told otherwise then)."""
-    if backbone not in AUXILIARY_HEADS:
-        return torchvision.models.get_model(backbone, weights=weights)
-    extra = {"transform_input": True} | ({"init_weights": True} if weights is None else {})  # its note on defaults
-    model = torchvision.models.get_model(backbone, weights=weights, **extra)
-    model.aux_logits = False
-    for head in ("aux1", "aux2", "AuxLogits"):  # GoogLeNet's and Inception's, set as torchvision drops them
-        if hasattr(model, head):
-            setattr(model, head, None)
+    trained, built for images of `side` where its family is built for one side (`side_keywords`).
+
+    GoogLeNet and Inception v3 always scale their input as their pretrained weights expect (so a
+    model rebuilt without weights from its card computes what the trained one did), and lose their
+    auxiliary heads, whose outputs a training step would take for the logits (torchvision keeps
+    Inception's with weights, and refuses to be told otherwise then)."""
+    sized = side_keywords(backbone, side)
+    keywords = dict(sized)
+    if backbone in AUXILIARY_HEADS:
+        keywords |= {"transform_input": True} | ({"init_weights": True} if weights is None else {})  # their note on defaults
+    if weights is not None and sized:  # torchvision refuses another side with weights
+        model = torchvision.models.get_model(backbone, weights=None, **keywords)
+        model.load_state_dict(fitted_state(model, weights.get_state_dict(progress=False, check_hash=True,
+                                                                         weights_only=True)))
+    else:
+        model = torchvision.models.get_model(backbone, weights=weights, **keywords)
+    if backbone in AUXILIARY_HEADS:
+        model.aux_logits = False
+        for head in AUXILIARY_MODULES:  # set as torchvision drops them
+            if hasattr(model, head):
+                setattr(model, head, None)
     return model
 
 
@@ -114,12 +153,13 @@ def is_state_dict_uri(weights: str | None) -> bool:
 
 
 def build_model(
-    config: ModelConfig, num_classes: int, storage_options: dict[str, Any] | None = None
+    config: ModelConfig, num_classes: int, storage_options: dict[str, Any] | None = None, side: int | None = None
 ) -> nn.Module:
-    """The backbone with starting weights loaded and a head for `num_classes`."""
+    """The backbone with starting weights loaded and a head for `num_classes`, for images of
+    `side` (the run's `training.image_size`; None: torchvision's default)."""
     uri = config.weights if is_state_dict_uri(config.weights) else None
-    weights = None if uri else _torchvision_weights(config.backbone, config.weights)
-    model = torchvision_model(config.backbone, weights)
+    weights = None if uri else torchvision_weights(config.backbone, config.weights)
+    model = torchvision_model(config.backbone, weights, side)
     replace_head(model, num_classes)
     if uri:
         load_backbone_state(model, load_starting_weights(uri, storage_options or {}), uri)
@@ -143,7 +183,7 @@ def download_weights(config: ModelConfig, on_progress: Callable[[], None]) -> No
     build_model then finds them cached. Random init, a state_dict URI and weights already
     cached need nothing.
     """
-    weights = None if is_state_dict_uri(config.weights) else _torchvision_weights(config.backbone, config.weights)
+    weights = None if is_state_dict_uri(config.weights) else torchvision_weights(config.backbone, config.weights)
     if weights is not None:
         download_to_cache(weights.url, Path(torch.hub.get_dir()) / "checkpoints", on_progress)
 
@@ -206,22 +246,25 @@ def load_starting_weights(uri: str, storage_options: dict[str, Any]) -> dict[str
 
 
 @task(name="check-model", retries=2, retry_delay_seconds=10, retry_condition_fn=retry_transient)
-def check_starting_weights(config: ModelConfig, num_classes: int, location: Location) -> None:
+def check_starting_weights(config: ModelConfig, num_classes: int, location: Location, side: int) -> None:
     """Fail before the data check and training when the starting weights are missing or do not fit.
 
     A state_dict URI is loaded into the backbone here, once; a torchvision weights name is
     only checked by name (downloading it is the ranks' job).
     """
     if is_state_dict_uri(config.weights):
-        build_model(config, num_classes, location.storage_options())
+        build_model(config, num_classes, location.storage_options(), side)
     else:
-        _torchvision_weights(config.backbone, config.weights)
+        torchvision_weights(config.backbone, config.weights)
 
 
 def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], uri: str) -> None:
-    """Load a backbone's state_dict, ignoring its head (trained for other classes)."""
+    """Load a backbone's state_dict, ignoring its head (trained for other classes) and the auxiliary
+    heads the model was built without (a state saved from torchvision's GoogLeNet or Inception v3)."""
     prefix = head_prefix(model)
-    body = {k: v for k, v in state.items() if not k.startswith(prefix)}
+    dropped = (prefix, *(f"{name}." for name in AUXILIARY_MODULES
+                         if hasattr(model, name) and getattr(model, name) is None))
+    body = {k: v for k, v in fitted_state(model, state).items() if not k.startswith(dropped)}
     missing, unexpected = model.load_state_dict(body, strict=False)
     missing = [k for k in missing if not k.startswith(prefix)]
     if missing or unexpected:
@@ -251,7 +294,7 @@ def card_resize(card: dict[str, Any]) -> int:
 
 def load_model(card: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:
     """Rebuild a trained classifier from its model card and state_dict, in eval mode."""
-    model = torchvision_model(card["backbone"], None)
+    model = torchvision_model(card["backbone"], None, card.get("image_size"))
     replace_head(model, len(card["classes"]))
     model.load_state_dict(state)
     return model.eval()
@@ -307,7 +350,7 @@ class WarmStart(BaseModel):
 
 def load_warm_start(model: nn.Module, warm: WarmStart) -> None:
     """Load the kept weights: all of them when the classes match, else all but the head."""
-    state = load_torch(warm.model.url, warm.model.storage_options())
+    state = fitted_state(model, load_torch(warm.model.url, warm.model.storage_options()))
     if warm.with_head:
         model.load_state_dict(state)
     else:
