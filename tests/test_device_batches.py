@@ -26,6 +26,7 @@ from prefect_ddp.tasks.data.dataset import (
     unreadable_label,
 )
 from prefect_ddp.tasks.data.decoding import open_rgb
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.device_batches import (
     EncodedBatch,
     ToDevice,
@@ -207,10 +208,11 @@ def test_decoded_batches_are_only_moved():
 def test_cpu_ranks_train_in_full_precision_and_keep_the_default_layout():
     log = logging.getLogger("test")
     assert autocast_dtype(TrainingConfig(amp=True), torch.device("cpu"), log) is None
-    train, val = batch_inputs(TrainingConfig(channels_last=True, decode_on="device", image_size=32), torch.device("cpu"))
+    train, val = batch_inputs(TrainingConfig(channels_last=True, decode_on="device", image_size=32), Preprocessing(),
+                              torch.device("cpu"))
     assert train.memory_format == val.memory_format == torch.contiguous_format
     assert train.transform is not None and val.transform is not None
-    train, _ = batch_inputs(TrainingConfig(), torch.device("cpu"))
+    train, _ = batch_inputs(TrainingConfig(), Preprocessing(), torch.device("cpu"))
     assert train.transform is None
 
 
@@ -223,7 +225,7 @@ def test_gpu_ranks_decode_with_nvjpeg_in_bfloat16_channels_last():
     assert autocast_dtype(TrainingConfig(), device, log) == expected
     assert autocast_dtype(TrainingConfig(amp_dtype="float16"), device, log) == torch.float16
     jpeg = torch.frombuffer(bytearray(image_bytes("RGB", "JPEG")), dtype=torch.uint8)
-    train, _ = batch_inputs(TrainingConfig(decode_on="device", image_size=16), device)
+    train, _ = batch_inputs(TrainingConfig(decode_on="device", image_size=16), Preprocessing(), device)
     # JPEG's magic and then no JPEG: the decoder refuses it, so it is left out and a copy of the first stands in.
     corrupt = torch.frombuffer(bytearray(b"\xff\xd8\xff" + b"not a JPEG body" * 4), dtype=torch.uint8)
     batch, labels = train(EncodedBatch([jpeg, jpeg, corrupt], torch.tensor([0, 1, 2])), torch.tensor([2, 0, 1]))

@@ -1,4 +1,5 @@
 import hashlib
+import json
 import os
 import stat
 
@@ -6,21 +7,22 @@ import pytest
 import torch
 import torchvision
 from PIL import Image
-from torchvision.transforms import v2
+from torchvision.transforms import InterpolationMode, v2
 
-from prefect_ddp.tasks.config import ModelConfig
-from prefect_ddp.tasks.data.dataset import eval_transform
+from prefect_ddp.tasks.config import ModelConfig, backbone_names
+from prefect_ddp.tasks.data.dataset import eval_transform, train_transform
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.storage import load_torch, save_torch
 from prefect_ddp.tasks.results.tracking_run import preprocessing
 from prefect_ddp.tasks.training.model import (
     DOWNLOAD_CHUNK_BYTES,
     build_model,
-    card_resize,
     download_to_cache,
     download_weights,
     head_prefix,
     load_model,
     model_card,
+    preprocessing_for,
 )
 
 pytestmark = pytest.mark.unit
@@ -72,15 +74,54 @@ def test_validation_batch_predict_and_the_mlflow_model_resize_as_the_card_says(s
     assert card["resize"] == {224: 256, 448: 512, 1024: 1170}[side]
     resize, crop = [t for t in eval_transform(side).transforms if isinstance(t, (v2.Resize, v2.CenterCrop))]
     assert resize.size == [card["resize"]] and crop.size == (side, side)
-    assert card_resize(card) == card["resize"]
+    assert Preprocessing.of_card(card).resize(side) == card["resize"]
     metadata = preprocessing(card)
     assert (metadata["resize"], metadata["image_size"]) == (card["resize"], side)
-    assert f"resized to {card['resize']} px, centre crop of {side} px" in metadata["steps"]
+    assert f"resized to {card['resize']} px (bilinear, antialiased), centre crop of {side} px" in metadata["steps"]
     assert eval_transform(side)(Image.new("RGB", (side * 3 // 2, side * 9 // 8))).shape == (3, side, side)
 
 
 def test_a_card_from_before_resize_was_recorded_is_scored_as_it_was_validated():
-    assert card_resize({"image_size": 224}) == 255
+    assert Preprocessing.of_card({"image_size": 224}) == Preprocessing(resize_per_crop=255 / 224)
+    assert Preprocessing.of_card({"image_size": 224}).resize(224) == 255
+
+
+def every_torchvision_weight() -> list[tuple[str, str]]:
+    return [(name, weights.name) for name in backbone_names() for weights in torchvision.models.get_model_weights(name)]
+
+
+@pytest.mark.parametrize("side", [32, 224, 299, 384, 518])
+def test_every_weight_s_preprocessing_is_trained_with_and_scored_from_its_card_alike(side):
+    """Training's and validation's transforms come from the job (`TrainJob.preprocessing`), batch-predict's,
+    the champion's and the MLflow model's from model.json: for every torchvision weight, the same."""
+    for backbone, weights in every_torchvision_weight():
+        config = ModelConfig(backbone=backbone, weights=weights)
+        trained, card = preprocessing_for(config), model_card(config, ["a", "b"], side)
+        made = torchvision.models.get_model_weights(backbone)[weights].transforms()
+        assert (trained.interpolation, trained.mean, trained.std) == (made.interpolation.value, tuple(made.mean),
+                                                                      tuple(made.std))
+        scored = Preprocessing.of_card(json.loads(json.dumps(card)))  # as read back from storage
+        assert (scored.resize(side), scored.mode, scored.mean, scored.std) == (
+            trained.resize(side), trained.mode, trained.mean, trained.std), (backbone, weights)
+        assert trained.resize(made.crop_size[0]) == made.resize_size[0], (backbone, weights)  # at its own crop, torchvision's
+
+
+def test_a_weight_s_own_preprocessing_drives_training_validation_and_the_card():
+    """ResNet-50's second weights resize to 232 for 224, EfficientNet's interpolate bicubic, EfficientNetV2-L's
+    normalise by 0.5, and random init or a state_dict URI keep torchvision's usual."""
+    v2_weights = preprocessing_for(ModelConfig(backbone="resnet50", weights="IMAGENET1K_V2"))
+    assert v2_weights.resize(224) == 232 and v2_weights.interpolation == "bilinear"
+    bicubic = preprocessing_for(ModelConfig(backbone="efficientnet_b0", weights="DEFAULT"))
+    crop = next(t for t in train_transform(64, bicubic).transforms if isinstance(t, v2.RandomResizedCrop))
+    resize = next(t for t in eval_transform(64, bicubic).transforms if isinstance(t, v2.Resize))
+    assert crop.interpolation == resize.interpolation == InterpolationMode.BICUBIC
+    halves = preprocessing_for(ModelConfig(backbone="efficientnet_v2_l", weights="DEFAULT"))
+    black = eval_transform(32, halves)(Image.new("RGB", (40, 40)))
+    assert torch.allclose(black, torch.full_like(black, -1.0))  # (0 - 0.5) / 0.5
+    assert preprocessing_for(ModelConfig(backbone="efficientnet_v2_l")) == Preprocessing()
+    assert preprocessing_for(ModelConfig(backbone="efficientnet_v2_l", weights="s3://b/start.pt")) == Preprocessing()
+    card = model_card(ModelConfig(backbone="efficientnet_v2_l", weights="DEFAULT"), ["a"], 96)
+    assert (card["mean"], card["interpolation"], preprocessing(card)["interpolation"]) == ((0.5,) * 3, "bicubic", "bicubic")
 
 
 def test_loading_refuses_pickled_code(tmp_path):

@@ -15,9 +15,8 @@ from torchvision.transforms import v2
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.preprocessing import IMAGENET_MEAN, IMAGENET_STD
 from prefect_ddp.tasks.data.dataset import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     S3ImageFolder,
     SizedTransform,
     decode_side,

@@ -353,8 +353,8 @@ def test_the_model_file_holds_the_weights_of_the_epoch_reported_best_not_the_las
 
     card = json.loads((tmp_path / "run" / "model.json").read_text())
     model = load_model(card, torch.load(tmp_path / "run" / "model.pt", weights_only=True))
-    val_loader = rank_data(CTX, job.source, job.output, job.manifest, job.split, job.training).val
-    sums = evaluate(model, val_loader, batch_inputs(job.training, torch.device("cpu"))[1])
+    val_loader = rank_data(CTX, job.source, job.output, job.manifest, job.split, job.training, job.preprocessing).val
+    sums = evaluate(model, val_loader, batch_inputs(job.training, job.preprocessing, torch.device("cpu"))[1])
     best = history[result.best_epoch - 1]
     assert card["epoch"] == result.best_epoch and card["selected_by"] == "highest val_acc"
     assert (sums.loss_sum / sums.count, sums.correct / sums.count) == (pytest.approx(best["val_loss"], rel=1e-4),

@@ -193,7 +193,7 @@ def test_leaving_images_out_changes_no_rank_s_steps_or_batch_sizes(tmp_path):
     sizes, left_out = [], []
     for rank in (0, 1):
         train_loader = rank_data(replace(CTX, rank=rank, world_size=2), job.source, job.output, job.manifest,
-                                 job.split, job.training).train
+                                 job.split, job.training, job.preprocessing).train
         assert isinstance(train_loader.sampler, PositionedSampler)
         batches = [labels.tolist() for _, labels in train_loader]
         sizes.append([len(labels) for labels in batches])

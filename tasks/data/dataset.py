@@ -39,6 +39,7 @@ from prefect_ddp.tasks.data.decoding import RESIZED_QUALITY, open_rgb, stored_re
 from prefect_ddp.tasks.data.fetch_ahead import BATCHES_AT_ONCE, FetchesAhead
 from prefect_ddp.tasks.data.loader_leftovers import use_own_temp_folder
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.storage import ProcessFilesystem
 
 FETCH_ATTEMPTS = 4
@@ -46,10 +47,6 @@ BLANK_SIDE = 8
 DEFAULT_FETCH_TIMEOUT_S = TrainingConfig.model_fields["fetch_timeout_s"].default
 SHOWN_KEYS = 3
 
-
-# torchvision's ImageNet statistics: the pretrained backbones expect inputs normalised by them.
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 class EncodedImage(NamedTuple):
     """An image's bytes as a uint8 tensor, for a rank that decodes on its device, with its
@@ -173,29 +170,17 @@ def needed_side(transform: Callable[..., Any] | None) -> int | None:
     return transform.decode_side if isinstance(transform, SizedTransform) else None
 
 
-def train_transform(image_size: int) -> SizedTransform:
+def train_transform(image_size: int, preprocessing: Preprocessing = Preprocessing()) -> SizedTransform:
+    """A random crop of `image_size` of a random share of the image, flipped at random, scaled
+    with the weights' interpolation and normalised with their statistics (`preprocessing`)."""
     return SizedTransform([
         v2.PILToTensor(),
-        v2.RandomResizedCrop(image_size, scale=CROP_SCALE, ratio=CROP_RATIO, antialias=True),
+        v2.RandomResizedCrop(image_size, scale=CROP_SCALE, ratio=CROP_RATIO, interpolation=preprocessing.mode,
+                             antialias=True),
         v2.RandomHorizontalFlip(),
         v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        v2.Normalize(preprocessing.mean, preprocessing.std),
     ], decode_side(image_size))
-
-
-# Validation resizes the shorter side to 8/7 of the crop, then crops the centre: torchvision's
-# reference sizes (256 for a crop of 224). The model card records the size (`resize`), and
-# batch-predict and the logged MLflow model read it from there.
-RESIZE_PER_CROP = 8 / 7
-
-
-def resize_size(image_size: int) -> int:
-    """The shorter side validation resizes to before its centre crop of `image_size`.
-
-    >>> [resize_size(side) for side in (224, 448, 1024)]
-    [256, 512, 1170]
-    """
-    return round(image_size * RESIZE_PER_CROP)
 
 
 def decode_side(image_size: int) -> int:
@@ -212,17 +197,19 @@ def decode_side(image_size: int) -> int:
     return math.ceil(image_size / math.sqrt(CROP_SCALE[0] * CROP_RATIO[0]))
 
 
-def eval_transform(image_size: int, resize: int | None = None) -> SizedTransform:
-    """Resize the shorter side to `resize` (default `resize_size(image_size)`), crop the centre.
+def eval_transform(image_size: int, preprocessing: Preprocessing = Preprocessing()) -> SizedTransform:
+    """Resize the shorter side to `preprocessing.resize(image_size)` (256 for 224 with torchvision's
+    usual weights), crop the centre, normalise: validation's, batch-predict's and the champion's, as
+    model.json records it (`Preprocessing.of_card`).
 
-    Its input needs no more than `resize` on its shorter side (`open_rgb` decodes no smaller)."""
-    size = resize or resize_size(image_size)
+    Its input needs no more than the resize on its shorter side (`open_rgb` decodes no smaller)."""
+    size = preprocessing.resize(image_size)
     return SizedTransform([
         v2.PILToTensor(),
-        v2.Resize(size, antialias=True),
+        v2.Resize(size, interpolation=preprocessing.mode, antialias=True),
         v2.CenterCrop(image_size),
         v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+        v2.Normalize(preprocessing.mean, preprocessing.std),
     ], size)
 
 

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.device_batches import encoded_collate
 from prefect_ddp.tasks.data.epoch_ahead import EpochAhead
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
@@ -80,7 +81,7 @@ class RankData:
 
 
 def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Manifest, split: Split,
-              cfg: TrainingConfig) -> RankData:
+              cfg: TrainingConfig, preprocessing: Preprocessing) -> RankData:
     """What rank `ctx` reads with: train batches from a PositionedSampler (or tar shards), val
     sharded rank::world_size, unpadded; built once per rank, its storage options with it.
 
@@ -98,8 +99,8 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
     # decode_on="device": the loaders hand over encoded images (no transform); the rank
     # decodes and transforms them (the recipe's batch_inputs).
     on_device = cfg.decode_on == "device"
-    train_tf = None if on_device else train_transform(cfg.image_size)
-    val_tf = None if on_device else eval_transform(cfg.image_size)
+    train_tf = None if on_device else train_transform(cfg.image_size, preprocessing)
+    val_tf = None if on_device else eval_transform(cfg.image_size, preprocessing)
     collate: dict[str, Any] = {"collate_fn": encoded_collate} if on_device else {}
     val_set = dataset(split.val, val_tf)
     chosen = loader_workers(cfg)

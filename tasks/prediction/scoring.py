@@ -44,6 +44,7 @@ from prefect_ddp.tasks.data.dataset import (
 )
 from prefect_ddp.tasks.data.decoding import open_rgb
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.storage import (
     exists,
     filesystem,
@@ -60,7 +61,7 @@ from prefect_ddp.tasks.prediction.model_source import CARD, WEIGHTS
 from prefect_ddp.tasks.prediction.workers import worker_device
 from prefect_ddp.tasks.reporting import run_logger
 from prefect_ddp.tasks.retries import retry_transient
-from prefect_ddp.tasks.training.model import card_resize, load_model
+from prefect_ddp.tasks.training.model import load_model
 from prefect_ddp.tasks.urls import child_url
 
 CHUNKS_FOLDER = "predictions"
@@ -102,7 +103,7 @@ class LoadedModel(NamedTuple):
     model: nn.Module
     classes: list[str]
     image_size: int
-    resize: int  # the shorter side before the centre crop, as the model was validated
+    preprocessing: Preprocessing  # as the model was validated (model.json)
     device: torch.device
 
 
@@ -133,7 +134,7 @@ def loaded_model(folder: Location) -> LoadedModel:
             options = folder.storage_options()
             card = read_json(child_url(folder.url, CARD), options)
             model = built_model(folder.url, card, load_torch(child_url(folder.url, WEIGHTS), options)).to(device)
-            _models[key] = LoadedModel(model, card["classes"], card["image_size"], card_resize(card), device)
+            _models[key] = LoadedModel(model, card["classes"], card["image_size"], Preprocessing.of_card(card), device)
             while len(_models) > CACHED_MODELS:
                 _models.popitem(last=False)
         _models.move_to_end(key)
@@ -174,7 +175,7 @@ def score_chunk(job: ScoringJob, index: int, keys: list[str]) -> ChunkOutcome:
             run_logger().info("Chunk %d was scored by an earlier attempt of this run: %s", index, url)
             return done
     loaded = loaded_model(job.model)
-    transform = eval_transform(loaded.image_size, loaded.resize)
+    transform = eval_transform(loaded.image_size, loaded.preprocessing)
     batches: list[pa.Table] = []
     unreadable: dict[str, str] = {}
     for start in range(0, len(keys), job.batch_size):

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.storage import exists, load_torch, read_bytes, read_json, write_bytes
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.reporting import run_logger
@@ -199,9 +200,12 @@ def _log_model(run: TrackedRun, out: Location, folder: str) -> LoggedModel:
 
 def preprocessing(card: dict[str, Any]) -> dict[str, Any]:
     """How an image becomes the model's input, as its card records it: the MLflow model's metadata."""
-    return {"image_size": card["image_size"], "resize": card["resize"], "mean": card["mean"], "std": card["std"],
-            "steps": f"shorter side resized to {card['resize']} px, centre crop of {card['image_size']} px; "
-                     "RGB scaled to [0, 1], normalised by mean and std"}
+    made = Preprocessing.of_card(card)
+    resize = made.resize(card["image_size"])
+    return {"image_size": card["image_size"], "resize": resize, "interpolation": made.interpolation,
+            "mean": made.mean, "std": made.std,
+            "steps": f"shorter side resized to {resize} px ({made.interpolation}, antialiased), centre crop of "
+                     f"{card['image_size']} px; RGB scaled to [0, 1], normalised by mean and std"}
 
 
 def fetch_registered_model(tracking: Tracking, uri: str, into: Location) -> Location:

@@ -14,12 +14,13 @@ import torch
 from pydantic import BaseModel
 
 from prefect_ddp.tasks.data.dataset import eval_transform
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.loaders import ManifestImages, RankData
 from prefect_ddp.tasks.data.storage import read_bytes_reporting, read_json, torch_from_bytes
 from prefect_ddp.tasks.gang import RankContext, all_reduce_sum
 from prefect_ddp.tasks.location import Location
-from prefect_ddp.tasks.training.model import card_resize, load_model
+from prefect_ddp.tasks.training.model import load_model
 from prefect_ddp.tasks.urls import child_url
 
 
@@ -64,7 +65,7 @@ def right_per_image(ctx: RankContext, folder: str, options: dict[str, Any], imag
     weights = read_bytes_reporting(child_url(folder, "model.pt"), options, lambda: ctx.progress("download"))
     model = load_model(card, torch_from_bytes(weights)).to(device)
     # Preprocessed as its card says: a champion of another image size is scored as it was validated.
-    dataset = images.dataset(positions, eval_transform(card["image_size"], card_resize(card)))
+    dataset = images.dataset(positions, eval_transform(card["image_size"], Preprocessing.of_card(card)))
     right: list[bool | None] = []
     for done, (batch, labels) in enumerate(FetchAheadLoader(dataset, list(range(len(dataset))),
                                                             images.training.batch_size), 1):

@@ -13,11 +13,12 @@ from pydantic import BaseModel, field_validator
 
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.tracking import TrackedRun
 from prefect_ddp.tasks.training.champion import Champion
-from prefect_ddp.tasks.training.model import WarmStart, model_card
+from prefect_ddp.tasks.training.model import WarmStart, model_card, preprocessing_for
 from prefect_ddp.tasks.training.unreadable import UnreadableLimit
 from prefect_ddp.tasks.urls import child_url
 
@@ -35,6 +36,11 @@ class TrainJob(BaseModel):
     unreadable: UnreadableLimit = UnreadableLimit()  # decode-check's exclusions and data.max_unreadable_fraction
     tracked: TrackedRun | None = None  # the MLflow run rank 0 logs each epoch's metrics to
     champion: Champion | None = None  # the kept model to score beside this run's at the end
+
+    @property
+    def preprocessing(self) -> Preprocessing:
+        """The starting weights' preprocessing, which training, validation and model.json apply."""
+        return preprocessing_for(self.model)
 
     @field_validator("source", "output")
     @classmethod

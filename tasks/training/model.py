@@ -27,7 +27,7 @@ from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
 
 from prefect_ddp.tasks.config import ModelConfig
-from prefect_ddp.tasks.data.dataset import IMAGENET_MEAN, IMAGENET_STD, resize_size
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.storage import GARBLED, exists, garbled_text, load_torch, read_bytes, torch_from_bytes
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.retries import retry_transient
@@ -275,21 +275,20 @@ def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], uri: s
         )
 
 
+def preprocessing_for(config: ModelConfig) -> Preprocessing:
+    """The preprocessing `config`'s starting weights were made with (`Weights.transforms()`):
+    torchvision's usual for random init and a state_dict URI, whose making is not known."""
+    weights = None if is_state_dict_uri(config.weights) else torchvision_weights(config.backbone, config.weights)
+    if weights is None:
+        return Preprocessing()
+    made = weights.transforms()
+    return Preprocessing(resize_per_crop=made.resize_size[0] / made.crop_size[0], interpolation=made.interpolation.value,
+                         mean=tuple(made.mean), std=tuple(made.std))
+
+
 def model_card(config: ModelConfig, classes: list[str], image_size: int) -> dict[str, Any]:
-    """What `load_model` needs besides the weights; written as model.json."""
-    return {
-        "backbone": config.backbone,
-        "classes": classes,
-        "image_size": image_size,
-        "resize": resize_size(image_size),
-        "mean": IMAGENET_MEAN,
-        "std": IMAGENET_STD,
-    }
-
-
-def card_resize(card: dict[str, Any]) -> int:
-    """The card's `resize`; a card written before it was recorded: the 1.14 those models were validated with."""
-    return card.get("resize") or int(card["image_size"] * 1.14)
+    """What `load_model` and whoever scores with the model need besides the weights; written as model.json."""
+    return {"backbone": config.backbone, "classes": classes} | preprocessing_for(config).card(image_size)
 
 
 def load_model(card: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:

@@ -19,6 +19,7 @@ from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.dataset import eval_transform, train_transform
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.data.loaders import RankData, rank_data
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.training.checkpoints import TrainingState
 from prefect_ddp.tasks.training.decode_cost import PROBE_IMAGES, DecodeProbe
@@ -49,12 +50,12 @@ def autocast_dtype(cfg: TrainingConfig, device: torch.device, log: Any) -> torch
     return getattr(torch, cfg.amp_dtype)
 
 
-def batch_inputs(cfg: TrainingConfig, device: torch.device) -> tuple[ToDevice, ToDevice]:
+def batch_inputs(cfg: TrainingConfig, preprocessing: Preprocessing, device: torch.device) -> tuple[ToDevice, ToDevice]:
     """How train and val batches reach the device: copied as decoded, or decoded and transformed there."""
     channels_last = cfg.channels_last and device.type == "cuda"
     on_device = cfg.decode_on == "device"
-    return (ToDevice(device, channels_last, train_transform(cfg.image_size) if on_device else None),
-            ToDevice(device, channels_last, eval_transform(cfg.image_size) if on_device else None))
+    return (ToDevice(device, channels_last, train_transform(cfg.image_size, preprocessing) if on_device else None),
+            ToDevice(device, channels_last, eval_transform(cfg.image_size, preprocessing) if on_device else None))
 
 
 @dataclass
@@ -83,11 +84,11 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     """The model (warm-started if asked) on the rank's device, its optimizer, schedule and loaders."""
     device = torch.device(ctx.device)
     amp_dtype = autocast_dtype(job.training, device, log)
-    train_inputs, val_inputs = batch_inputs(job.training, device)
+    train_inputs, val_inputs = batch_inputs(job.training, job.preprocessing, device)
     # A download says how it gets on, so its time does not count against the start's allowance.
     download_weights(job.model, partial(ctx.progress, "download"))
     ctx.progress("data")
-    data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training)
+    data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training, job.preprocessing)
     log.log(logging.INFO if ctx.is_main else logging.DEBUG, "Loader processes per loader of rank %d: %d (%s).",
             ctx.rank, data.loader_workers.workers, data.loader_workers.why)
     model = build_model(job.model, len(job.manifest.classes), data.source_options, job.training.image_size)
@@ -133,4 +134,4 @@ def decode_probe(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> D
             return []
         return [image for image in images if image]
 
-    return DecodeProbe(fetch, cfg.image_size, train_transform(cfg.image_size))
+    return DecodeProbe(fetch, cfg.image_size, train_transform(cfg.image_size, job.preprocessing))
