@@ -106,6 +106,17 @@ def test_run_names_become_one_safe_segment(name, expected):
     child_url("s3://b/out", safe_segment(name))  # never raises
 
 
+@pytest.mark.unit
+def test_a_local_folder_that_is_not_there_or_empty_is_named_as_such(tmp_path):
+    """It was a ConnectionError, "Cannot reach ... Check endpoint_url" (an IndexError looking for its bucket)."""
+    from prefect_ddp.tasks.data.validation import validate_source
+
+    (tmp_path / "empty").mkdir()
+    for folder in (tmp_path / "gone", tmp_path / "empty"):
+        with pytest.raises(FileNotFoundError, match=f"'{folder}' is empty or does not exist: expected an image folder"):
+            validate_source.fn(DataLocation(url=str(folder)))
+
+
 # Not `unit` (it starts nothing): botocore's retries and backoff take 7-10 s.
 def test_an_unreachable_endpoint_is_named_in_the_error():
     from prefect_ddp.tasks.data.validation import validate_source

@@ -155,7 +155,9 @@ def test_trials_never_promote_and_the_sweep_promotes_its_best_trial_once_at_its_
 def test_a_sweep_none_of_whose_trials_trained_fails_naming_their_errors(images, dask_cluster, tmp_path):
     """It ended Completed, its report the only sign that nothing trained (issue 29)."""
     state = hyperparameter_sweep(
-        space={"training.batch_size": {"kind": "grid", "values": [0, 5000]}},  # each out of its bounds
+        # Each names a folder with no images, which only a trial's listing finds (a value its parameter
+        # refuses, such as batch_size=0, is refused before any trial: tests/test_backbones.py).
+        space={"data.url": {"kind": "grid", "values": [str(tmp_path / "gone-a"), str(tmp_path / "gone-b")]}},
         settings=SweepSettings(name="none-trained", n_trials=2, concurrency=2, sampler="grid", pruner="none"),
         data=DataConfig(url=images, index_cache_minutes=0),
         cluster=ClusterConfig(address=dask_cluster.scheduler_address),
@@ -164,7 +166,7 @@ def test_a_sweep_none_of_whose_trials_trained_fails_naming_their_errors(images, 
     )
     assert state.is_failed()
     with pytest.raises(NoTrialTrained, match=r"(?s)Sweep 'none-trained': none of its 2 trial\(s\) trained.*"
-                       r"trial 0: .*batch_size.*; trial 1: .*batch_size"):
+                       r"trial 0: .*gone-.* is empty or does not exist.*; trial 1: .*gone-.* is empty or does not exist"):
         state.result()
     assert (tmp_path / "none-trained" / "sweep.json").exists()  # the report, with each trial's error, came first
     assert len(child_runs(state.state_details.flow_run_id)) == 2

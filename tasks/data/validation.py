@@ -81,9 +81,9 @@ def validate_source(location: Location) -> None:
 
 
 def _empty_source_error(fs: AbstractFileSystem, location: Location) -> FileNotFoundError:
-    """Why `location` holds nothing: its bucket is not there, or the prefix is empty."""
-    bucket = location.url.split("://", 1)[1].split("/", 1)[0]
-    if is_s3(location.url) and not fs.exists(bucket):  # s3fs answers False, never raises, here
+    """Why `location` holds nothing: its bucket is not there, or the prefix (or local folder) is empty."""
+    bucket = location.url.split("://", 1)[1].split("/", 1)[0] if is_s3(location.url) else None
+    if bucket and not fs.exists(bucket):  # s3fs answers False, never raises, here
         return FileNotFoundError(
             f"Bucket {bucket!r} of {location.url!r} was not found at "
             f"{location.endpoint_url or 'AWS'}. Check the bucket name in the url, or the "

@@ -203,7 +203,7 @@ def preprocessing(card: dict[str, Any]) -> dict[str, Any]:
     made = Preprocessing.of_card(card)
     resize = made.resize(card["image_size"])
     return {"image_size": card["image_size"], "resize": resize, "interpolation": made.interpolation,
-            "mean": made.mean, "std": made.std,
+            "mean": list(made.mean), "std": list(made.std),  # lists, as JSON and MLflow give them back
             "steps": f"shorter side resized to {resize} px ({made.interpolation}, antialiased), centre crop of "
                      f"{card['image_size']} px; RGB scaled to [0, 1], normalised by mean and std"}
 

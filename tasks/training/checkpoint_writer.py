@@ -20,6 +20,7 @@ import contextvars
 import copy
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -41,10 +42,22 @@ def to_cpu(state: Any) -> Any:
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        return {key: to_cpu(value) for key, value in state.items()}
+        return with_versions_of(state, {key: to_cpu(value) for key, value in state.items()})
     if isinstance(state, (list, tuple)):
         return type(state)(to_cpu(value) for value in state)
     return copy.deepcopy(state)
+
+
+def with_versions_of(source: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """`state` carrying `source`'s `_metadata`, where it has one: a state_dict's record of each
+    module's state format, which `load_state_dict` hands the modules (MNASNet refuses to load
+    without it), and which a plain dict of the same tensors loses."""
+    metadata = getattr(source, "_metadata", None)
+    if metadata is None:
+        return state
+    kept: OrderedDict[str, Any] = OrderedDict(state)
+    kept._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+    return kept
 
 
 class BackgroundWriter:

@@ -31,6 +31,7 @@ from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.storage import GARBLED, exists, garbled_text, load_torch, read_bytes, torch_from_bytes
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.retries import retry_transient
+from prefect_ddp.tasks.training.checkpoint_writer import with_versions_of
 from prefect_ddp.tasks.urls import child_url
 
 # torchvision classifiers built with auxiliary heads unless told otherwise, and the heads' modules.
@@ -118,7 +119,7 @@ def fitted_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, 
     """`state` fitted to `model`'s input side: a ViT's position embeddings interpolated (bicubic,
     as torchvision's `interpolate_embeddings` does) when they were made for another side."""
     if isinstance(model, VisionTransformer) and "encoder.pos_embedding" in state:
-        return dict(interpolate_embeddings(model.image_size, model.patch_size, OrderedDict(state)))
+        return with_versions_of(state, interpolate_embeddings(model.image_size, model.patch_size, OrderedDict(state)))
     return state
 
 
@@ -264,7 +265,7 @@ def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], uri: s
     prefix = head_prefix(model)
     dropped = (prefix, *(f"{name}." for name in AUXILIARY_MODULES
                          if hasattr(model, name) and getattr(model, name) is None))
-    body = {k: v for k, v in fitted_state(model, state).items() if not k.startswith(dropped)}
+    body = with_versions_of(state, {k: v for k, v in fitted_state(model, state).items() if not k.startswith(dropped)})
     missing, unexpected = model.load_state_dict(body, strict=False)
     missing = [k for k in missing if not k.startswith(prefix)]
     if missing or unexpected:
