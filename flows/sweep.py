@@ -16,7 +16,7 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import deployment
 from prefect.states import State
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from prefect_ddp.blocks.cluster import shared_in_process
 from prefect_ddp.blocks.data_location import DataLocation
@@ -86,31 +86,37 @@ def transfer_learning_trial(parameters: dict[str, Any], link: TrialLink, run_nam
     return trial_outcome(state).model_copy(update={"run": run_name})
 
 
+# The sections of transfer-learning's parameters a search space's paths reach into.
+SECTIONS: dict[str, type[BaseModel]] = {"data": DataConfig, "model": ModelConfig, "training": TrainingConfig}
+
+
+def field_value(path: str, value: Any) -> Any:
+    """`value` as the parameter at `path` (`training.image_size`) takes it, its own bounds and type
+    checked (`"224"` and `224.0` are 224): the checks between parameters are left to each trial,
+    which knows the other values it drew."""
+    section, _, field = path.partition(".")
+    try:
+        return TypeAdapter(SECTIONS[section].model_fields[field].rebuild_annotation()).validate_python(value)
+    except ValidationError as error:
+        raise ValueError(f"The search space offers {path}={value!r}, which transfer-learning refuses: "
+                         f"{error.errors()[0]['msg'].removeprefix('Value error, ').rstrip('.')}. "
+                         "Take it out of the space's values.") from None
+
+
 def offered(space: dict[str, Dimension], path: str, base: Any) -> list[Any]:
-    """The values of `path` a trial may draw: its grid or choice, the base configuration's when the
-    space leaves it out, none known before the draw when the space draws it from a range."""
+    """The values of `path` a trial may draw, as its parameter takes them: its grid or choice, the base
+    configuration's when the space leaves it out, none known before the draw when drawn from a range."""
     if path not in space:
         return [base]
-    return list(space[path].values or [])
+    return [field_value(path, value) for value in space[path].values or []]
 
 
 def check_space_values(space: dict[str, Dimension], model: ModelConfig, training: TrainingConfig) -> None:
     """Refuse, before any trial starts, a grid or choice value its parameter refuses, and a backbone
     of the space with weights or an image side of the space it cannot take: each would fail only
     the trials that drew it."""
-    bases: dict[str, BaseModel] = {"model": model, "training": training}
-    for path, dimension in space.items():
-        section, _, field = path.partition(".")
-        base = bases.get(section)
-        if base is None:  # data: each trial's data as the sweep's, checked with it
-            continue
-        for value in dimension.values or []:
-            try:
-                type(base).model_validate(base.model_dump() | {field: value})
-            except ValidationError as error:
-                raise ValueError(f"The search space offers {path}={value!r}, which transfer-learning refuses: "
-                                 f"{error.errors()[0]['msg'].removeprefix('Value error, ').rstrip('.')}. "
-                                 "Take it out of the space's values.") from None
+    for path in space:
+        offered(space, path, None)
     backbones = offered(space, "model.backbone", model.backbone)
     for backbone, weights in itertools.product(backbones, offered(space, "model.weights", model.weights)):
         if not is_state_dict_uri(weights):  # a state_dict's fit is checked by loading it, in each trial
@@ -123,8 +129,7 @@ def check_space(space: dict[str, Dimension]) -> None:
     """Refuse a path that names no parameter, before any trial starts."""
     for path in space:
         section, _, field = path.partition(".")
-        sections: dict[str, type[BaseModel]] = {"data": DataConfig, "model": ModelConfig, "training": TrainingConfig}
-        model = sections.get(section)
+        model = SECTIONS.get(section)
         if model is None or field not in model.model_fields:
             allowed = [f"{name}.{f}" for name, m in (("model", ModelConfig), ("training", TrainingConfig)) for f in m.model_fields]
             raise ValueError(f"The search space names {path!r}, which is no parameter of transfer-learning; "

@@ -9,7 +9,7 @@ import torchvision
 from PIL import Image
 from torchvision.transforms import InterpolationMode, v2
 
-from prefect_ddp.tasks.config import ModelConfig, backbone_names
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig, backbone_names
 from prefect_ddp.tasks.data.dataset import eval_transform, train_transform
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.storage import load_torch, save_torch
@@ -87,7 +87,8 @@ def test_a_card_from_before_resize_was_recorded_is_scored_as_it_was_validated():
 
 
 def every_torchvision_weight() -> list[tuple[str, str]]:
-    return [(name, weights.name) for name in backbone_names() for weights in torchvision.models.get_model_weights(name)]
+    return [(name, weights.name) for name in backbone_names() for weights in torchvision.models.get_model_weights(name)
+            if weights.meta.get("categories")]  # not VGG-16's IMAGENET1K_FEATURES, refused
 
 
 @pytest.mark.parametrize("side", [32, 224, 299, 384, 518])
@@ -104,6 +105,36 @@ def test_every_weight_s_preprocessing_is_trained_with_and_scored_from_its_card_a
         assert (scored.resize(side), scored.mode, scored.mean, scored.std) == (
             trained.resize(side), trained.mode, trained.mean, trained.std), (backbone, weights)
         assert trained.resize(made.crop_size[0]) == made.resize_size[0], (backbone, weights)  # at its own crop, torchvision's
+
+
+def test_weights_without_a_trained_classifier_are_refused_naming_those_that_have_one():
+    """VGG-16's IMAGENET1K_FEATURES hold no trained values in the classifier layers below the head:
+    the run downloaded 528 MB and trained on them."""
+    with pytest.raises(ValueError, match=r"'IMAGENET1K_FEATURES' for vgg16 are not a classifier's .*\['IMAGENET1K_V1', 'DEFAULT'\]"):
+        build_model(ModelConfig(backbone="vgg16", weights="IMAGENET1K_FEATURES"), num_classes=2)
+
+
+def test_a_warm_started_run_trains_validates_and_records_the_kept_model_s_preprocessing(tmp_path):
+    """Not its own model.weights' (the nightly deployment leaves them empty): a kept EfficientNetV2-L
+    goes on with its bicubic resize and 0.5 statistics (review of issue 58)."""
+    from prefect_ddp.blocks.data_location import DataLocation
+    from prefect_ddp.tasks.data.splitting import stratified_split
+    from prefect_ddp.tasks.results.promotion import warm_start_from
+    from prefect_ddp.tasks.training.job import RunFiles, TrainJob
+    from tests.support.image_folders import local_image_folder
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    card = model_card(ModelConfig(backbone="efficientnet_v2_l", weights="DEFAULT"), ["a", "b"], 480)
+    (kept / "model.json").write_text(json.dumps(card))
+    warm = warm_start_from(DataLocation(url=str(kept)), "efficientnet_v2_l", ["a", "b"], "run `x`")
+    manifest = local_image_folder(tmp_path / "images", per_class=2)
+    job = TrainJob(source=DataLocation(url=str(tmp_path / "images")), output=DataLocation(url=str(tmp_path / "out")),
+                   manifest=manifest, split=stratified_split(manifest, 0.5, 0), warm_start=warm,
+                   model=ModelConfig(backbone="efficientnet_v2_l", warm_start=True), training=TrainingConfig(image_size=64))
+    assert job.preprocessing == Preprocessing.of_card(card) != preprocessing_for(job.model)
+    written = RunFiles.of(job, {}).card_fields
+    assert (written["interpolation"], written["mean"], written["resize"]) == ("bicubic", (0.5,) * 3, 64)
 
 
 def test_a_weight_s_own_preprocessing_drives_training_validation_and_the_card():

@@ -30,6 +30,7 @@ from typing import Any
 from prefect import task
 from pydantic import BaseModel
 
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.storage import (
     exists,
     read_bytes,
@@ -255,4 +256,5 @@ def warm_start_from(folder: Location, backbone: str, classes: list[str], origin:
         model=folder.with_url(child_url(folder.url, "model.pt")),
         with_head=card["classes"] == classes,
         origin=origin,
+        preprocessing=Preprocessing.of_card(card),
     )

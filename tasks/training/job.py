@@ -39,8 +39,9 @@ class TrainJob(BaseModel):
 
     @property
     def preprocessing(self) -> Preprocessing:
-        """The starting weights' preprocessing, which training, validation and model.json apply."""
-        return preprocessing_for(self.model)
+        """What training, validation and model.json apply: a warm start's kept model's, as its card
+        records it, else the starting weights' (`model.weights`)."""
+        return self.warm_start.preprocessing if self.warm_start else preprocessing_for(self.model)
 
     @field_validator("source", "output")
     @classmethod
@@ -65,7 +66,7 @@ class RunFiles:
     @classmethod
     def of(cls, job: TrainJob, options: dict[str, Any]) -> RunFiles:
         out = job.output.url
-        card = model_card(job.model, job.manifest.classes, job.training.image_size)
+        card = model_card(job.model, job.manifest.classes, job.training.image_size, job.preprocessing)
         return cls(folder=out, checkpoint=child_url(out, "checkpoints", "checkpoint.pt"),
                    attempts=child_url(out, "checkpoints", "attempts.json"),
                    model=child_url(out, "model.pt"), card=child_url(out, "model.json"),

@@ -94,14 +94,19 @@ def torchvision_weights(backbone: str, weights: str | None) -> Any:
     """torchvision's weights `weights` names for `backbone` (None: random init); refused naming those it has."""
     if weights is None:
         return None
+    classifying = [w.name for w in torchvision.models.get_model_weights(backbone) if w.meta.get("categories")]
     try:
-        return torchvision.models.get_model_weights(backbone)[weights.split(".")[-1]]
+        chosen = torchvision.models.get_model_weights(backbone)[weights.split(".")[-1]]
     except KeyError:
-        allowed = [w.name for w in torchvision.models.get_model_weights(backbone)] + ["DEFAULT"]
+        chosen = None
+    if chosen is None or not chosen.meta.get("categories"):  # VGG-16's IMAGENET1K_FEATURES: no trained classifier
+        what = (f"Weights {weights!r} for {backbone} are not a classifier's (its classifier layers hold no trained "
+                "values)" if chosen else f"Unknown weights {weights!r} for {backbone}")
         raise ValueError(
-            f"Unknown weights {weights!r} for {backbone}: use one of {allowed}, a state_dict "
-            "URI (s3://... or a local .pt path), or leave it empty for random init."
-        ) from None
+            f"{what}: use one of {classifying + ['DEFAULT']}, a state_dict URI (s3://... or a local .pt path), "
+            "or leave it empty for random init."
+        )
+    return chosen
 
 
 def side_keywords(backbone: str, side: int | None) -> dict[str, Any]:
@@ -265,8 +270,17 @@ def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], uri: s
     prefix = head_prefix(model)
     dropped = (prefix, *(f"{name}." for name in AUXILIARY_MODULES
                          if hasattr(model, name) and getattr(model, name) is None))
-    body = with_versions_of(state, {k: v for k, v in fitted_state(model, state).items() if not k.startswith(dropped)})
-    missing, unexpected = model.load_state_dict(body, strict=False)
+    # A state saved as a plain dict (after DDP, `module.` stripped) lost its modules' versions: those of
+    # the same torchvision modules, built here, stand in (MNASNet refuses to load without them).
+    versions = state if hasattr(state, "_metadata") else model.state_dict()
+    body = with_versions_of(versions, {k: v for k, v in fitted_state(model, state).items() if not k.startswith(dropped)})
+    try:
+        missing, unexpected = model.load_state_dict(body, strict=False)
+    except (RuntimeError, ValueError) as error:  # tensors of other shapes: another model of the family
+        raise ValueError(
+            f"The state_dict at {uri} does not fit this backbone: {str(error).splitlines()[-1].strip()} "
+            "Save it from the same torchvision model (torch.save(model.state_dict(), ...))."
+        ) from None
     missing = [k for k in missing if not k.startswith(prefix)]
     if missing or unexpected:
         raise ValueError(
@@ -287,9 +301,12 @@ def preprocessing_for(config: ModelConfig) -> Preprocessing:
                          mean=tuple(made.mean), std=tuple(made.std))
 
 
-def model_card(config: ModelConfig, classes: list[str], image_size: int) -> dict[str, Any]:
-    """What `load_model` and whoever scores with the model need besides the weights; written as model.json."""
-    return {"backbone": config.backbone, "classes": classes} | preprocessing_for(config).card(image_size)
+def model_card(config: ModelConfig, classes: list[str], image_size: int,
+               preprocessing: Preprocessing | None = None) -> dict[str, Any]:
+    """What `load_model` and whoever scores with the model need besides the weights; written as model.json.
+    `preprocessing`: what the run trained with (`TrainJob.preprocessing`); by default its starting weights'."""
+    made = preprocessing or preprocessing_for(config)
+    return {"backbone": config.backbone, "classes": classes} | made.card(image_size)
 
 
 def load_model(card: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:
@@ -346,6 +363,7 @@ class WarmStart(BaseModel):
     model: Location  # url: versions/RUN/model.pt (or a registered model's copy), with the output's credentials
     with_head: bool
     origin: str  # for the report: "run `NAME`" or the registered model's URI
+    preprocessing: Preprocessing  # its model.json's: the model goes on being trained as it was made
 
 
 def load_warm_start(model: nn.Module, warm: WarmStart) -> None:
