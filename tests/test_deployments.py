@@ -28,7 +28,7 @@ def on_demand_runs() -> list:
 @pytest.mark.parametrize("param, message", [
     ("lr=0", "Validation failed for field 'lr'. Failure reason: 0 is less than or equal to the minimum of 0"),
     ('training={"lr": -1}', "Validation failed for field 'training.lr'"),
-    ("backbone=vgg11", "Validation failed for field 'backbone'. Failure reason: 'vgg11' is not one of"),
+    ("batch_size=0", "Validation failed for field 'batch_size'. Failure reason: 0 is less than the minimum of 1"),
     ('training={"epoch": 2}', "Additional properties are not allowed ('epoch' was unexpected)"),
     ("epoch=2", "parameters were specified but not found on the deployment: 'epoch'"),
 ])

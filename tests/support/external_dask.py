@@ -59,6 +59,18 @@ def stop_all(processes: list[subprocess.Popen], grace_s: float = 10) -> None:
         process.wait()
 
 
+def scheduler_address(scheduler_file: Path, log: Path, timeout_s: float = 60) -> str:
+    """The address in the scheduler's `--scheduler-file`, once the file holds it whole: the scheduler
+    creates the file before it writes it (a read in between found it empty, on a busy machine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return str(json.loads(scheduler_file.read_text())["address"])
+        except (FileNotFoundError, json.JSONDecodeError):
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+
+
 @contextmanager
 def dask_processes(folder: Path, workers: int, nanny: bool, env: dict[str, str],
                    worker_prefix: Sequence[str] = ()) -> Iterator[str]:
@@ -78,11 +90,7 @@ def dask_processes(folder: Path, workers: int, nanny: bool, env: dict[str, str],
     try:
         start("scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard",
               "--scheduler-file", str(scheduler_file), log="scheduler.log")
-        deadline = time.monotonic() + 60
-        while not scheduler_file.exists():
-            assert time.monotonic() < deadline, (folder / "scheduler.log").read_text()
-            time.sleep(0.2)
-        address = json.loads(scheduler_file.read_text())["address"]
+        address = scheduler_address(scheduler_file, folder / "scheduler.log")
         for number in range(workers):
             start("worker", address, "--host", "127.0.0.1", "--nthreads", "1", "--no-dashboard",
                   *([] if nanny else ["--no-nanny"]), log=f"worker-{number}.log", prefix=worker_prefix)
