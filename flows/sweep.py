@@ -103,25 +103,22 @@ def field_value(path: str, value: Any) -> Any:
                          "Take it out of the space's values.") from None
 
 
-def offered(space: dict[str, Dimension], path: str, base: Any) -> list[Any]:
-    """The values of `path` a trial may draw, as its parameter takes them: its grid or choice, the base
-    configuration's when the space leaves it out, none known before the draw when drawn from a range."""
-    if path not in space:
-        return [base]
-    return [field_value(path, value) for value in space[path].values or []]
-
-
 def check_space_values(space: dict[str, Dimension], model: ModelConfig, training: TrainingConfig) -> None:
     """Refuse, before any trial starts, a grid or choice value its parameter refuses, and a backbone
     of the space with weights or an image side of the space it cannot take: each would fail only
     the trials that drew it."""
-    for path in space:
-        offered(space, path, None)
-    backbones = offered(space, "model.backbone", model.backbone)
-    for backbone, weights in itertools.product(backbones, offered(space, "model.weights", model.weights)):
+    drawn = {path: [field_value(path, value) for value in dimension.values or []] for path, dimension in space.items()}
+
+    def offered(path: str, base: Any) -> list[Any]:
+        """The values of `path` a trial may draw, as its parameter takes them: the base configuration's
+        when the space leaves it out, none known before the draw when drawn from a range."""
+        return drawn[path] if path in space else [base]
+
+    backbones = offered("model.backbone", model.backbone)
+    for backbone, weights in itertools.product(backbones, offered("model.weights", model.weights)):
         if not is_state_dict_uri(weights):  # a state_dict's fit is checked by loading it, in each trial
             torchvision_weights(backbone, weights)
-    for backbone, side in itertools.product(backbones, offered(space, "training.image_size", training.image_size)):
+    for backbone, side in itertools.product(backbones, offered("training.image_size", training.image_size)):
         require_input_side(backbone, side)
 
 

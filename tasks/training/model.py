@@ -158,14 +158,18 @@ def is_state_dict_uri(weights: str | None) -> bool:
     return weights is not None and ("://" in weights or weights.endswith((".pt", ".pth")))
 
 
+def named_weights(config: ModelConfig) -> Any:
+    """The torchvision weights `config.weights` names; None for random init and a state_dict URI."""
+    return None if is_state_dict_uri(config.weights) else torchvision_weights(config.backbone, config.weights)
+
+
 def build_model(
     config: ModelConfig, num_classes: int, storage_options: dict[str, Any] | None = None, side: int | None = None
 ) -> nn.Module:
     """The backbone with starting weights loaded and a head for `num_classes`, for images of
     `side` (the run's `training.image_size`; None: torchvision's default)."""
     uri = config.weights if is_state_dict_uri(config.weights) else None
-    weights = None if uri else torchvision_weights(config.backbone, config.weights)
-    model = torchvision_model(config.backbone, weights, side)
+    model = torchvision_model(config.backbone, named_weights(config), side)
     replace_head(model, num_classes)
     if uri:
         load_backbone_state(model, load_starting_weights(uri, storage_options or {}), uri)
@@ -189,7 +193,7 @@ def download_weights(config: ModelConfig, on_progress: Callable[[], None]) -> No
     build_model then finds them cached. Random init, a state_dict URI and weights already
     cached need nothing.
     """
-    weights = None if is_state_dict_uri(config.weights) else torchvision_weights(config.backbone, config.weights)
+    weights = named_weights(config)
     if weights is not None:
         download_to_cache(weights.url, Path(torch.hub.get_dir()) / "checkpoints", on_progress)
 
@@ -293,7 +297,7 @@ def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], uri: s
 def preprocessing_for(config: ModelConfig) -> Preprocessing:
     """The preprocessing `config`'s starting weights were made with (`Weights.transforms()`):
     torchvision's usual for random init and a state_dict URI, whose making is not known."""
-    weights = None if is_state_dict_uri(config.weights) else torchvision_weights(config.backbone, config.weights)
+    weights = named_weights(config)
     if weights is None:
         return Preprocessing()
     made = weights.transforms()
