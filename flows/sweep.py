@@ -56,8 +56,8 @@ from prefect_ddp.tasks.sweeps.settings import SweepSettings, TrialOutcome
 from prefect_ddp.tasks.sweeps.sweep import open_study, run_trials, study_storage, trial_run_name
 from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
 from prefect_ddp.tasks.tracking import Tracking
-from prefect_ddp.tasks.training.input_side import require_input_side
-from prefect_ddp.tasks.training.model import is_state_dict_uri, torchvision_weights
+from prefect_ddp.tasks.training.input_side import require_drop_path, require_input_side
+from prefect_ddp.tasks.training.model import is_state_dict_uri, pretrained_weights
 from prefect_ddp.tasks.urls import child_url, safe_segment
 
 SWEEP_FILES = ("report.md", "curves.png", "sweep.json")  # what publish_sweep_report writes, logged to the parent run
@@ -117,9 +117,11 @@ def check_space_values(space: dict[str, Dimension], model: ModelConfig, training
     backbones = offered("model.backbone", model.backbone)
     for backbone, weights in itertools.product(backbones, offered("model.weights", model.weights)):
         if not is_state_dict_uri(weights):  # a state_dict's fit is checked by loading it, in each trial
-            torchvision_weights(backbone, weights)
+            pretrained_weights(backbone, weights)
     for backbone, side in itertools.product(backbones, offered("training.image_size", training.image_size)):
         require_input_side(backbone, side)
+    for backbone, drop_path in itertools.product(backbones, offered("training.drop_path", training.drop_path)):
+        require_drop_path(backbone, drop_path)
 
 
 def check_space(space: dict[str, Dimension]) -> None:

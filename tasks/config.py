@@ -10,13 +10,13 @@ placeholders are written in capitals (URL/CLASS/IMAGE.jpg).
 
 from __future__ import annotations
 
-import difflib
-import functools
 import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal, Optional, TypedDict, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from prefect_ddp.tasks.backbone_names import known_backbone
 
 # How often an elastic gang asks mid-epoch whether to grow: each ask is a one-integer broadcast,
 # measured at well under a millisecond against steps of tens of milliseconds or more (bench/RESULTS.md,
@@ -77,45 +77,25 @@ class DataConfig(_Strict):
         return self
 
 
-@functools.cache
-def backbone_names() -> list[str]:
-    """The classification models of the installed torchvision (not its detection or video models)."""
-    import torchvision  # here, not on import: the flows' parameters are read without torch
-
-    return sorted(torchvision.models.list_models(module=torchvision.models))
-
-
-def known_backbone(value: str | None) -> str | None:
-    """`value` when torchvision has a classifier of that name (or it is left empty, as a shortcut may be)."""
-    known = backbone_names()
-    if value is None or value in known:
-        return value
-    closest = difflib.get_close_matches(value, known, n=5, cutoff=0.5)
-    hint = f"the closest: {', '.join(closest)}" if closest else f"e.g. {', '.join(known[:5])}"
-    raise ValueError(
-        f"model.backbone={value!r} is not a torchvision classification model; {hint}. Every name: "
-        "torchvision.models.list_models(module=torchvision.models)."
-    )
-
-
 # A validator in the type, not on the model, so that the flat `backbone` shortcut checks it too.
 BackboneName = Annotated[str, AfterValidator(known_backbone)]
 
 
 class ModelConfig(_Strict):
-    """Which torchvision backbone to fine-tune and where its starting weights come from."""
+    """Which backbone to fine-tune (torchvision's, or timm's) and where its starting weights come from."""
 
     backbone: BackboneName = Field(
         default="resnet18",
         description="Any torchvision classification model by name: resnet18, resnet50, convnext_tiny, "
         "efficientnet_v2_s, vit_b_16, swin_t, regnet_y_800mf, mobilenet_v3_small, ... "
-        "(torchvision.models.list_models(module=torchvision.models) lists them).",
+        "(torchvision.models.list_models(module=torchvision.models) lists them). Or, with the timm extra, "
+        "any timm model as timm/NAME, its pretrained tag included: timm/convnext_tiny.fb_in22k.",
     )
     weights: str | None = Field(
         default=None,
-        description="Empty: random init. A torchvision weights name (DEFAULT, IMAGENET1K_V1): "
-        "downloaded by torch, needs internet on the workers. A state_dict URI (s3://... or a "
-        "local .pt path) for clusters without internet.",
+        description="Empty: random init. A torchvision weights name (DEFAULT, IMAGENET1K_V1), or DEFAULT for a "
+        "timm model (its tag's weights): downloaded, needs internet on the workers. A state_dict or "
+        "safetensors URI (s3://... or a local .pt/.safetensors path) for clusters without internet.",
     )
     freeze_backbone: bool = Field(default=False, description="Train only the new classifier head.")
     warm_start: bool | str = Field(
@@ -260,6 +240,12 @@ class TrainingConfig(_Strict):
         "after every this many optimizer steps, besides each epoch's end, the ranks ask whether a worker "
         "came free, and grow onto it there, mid-epoch, instead of leaving it idle until the epoch ends. "
         "0: at epochs' ends only. Each ask is one tiny broadcast between the ranks.",
+    )
+    drop_path: float | None = Field(
+        default=None, ge=0, lt=1,
+        description="Drop-path (stochastic depth) rate: each residual block of a training step is skipped with "
+        "up to this probability. timm's models and torchvision's ConvNeXt, EfficientNet, Swin and MaxViT take "
+        "it. Empty: the model's own (timm: 0; torchvision's builders: 0.1-0.5 by size).",
     )
     fetch_timeout_s: float = Field(
         default=60, ge=1, le=3600,

@@ -3,7 +3,8 @@ for the run's classes, trained, frozen and rebuilt from its card as the four fir
 
 Every name is built in the unit tier with its parameters on the meta device (the largest hold over
 600M parameters); one model of each family also trains an epoch on two real gloo ranks at a small
-image size and is rebuilt from its card, and a ConvNeXt goes through the whole flow.
+image size and is rebuilt from its card, with a few of timm's, and a ViT and a timm model go
+through the whole flow.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pydantic import ValidationError
 from torch import nn
 
 from prefect_ddp.blocks.data_location import DataLocation
-from prefect_ddp.tasks.config import ModelConfig, TrainingConfig, backbone_names
+from prefect_ddp.tasks.backbone_names import backbone_names
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.dataset import eval_transform
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
@@ -43,6 +45,7 @@ from prefect_ddp.tasks.training.model import (
 )
 from prefect_ddp.tasks.training.checkpoint_writer import to_cpu
 from prefect_ddp.tasks.training.job import TrainJob
+from prefect_ddp.tasks.backbone_names import is_timm
 from tests.support.flow_runs import run_tiny_flow
 from tests.support.image_folders import local_image_folder
 from tests.support.rank_processes import start_ranks
@@ -57,6 +60,10 @@ FAMILY_SIDES = {
     "regnet_x_400mf": 64, "resnet18": 32, "shufflenet_v2_x0_5": 32, "squeezenet1_1": 32, "swin_t": 32,
     "vgg11": 32, "vit_b_32": 64,
 }
+# A few of timm's (tests/test_timm.py): a ConvNeXt, a distilled DeiT (two heads), a MobileNetV3; trained beside
+# torchvision's small families.
+TIMM_SIDES = {"timm/convnext_atto": 32, "timm/deit_tiny_distilled_patch16_224": 32, "timm/mobilenetv3_small_050": 32}
+SIDES = FAMILY_SIDES | TIMM_SIDES
 
 
 def family(backbone: str) -> str:
@@ -101,7 +108,7 @@ def family_job(images: Path, output: Path, manifest: Manifest, backbone: str) ->
     model = ModelConfig(backbone=backbone, freeze_backbone=backbone in LARGE_FAMILIES)
     return TrainJob(source=DataLocation(url=str(images)), output=DataLocation(url=str(output / backbone)),
                     manifest=manifest, split=stratified_split(manifest, 0.25, 0), model=model,
-                    training=TrainingConfig(epochs=1, batch_size=2, image_size=FAMILY_SIDES[backbone], num_workers=0,
+                    training=TrainingConfig(epochs=1, batch_size=2, image_size=SIDES[backbone], num_workers=0,
                                             lr=1e-3))
 
 
@@ -117,7 +124,7 @@ def test_one_of_each_family_trains_on_two_gloo_ranks_and_its_card_rebuilds_and_s
     the meta check of sides (`side_problem`) agrees with the rebuilt model's real forward."""
     manifest = local_image_folder(tmp_path / "images", per_class=3)
     jobs = {backbone: family_job(tmp_path / "images", tmp_path / "out", manifest, backbone)
-            for backbone in FAMILY_SIDES if (backbone in LARGE_FAMILIES) is large}
+            for backbone in SIDES if (backbone in LARGE_FAMILIES) is large}
     start_ranks(train_as_rank, (free_port(), jobs, tmp_path, ("history", "best_epoch")), 2)
     rank0 = json.loads((tmp_path / "rank0.json").read_text())
     image = Image.open(tmp_path / "images" / manifest.paths[0]).convert("RGB")
@@ -140,7 +147,8 @@ def forwards(model: nn.Module, backbone: str, side: int) -> bool:
     """Whether `model` (or, for a family built for one side, the model built for `side`, as a run
     would build it) classifies a real image of `side` pixels."""
     try:
-        built = build_model(ModelConfig(backbone=backbone), 3, side=side).eval() if side_keywords(backbone, side) else model
+        rebuilt = side_keywords(backbone, side) or is_timm(backbone)  # built for the side, as a run builds it
+        built = build_model(ModelConfig(backbone=backbone), 3, side=side).eval() if rebuilt else model
         with torch.no_grad():
             built(torch.rand(1, 3, side, side))
     except Exception:  # noqa: BLE001 - whatever the build or the real forward raises, the check must agree
@@ -269,16 +277,20 @@ def test_a_model_built_on_meta_in_one_thread_leaves_another_thread_s_model_real(
     assert {p.device.type for p in torchvision_model("resnet18", None).parameters()} == {"cpu"}
 
 
-def test_the_flow_fine_tunes_a_vit_built_for_its_side_and_keeps_a_model_that_loads(image_location, dask_cluster,
-                                                                                  tmp_path):
-    """A family beyond the first four, through the whole flow (the side check, the ranks, the card):
-    trained at 32 px, kept, rebuilt from model.json for the side it records. ConvNeXt ran here too,
-    in 0.1 min more; the gloo test above trains it through the same recipe."""
+@pytest.mark.parametrize(("backbone", "training"), [("vit_b_16", {}), ("timm/convnext_atto", {"drop_path": 0.1})],
+                         ids=["torchvision-vit", "timm-convnext"])
+def test_the_flow_fine_tunes_a_vit_and_a_timm_model_and_keeps_a_model_that_loads(backbone, training, image_location,
+                                                                                 dask_cluster, tmp_path):
+    """Families beyond the first four, through the whole flow (the side check, the ranks, the card):
+    trained at 32 px, kept, rebuilt from model.json for the side it records; the ViT built for its
+    side, the timm model with drop-path. ConvNeXt ran here too, in 0.1 min more; the gloo test above
+    trains it through the same recipe."""
     image_location.save("test-images", overwrite=True)
-    state = run_tiny_flow(tmp_path / "out", {"address": dask_cluster.scheduler_address}, model={"backbone": "vit_b_16"})
+    state = run_tiny_flow(tmp_path / "out", {"address": dask_cluster.scheduler_address}, model={"backbone": backbone},
+                          training=training)
     folder = Path(state.result()["files"]["model.pt"]).parent
     card = json.loads((folder / "model.json").read_text())
-    assert (card["backbone"], card["image_size"]) == ("vit_b_16", 32)
+    assert (card["backbone"], card["image_size"]) == (backbone, 32)
     model = load_model(card, torch.load(folder / "model.pt", weights_only=True))
     with torch.no_grad():
         assert model(torch.rand(2, 3, card["image_size"], card["image_size"])).shape == (2, len(card["classes"]))

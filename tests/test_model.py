@@ -9,7 +9,8 @@ import torchvision
 from PIL import Image
 from torchvision.transforms import InterpolationMode, v2
 
-from prefect_ddp.tasks.config import ModelConfig, TrainingConfig, backbone_names
+from prefect_ddp.tasks.backbone_names import backbone_names
+from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.dataset import eval_transform, train_transform
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.storage import load_torch, save_torch

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prefect_ddp.tasks.training.model import torchvision_model
+from prefect_ddp.tasks.training.model import backbone_model
 
 # The sides offered when the one given does not fit: common crops, and each family's own.
 SIDES_TRIED = (32, 64, 96, 128, 160, 192, 224, 256, 299, 320, 384, 448, 512)
@@ -71,20 +71,23 @@ def parameters_on_meta() -> Iterator[None]:
                 nn.Module.register_buffer = _originals["register_buffer"]  # type: ignore[method-assign]
 
 
-def meta_model(backbone: str, side: int | None = None) -> nn.Module:
+def meta_model(backbone: str, side: int | None = None, drop_path: float | None = None) -> nn.Module:
     """`backbone` as training builds it for `side`, with its parameters and buffers on the meta
     device, in eval mode."""
     with parameters_on_meta():
-        return torchvision_model(backbone, None, side).eval()
+        return backbone_model(backbone, None, side, drop_path).eval()
 
 
 def side_problem(backbone: str, side: int) -> str | None:
     """Why `backbone`, built for `side`, cannot classify square images of `side` pixels, or None when it can."""
     try:
         with torch.no_grad():
-            meta_model(backbone, side)(torch.empty(1, 3, side, side, device="meta"))
+            scores = meta_model(backbone, side)(torch.empty(1, 3, side, side, device="meta"))
     except Exception as error:  # noqa: BLE001 - torchvision's asserts and the shape errors of its layers
         return f"{type(error).__name__}: {' '.join(str(error).split())}"  # on one line: MaxViT's spans two
+    if not isinstance(scores, torch.Tensor) or scores.ndim != 2:  # a timm image encoder: features per patch
+        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        return f"it gives {shape} per image, not one score per class: it is not a classifier"
     return None
 
 
@@ -99,3 +102,15 @@ def require_input_side(backbone: str, side: int) -> None:
         f"Of {', '.join(map(str, SIDES_TRIED))} it takes {', '.join(map(str, sides)) or 'none'}: set "
         "training.image_size to one of them, or choose another backbone."
     )
+
+
+def require_drop_path(backbone: str, drop_path: float | None) -> None:
+    """Refuse a drop-path rate for a backbone built without drop-path (torchvision's families
+    without stochastic depth, timm's models that take no `drop_path_rate`)."""
+    if drop_path is None:
+        return
+    try:
+        meta_model(backbone, None, drop_path)
+    except TypeError as error:  # timm passes the keyword on to a model that takes none
+        raise ValueError(f"training.drop_path={drop_path} for {backbone}, which timm builds without drop-path "
+                         f"({error}). Leave it empty.") from None

@@ -1,4 +1,5 @@
-"""torchvision backbones with a new classifier head, and the saved model format.
+"""Backbones (torchvision's classifiers, timm's with the extra) with a new classifier head, and the
+saved model format.
 
 A saved model is two files side by side: `model.pt` (the state_dict, loaded with
 weights_only=True) and `model.json` (backbone, classes and preprocessing), so that
@@ -26,12 +27,23 @@ from pydantic import BaseModel
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
 
+from prefect_ddp.tasks.backbone_names import is_timm
 from prefect_ddp.tasks.config import ModelConfig
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.storage import GARBLED, exists, garbled_text, load_torch, read_bytes, torch_from_bytes
 from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.retries import retry_transient
 from prefect_ddp.tasks.training.checkpoint_writer import with_versions_of
+from prefect_ddp.tasks.training.timm_models import (
+    is_timm_model,
+    pretrained_config,
+    timm_fitted_state,
+    timm_head_prefixes,
+    timm_model,
+    timm_preprocessing,
+    weights_folder,
+    weights_url,
+)
 from prefect_ddp.tasks.urls import child_url
 
 # torchvision classifiers built with auxiliary heads unless told otherwise, and the heads' modules.
@@ -44,6 +56,9 @@ SIDE_KEYWORDS: dict[str, Callable[[int], dict[str, Any]]] = {
     "vit_": lambda side: {"image_size": side},
     "maxvit_": lambda side: {"input_size": (side, side)},
 }
+# torchvision's families with stochastic depth (drop-path), which `training.drop_path` sets; their
+# builders' own rates are the default.
+STOCHASTIC_DEPTH = ("convnext_", "efficientnet_", "swin_", "maxvit_")
 # A saved model's files, in the order they are copied: the card last, so a copy that has it is whole.
 SAVED_MODEL_FILES = ("model.pt", "model.json")
 # torchvision weights are downloaded in chunks of this size, each one progress.
@@ -72,7 +87,12 @@ def classifier_path(model: nn.Module) -> tuple[nn.Module, str]:
 
 
 def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
-    """A new last layer for `num_classes`, of the kind and width of the one it replaces."""
+    """A new last layer for `num_classes`, of the kind and width of the one it replaces (timm's
+    models: their own `reset_classifier`)."""
+    if is_timm_model(model):
+        model.reset_classifier(num_classes)  # type: ignore[operator]
+        heads = model.get_classifier()  # type: ignore[operator]
+        return heads[0] if isinstance(heads, tuple) else heads
     parent, name = classifier_path(model)
     old = getattr(parent, name)
     if isinstance(old, nn.Linear):
@@ -84,10 +104,21 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
 
 
 def head_prefix(model: nn.Module) -> str:
-    """The state_dict prefix of the head's parameters (`fc.`, `classifier.3.`, `heads.head.`)."""
+    """The state_dict prefix of a torchvision head's parameters (`fc.`, `classifier.3.`, `heads.head.`)."""
     parent, name = classifier_path(model)
     path = next(path for path, module in model.named_modules() if module is parent)
     return f"{path}.{name}." if path else f"{name}."
+
+
+def head_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The state_dict prefixes of the model's classifier heads: one, or two for timm's distilled DeiTs."""
+    return timm_head_prefixes(model) if is_timm_model(model) else (head_prefix(model),)
+
+
+def pretrained_weights(backbone: str, weights: str | None) -> Any:
+    """The pretrained weights `weights` names for `backbone`: torchvision's Weights, or timm's
+    pretrained config (None: random init); refused where the backbone has none of that name."""
+    return pretrained_config(backbone, weights) if is_timm(backbone) else torchvision_weights(backbone, weights)
 
 
 def torchvision_weights(backbone: str, weights: str | None) -> Any:
@@ -122,13 +153,41 @@ def side_keywords(backbone: str, side: int | None) -> dict[str, Any]:
 
 def fitted_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` fitted to `model`'s input side: a ViT's position embeddings interpolated (bicubic,
-    as torchvision's `interpolate_embeddings` does) when they were made for another side."""
+    as torchvision's `interpolate_embeddings` does) when they were made for another side; a timm
+    model's as timm fits its pretrained weights."""
+    if is_timm_model(model):
+        return timm_fitted_state(model, state)
     if isinstance(model, VisionTransformer) and "encoder.pos_embedding" in state:
         return with_versions_of(state, interpolate_embeddings(model.image_size, model.patch_size, OrderedDict(state)))
     return state
 
 
-def torchvision_model(backbone: str, weights: Any, side: int | None = None) -> nn.Module:
+def backbone_model(backbone: str, weights: Any, side: int | None = None, drop_path: float | None = None) -> nn.Module:
+    """`backbone` with `weights` (`pretrained_weights`; None: random init) and the classes it was
+    trained for, built for images of `side`, its drop-path rate `drop_path` (None: its own)."""
+    if is_timm(backbone):
+        return timm_model(backbone, cached_weights(weights, lambda: None) if weights else None, side, drop_path or 0.0)
+    return torchvision_model(backbone, weights, side, drop_path)
+
+
+def drop_path_keywords(backbone: str, drop_path: float | None) -> dict[str, Any]:
+    """The keyword that sets a torchvision family's drop-path rate (stochastic depth); refused for the
+    families without it.
+
+    >>> drop_path_keywords("convnext_tiny", 0.2), drop_path_keywords("resnet18", None)
+    ({'stochastic_depth_prob': 0.2}, {})
+    """
+    if drop_path is None:
+        return {}
+    if not backbone.startswith(STOCHASTIC_DEPTH):
+        raise ValueError(
+            f"training.drop_path={drop_path} for {backbone}, which has no drop-path: of torchvision's models "
+            f"only {', '.join(p.rstrip('_') for p in STOCHASTIC_DEPTH)} take it (and timm's). Leave it empty."
+        )
+    return {"stochastic_depth_prob": drop_path}
+
+
+def torchvision_model(backbone: str, weights: Any, side: int | None = None, drop_path: float | None = None) -> nn.Module:
     """torchvision's `backbone`, with `weights` (None: random init) and 1000 classes as they were
     trained, built for images of `side` where its family is built for one side (`side_keywords`).
 
@@ -137,7 +196,7 @@ def torchvision_model(backbone: str, weights: Any, side: int | None = None) -> n
     auxiliary heads, whose outputs a training step would take for the logits (torchvision keeps
     Inception's with weights, and refuses to be told otherwise then)."""
     sized = side_keywords(backbone, side)
-    keywords = dict(sized)
+    keywords = sized | drop_path_keywords(backbone, drop_path)
     if backbone in AUXILIARY_HEADS:
         keywords |= {"transform_input": True} | ({"init_weights": True} if weights is None else {})  # their note on defaults
     if weights is not None and sized:  # torchvision refuses another side with weights
@@ -155,21 +214,22 @@ def torchvision_model(backbone: str, weights: Any, side: int | None = None) -> n
 
 
 def is_state_dict_uri(weights: str | None) -> bool:
-    return weights is not None and ("://" in weights or weights.endswith((".pt", ".pth")))
+    return weights is not None and ("://" in weights or weights.endswith((".pt", ".pth", ".safetensors")))
 
 
 def named_weights(config: ModelConfig) -> Any:
-    """The torchvision weights `config.weights` names; None for random init and a state_dict URI."""
-    return None if is_state_dict_uri(config.weights) else torchvision_weights(config.backbone, config.weights)
+    """The pretrained weights `config.weights` names; None for random init and a state_dict URI."""
+    return None if is_state_dict_uri(config.weights) else pretrained_weights(config.backbone, config.weights)
 
 
 def build_model(
-    config: ModelConfig, num_classes: int, storage_options: dict[str, Any] | None = None, side: int | None = None
+    config: ModelConfig, num_classes: int, storage_options: dict[str, Any] | None = None, side: int | None = None,
+    drop_path: float | None = None,
 ) -> nn.Module:
     """The backbone with starting weights loaded and a head for `num_classes`, for images of
-    `side` (the run's `training.image_size`; None: torchvision's default)."""
+    `side` (the run's `training.image_size`; None: the model's default), with `training.drop_path`."""
     uri = config.weights if is_state_dict_uri(config.weights) else None
-    model = torchvision_model(config.backbone, named_weights(config), side)
+    model = backbone_model(config.backbone, named_weights(config), side, drop_path)
     replace_head(model, num_classes)
     if uri:
         load_backbone_state(model, load_starting_weights(uri, storage_options or {}), uri)
@@ -180,22 +240,31 @@ def build_model(
 
 def freeze_all_but_head(model: nn.Module) -> None:
     """Only the head's parameters train (`model.freeze_backbone`)."""
-    prefix = head_prefix(model)
+    prefixes = head_prefixes(model)
     for name, param in model.named_parameters():
-        param.requires_grad = name.startswith(prefix)
+        param.requires_grad = name.startswith(prefixes)
 
 
 def download_weights(config: ModelConfig, on_progress: Callable[[], None]) -> None:
-    """Put the torchvision weights `config` names into torch's cache, calling `on_progress` as bytes arrive.
+    """Put the pretrained weights `config` names into torch's cache, calling `on_progress` as bytes arrive.
 
-    torchvision would download them inside build_model, saying nothing until the end: on a
+    torchvision and timm would download them inside build_model, saying nothing until the end: on a
     slow link longer than a rank may be silent (docs/architecture.md, "Gang: progress").
     build_model then finds them cached. Random init, a state_dict URI and weights already
     cached need nothing.
     """
     weights = named_weights(config)
-    if weights is not None:
+    if weights is None:
+        return
+    if is_timm(config.backbone):
+        cached_weights(weights, on_progress)
+    else:
         download_to_cache(weights.url, Path(torch.hub.get_dir()) / "checkpoints", on_progress)
+
+
+def cached_weights(config: Any, on_progress: Callable[[], None]) -> Path:
+    """The file of timm's pretrained `config`, downloaded into torch's cache the first time."""
+    return download_to_cache(weights_url(config), weights_folder(config), on_progress)
 
 
 def download_to_cache(url: str, folder: Path, on_progress: Callable[[], None]) -> Path:
@@ -252,6 +321,10 @@ def load_starting_weights(uri: str, storage_options: dict[str, Any]) -> dict[str
             "saved with torch.save(model.state_dict(), ...), a torchvision weights name "
             "(DEFAULT), or leave it empty for random init."
         )
+    if uri.endswith(".safetensors"):  # tensors only, no pickle: timm's and Hugging Face's format
+        from safetensors.torch import load
+
+        return load(read_bytes(uri, storage_options))
     return load_torch(uri, storage_options)
 
 
@@ -265,14 +338,14 @@ def check_starting_weights(config: ModelConfig, num_classes: int, location: Loca
     if is_state_dict_uri(config.weights):
         build_model(config, num_classes, location.storage_options(), side)
     else:
-        torchvision_weights(config.backbone, config.weights)
+        pretrained_weights(config.backbone, config.weights)
 
 
 def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], uri: str) -> None:
     """Load a backbone's state_dict, ignoring its head (trained for other classes) and the auxiliary
     heads the model was built without (a state saved from torchvision's GoogLeNet or Inception v3)."""
-    prefix = head_prefix(model)
-    dropped = (prefix, *(f"{name}." for name in AUXILIARY_MODULES
+    prefixes = head_prefixes(model)
+    dropped = (*prefixes, *(f"{name}." for name in AUXILIARY_MODULES
                          if hasattr(model, name) and getattr(model, name) is None))
     # A state saved as a plain dict (after DDP, `module.` stripped) lost its modules' versions: those of
     # the same torchvision modules, built here, stand in (MNASNet refuses to load without them).
@@ -283,20 +356,23 @@ def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], uri: s
     except (RuntimeError, ValueError) as error:  # tensors of other shapes: another model of the family
         raise ValueError(
             f"The state_dict at {uri} does not fit this backbone: {str(error).splitlines()[-1].strip()} "
-            "Save it from the same torchvision model (torch.save(model.state_dict(), ...))."
+            "Save it from the same model (torch.save(model.state_dict(), ...))."
         ) from None
-    missing = [k for k in missing if not k.startswith(prefix)]
+    missing = [k for k in missing if not k.startswith(prefixes)]
     if missing or unexpected:
         raise ValueError(
             f"The state_dict at {uri} does not fit this backbone: {len(missing)} missing keys "
             f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]}). "
-            "Save it from the same torchvision model (torch.save(model.state_dict(), ...))."
+            "Save it from the same model (torch.save(model.state_dict(), ...))."
         )
 
 
 def preprocessing_for(config: ModelConfig) -> Preprocessing:
-    """The preprocessing `config`'s starting weights were made with (`Weights.transforms()`):
-    torchvision's usual for random init and a state_dict URI, whose making is not known."""
+    """The preprocessing `config`'s starting weights were made with (`Weights.transforms()`, timm's
+    pretrained config of the name's tag, for its weights and a URI of them): torchvision's usual for
+    random init and a torchvision state_dict URI, whose making is not known."""
+    if is_timm(config.backbone):
+        return timm_preprocessing(config.backbone) if config.weights else Preprocessing()
     weights = named_weights(config)
     if weights is None:
         return Preprocessing()
@@ -315,7 +391,7 @@ def model_card(config: ModelConfig, classes: list[str], image_size: int,
 
 def load_model(card: dict[str, Any], state: dict[str, torch.Tensor]) -> nn.Module:
     """Rebuild a trained classifier from its model card and state_dict, in eval mode."""
-    model = torchvision_model(card["backbone"], None, card.get("image_size"))
+    model = backbone_model(card["backbone"], None, card.get("image_size"))
     replace_head(model, len(card["classes"]))
     model.load_state_dict(state)
     return model.eval()

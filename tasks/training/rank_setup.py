@@ -91,7 +91,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training, job.preprocessing)
     log.log(logging.INFO if ctx.is_main else logging.DEBUG, "Loader processes per loader of rank %d: %d (%s).",
             ctx.rank, data.loader_workers.workers, data.loader_workers.why)
-    model = build_model(job.model, len(job.manifest.classes), data.source_options, job.training.image_size)
+    model = build_model(job.model, len(job.manifest.classes), data.source_options, job.training.image_size,
+                        job.training.drop_path)
     if job.warm_start:
         load_warm_start(model, job.warm_start)
     if (reason := frozen_random_backbone(job.model, job.warm_start is not None)) and ctx.is_main:
