@@ -247,6 +247,12 @@ class TrainingConfig(_Strict):
         "up to this probability. timm's models and torchvision's ConvNeXt, EfficientNet, Swin and MaxViT take "
         "it. Empty: the model's own (timm: 0; torchvision's builders: 0.1-0.5 by size).",
     )
+    ema_decay: float | None = Field(
+        default=None, gt=0, lt=1,
+        description="Keep an exponential moving average of the weights, moved 1 - ema_decay of the way to them "
+        "after every optimizer step (0.999: about the last thousand steps). Each epoch validates it beside the "
+        "model and keeps whichever did better (the record's `weights`). Empty: none.",
+    )
     fetch_timeout_s: float = Field(
         default=60, ge=1, le=3600,
         description="Limit in seconds for fetching one batch of images, retries included. A "

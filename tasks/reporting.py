@@ -50,9 +50,28 @@ EPOCH_COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr"
                  "data_wait_pct"]
 
 
-def epoch_rows(history: list[dict[str, Any]]) -> list[list[Any]]:
-    """The EPOCH_COLUMNS of each epoch; blank where an epoch recorded by an older version lacks one."""
-    return [[h.get(k, "") for k in EPOCH_COLUMNS] for h in history]
+# With training.ema_decay: the model's and the average's validation, and which of them the epoch
+# kept (its val_acc's), after val_acc (tasks/training/weights_average.py).
+AVERAGE_COLUMNS = ["model_val_acc", "ema_val_acc", "weights"]
+
+
+def epoch_columns(history: list[dict[str, Any]]) -> list[str]:
+    """The per-epoch columns of `history`: EPOCH_COLUMNS, and AVERAGE_COLUMNS where the run kept an average.
+
+    >>> epoch_columns([{"epoch": 1, "weights": "ema"}])[4:8]
+    ['val_acc', 'model_val_acc', 'ema_val_acc', 'weights']
+    """
+    if not any("weights" in h for h in history):
+        return EPOCH_COLUMNS
+    after = EPOCH_COLUMNS.index("val_acc") + 1
+    return EPOCH_COLUMNS[:after] + AVERAGE_COLUMNS + EPOCH_COLUMNS[after:]
+
+
+def epoch_table(history: list[dict[str, Any]]) -> str:
+    """The epochs of `history` as a markdown table of their `epoch_columns`; blank where an epoch recorded
+    by an older version lacks one."""
+    columns = epoch_columns(history)
+    return markdown_table(columns, [[h.get(k, "") for k in columns] for h in history])
 
 
 def markdown_text(value: Any) -> str:

@@ -15,7 +15,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.storage import write_bytes
 from prefect_ddp.tasks.location import Location
-from prefect_ddp.tasks.reporting import EPOCH_COLUMNS, epoch_rows, markdown_table
+from prefect_ddp.tasks.reporting import epoch_table, markdown_table
 from prefect_ddp.tasks.results.comparison import comparison_markdown
 from prefect_ddp.tasks.results.plots import markdown_image, training_curves_png
 from prefect_ddp.tasks.results.promotion import Promotion
@@ -154,7 +154,6 @@ def recipe_text(recipe: EffectiveRecipe | None) -> str:
 
 
 def report_markdown(summary: TrainingSummary, manifest: Manifest, curves: str, outcome: str) -> str:
-    rows = epoch_rows(summary.history)
     workers = ", ".join(f"rank {r.rank}: `{r.worker_address}`" for r in summary.ranks)
     unreadable = unreadable_text(summary.unreadable)
     return (
@@ -172,7 +171,7 @@ def report_markdown(summary: TrainingSummary, manifest: Manifest, curves: str, o
         + "## Curves\n\n" + curves + "\n\n"
         + time_markdown(summary.time, summary.history[-1]["epoch"])
         + "## Per epoch (all ranks)\n\n"
-        + markdown_table(EPOCH_COLUMNS, rows)
+        + epoch_table(summary.history)
         + "\n## Files\n\n"
         + "".join(f"- {name}: `{url}`\n" for name, url in summary.files.items())
     )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from prefect_ddp.tasks.data.storage import save_torch, write_json
 from prefect_ddp.tasks.gang import RankContext
@@ -13,6 +15,7 @@ from prefect_ddp.tasks.training.boundary import BoundaryPart, EpochEnd, Stop
 from prefect_ddp.tasks.training.checkpoint_writer import BackgroundWriter, to_cpu
 from prefect_ddp.tasks.training.checkpoints import BestEpoch, Resumed
 from prefect_ddp.tasks.training.job import RunFiles
+from prefect_ddp.tasks.training.weights_average import kept_module
 
 
 class BestWeights(BoundaryPart):
@@ -39,9 +42,11 @@ class BestWeights(BoundaryPart):
 
     name = "best weights"
 
-    def __init__(self, ctx: RankContext, model: nn.Module, files: RunFiles, selection: Selection) -> None:
+    def __init__(self, ctx: RankContext, model: nn.Module, files: RunFiles, selection: Selection,
+                 average: AveragedModel | None = None) -> None:
         self.ctx = ctx
         self.model = model  # the unwrapped one, whose state_dict model.pt holds
+        self.average = average  # the weights' moving average, kept instead where an epoch says so
         self.enabled = ctx.is_main
         # In an elastic gang every rank keeps the unwritten best weights: any survivor may hand its state over.
         self.keeps = ctx.is_main or ctx.elastic
@@ -68,19 +73,20 @@ class BestWeights(BoundaryPart):
         # Mid-epoch the model is past that epoch; a stopped run's weights (tasks/training/run_stop.py) and a
         # failed formation's (tasks/training/leaving.py) may be too.
         elif best == len(history) - 1 and resumed.position == 0 and not resumed.stopped and resumed.settled:
-            self._keep()
+            self._keep(history[best])
 
     def after_epoch(self, end: EpochEnd) -> Stop | None:
         """An epoch better than the best before it: its weights copied to memory, to be written."""
         value = end.record[self.selection.metric]
         if is_better(value, self.best, self.selection.direction):
             self.best, self.epoch = value, end.record["epoch"]
-            self._keep()
+            self._keep(end.record)
         return None
 
-    def _keep(self) -> None:
+    def _keep(self, record: dict[str, Any]) -> None:
+        """A copy of the weights the epoch of `record` kept: the model's, or the average's that did better."""
         if self.keeps and self.epoch is not None:
-            self._hold((self.epoch, to_cpu(self.model.state_dict())))
+            self._hold((self.epoch, to_cpu(kept_module(self.model, self.average, record).state_dict())))
 
     def _hold(self, best: BestEpoch) -> None:
         with self._lock:

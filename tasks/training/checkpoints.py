@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 
 from prefect_ddp.tasks.data.storage import (
     GARBLED,
@@ -33,7 +34,7 @@ from prefect_ddp.tasks.training.run_stop import RunStop
 # The recipe fields that change what a resumed training would compute.
 RECIPE_FIELDS = {"batch_size", "image_size", "optimizer", "lr", "momentum", "weight_decay",
                  "scale_lr_by_world_size", "warmup_epochs", "sync_batchnorm", "scheduler", "amp", "amp_dtype",
-                 "drop_path"}
+                 "drop_path", "ema_decay"}
 
 
 def job_fingerprint(classes: list[str], split_digest: str, model: Any, training: Any) -> dict[str, Any]:
@@ -78,6 +79,7 @@ class TrainingState:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     scaler: torch.amp.GradScaler
+    average: AveragedModel | None = None  # training.ema_decay's average of the weights (tasks/training/weights_average.py)
 
     def snapshot(self, epoch: int, history: list[dict[str, Any]], fingerprint: dict[str, Any],
                  world_size: int, best: BestEpoch | None = None, stop: RunStop | None = None) -> dict[str, Any]:
@@ -94,6 +96,7 @@ class TrainingState:
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict(),
+            "average": self.average.state_dict() if self.average is not None else None,
             "epoch": epoch,
             "history": history,
             "job": fingerprint,
@@ -133,6 +136,8 @@ class TrainingState:
             self.scheduler.load_state_dict(checkpoint["lr_scheduler"])
         if checkpoint["scaler"]:  # empty when saved without loss scaling (bfloat16, or no amp)
             self.scaler.load_state_dict(checkpoint["scaler"])
+        if self.average is not None:  # the fingerprint's ema_decay: a checkpoint of this job carries one
+            self.average.load_state_dict(checkpoint["average"])
         if scale_lr and checkpoint["world_size"] != world_size:
             rescale_lr(self.optimizer, self.scheduler, world_size / checkpoint["world_size"])
         # Absent in checkpoints of older releases and of every-epoch runs. Rank 0 alone writes model.pt,

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.gang import RankContext, all_reduce_sum, sync_buffers
+from prefect_ddp.tasks.selection import Selection
 from prefect_ddp.tasks.training.boundary import Boundaries, StepEnd
 from prefect_ddp.tasks.training.pass_sums import PassSums
 from prefect_ddp.tasks.training.passes import evaluate, train_one_epoch
@@ -23,6 +24,10 @@ from prefect_ddp.tasks.training.rank_setup import RankSetup
 from prefect_ddp.tasks.training.regrouping import Position
 from prefect_ddp.tasks.training.step_times import epoch_timing, gang_rows, split_rows
 from prefect_ddp.tasks.training.unreadable import UnreadableTally
+from prefect_ddp.tasks.training.weights_average import with_average
+
+# The sums of the train and validation passes, in the order `epoch_record` reads them.
+VALIDATED_SUMS = 6
 
 
 @runtime_checkable
@@ -34,7 +39,8 @@ class EpochSampler(Protocol):
 
 def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, boundary: Boundaries,
               unreadable: UnreadableTally, position: Position, epoch: int,
-              start: int = 0, next_epoch: int | None = None) -> tuple[dict[str, Any], int]:
+              start: int = 0, next_epoch: int | None = None,
+              selection: Selection = Selection()) -> tuple[dict[str, Any], int]:
     """Train and validate one epoch, from global sample position `start` (an elastic gang's
     formation that took over mid-epoch); returns the gang's record of it and the images this
     rank trained on. After every step the parts of `boundary` are called (tasks/training/boundary.py).
@@ -54,13 +60,14 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, boundary:
     train_one_epoch(ddp_model, rank.data.train, rank.state.optimizer, rank.state.scaler,
                     rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock,
                     warmup=rank.warmup, frozen=rank.frozen, sums=train,
-                    batches=rank.data.train_epochs.batches(epoch, start))
+                    batches=rank.data.train_epochs.batches(epoch, start), average=rank.state.average)
     trained_at = time.monotonic()
     if next_epoch is not None:  # its first batches load while this epoch validates (tasks/data/epoch_ahead.py)
         rank.data.train_epochs.start(next_epoch)
     sync_buffers(rank.state.model)
     val = validate(ctx, rank.state.model, rank.data.val, rank.val_inputs, epoch)
-    sums = [*train.sums(), *val.sums()]
+    averaged = validate_average(ctx, rank, epoch)
+    sums = [*train.sums(), *val.sums(), *(averaged.sums() if averaged else [])]
     rows = gang_rows(rank.clock.totals(), time.monotonic() - trained_at, trained_at - started, int(train.count),
                      ctx.rank, ctx.world_size)
     totals = all_reduce_sum([*sums, *rows], rank.device)
@@ -68,7 +75,9 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, boundary:
     if carried:
         for index, part in enumerate(carried.sums):
             totals[index] += part
-    record = epoch_record(epoch, totals[:len(sums)], rank.state.optimizer, time.monotonic() - started)
+    record = epoch_record(epoch, totals[:VALIDATED_SUMS], rank.state.optimizer, time.monotonic() - started)
+    if averaged:  # the average's validation beside the model's, and which of them the epoch keeps
+        record = with_average(record, totals[VALIDATED_SUMS:len(sums)], selection)
     timing = epoch_timing(split_rows(totals[len(sums):]), rank.input_advice, rank.decode_cost,
                           rank.data.loader_workers)
     record["time"] = timing.model_dump()
@@ -80,6 +89,18 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, boundary:
         record["taken_over_at_sample"] = start
         record["train_samples"] += carried.uncounted if carried else start
     return record, int(train.count)
+
+
+def validate_average(ctx: RankContext, rank: RankSetup, epoch: int) -> PassSums | None:
+    """The weights' moving average validated on the model's validation images, where the run keeps one.
+
+    Its BatchNorm statistics are averaged from each rank's own last steps, as the model's are:
+    rank 0's are taken, as for the model, so every rank validates the average rank 0 would keep.
+    The images it meets unreadable are validation's own, counted once."""
+    if rank.state.average is None:
+        return None
+    sync_buffers(rank.state.average.module)
+    return validate(ctx, rank.state.average.module, rank.data.val, rank.val_inputs, epoch)
 
 
 def between_steps(boundary: Boundaries, rank: RankSetup, started: float, position: Position, sums: PassSums,

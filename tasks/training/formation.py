@@ -44,7 +44,8 @@ def take_up(ctx: RankContext, job: TrainJob, rank: RankSetup) -> Formation:
     """The run's state as the last formation left it, on this rank."""
     files = RunFiles.of(job, rank.data.output_options)
     fingerprint = job_fingerprint(job.manifest.classes, job.split.digest(job.manifest), job.model, job.training)
-    kept = BestWeights(ctx, rank.state.model, files, ctx.trial.selection if ctx.trial else Selection())
+    kept = BestWeights(ctx, rank.state.model, files, ctx.trial.selection if ctx.trial else Selection(),
+                       rank.state.average)
     handed = ctx.hand_over(rank.device) if ctx.elastic else None  # a survivor's state, in memory
     resumed = rank.state.resume(files.checkpoint, files.options, fingerprint, ctx.world_size,
                                 scales_lr(job.training), rank.device, handed=handed.data if handed else None)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
 from prefect_ddp.tasks.data.device_batches import ToDevice
@@ -40,7 +41,7 @@ def train_one_epoch(
     scaler: torch.amp.GradScaler, inputs: ToDevice, amp_dtype: torch.dtype | None,
     on_step: Callable[[int, int], None] | None = None, clock: StepClock | None = None,
     warmup: Warmup | None = None, frozen: Sequence[nn.Module] = (), sums: PassSums | None = None,
-    batches: Iterable[Any] | None = None,
+    batches: Iterable[Any] | None = None, average: AveragedModel | None = None,
 ) -> PassSums:
     """One pass over this rank's shard; returns the rank's local sums.
 
@@ -53,7 +54,8 @@ def train_one_epoch(
     `frozen` stay in eval mode (tasks/training/optimization.py). `sums`: where to
     add the pass's sums (a new PassSums by default), for a caller that reads them mid-pass.
     `batches`: the loader's batches for this pass where the caller began them (an epoch started
-    ahead, tasks/data/epoch_ahead.py); the loader's own otherwise.
+    ahead, tasks/data/epoch_ahead.py); the loader's own otherwise. `average`: the weights' moving
+    average, moved after every step (tasks/training/weights_average.py).
     The loss is the mean over the batch's readable images; a batch with none still steps,
     with a zero loss: which batches hold readable images differs between ranks, and a rank
     that skipped its step would leave the others waiting in DDP's all-reduce.
@@ -77,6 +79,8 @@ def train_one_epoch(
             warmup.before_step(optimizer)
         scaler.step(optimizer)
         scaler.update()
+        if average is not None:
+            average.update_parameters(getattr(model, "module", model))  # DDP's wrapped model, or the model
         clock.mark("optimizer")
         sums.add(loader, logits, labels, loss_sum, readable)
         if on_step:

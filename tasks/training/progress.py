@@ -16,14 +16,7 @@ from uuid import UUID
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from prefect_ddp.tasks.gang import RankContext
-from prefect_ddp.tasks.reporting import (
-    EPOCH_COLUMNS,
-    BackgroundPublisher,
-    epoch_rows,
-    in_prefect_run,
-    markdown_table,
-    ran_sync,
-)
+from prefect_ddp.tasks.reporting import BackgroundPublisher, epoch_table, in_prefect_run, ran_sync
 from prefect_ddp.tasks.tracking import TrackedRun, log_epoch
 from prefect_ddp.tasks.training.boundary import BoundaryPart, EpochEnd, StepEnd, Stop
 from prefect_ddp.tasks.training.step_times import live_text
@@ -99,7 +92,7 @@ class ProgressReporter(BoundaryPart):
             record, tracked = history[-1], self.tracked
             self._submit(f"mlflow-epoch-{record['epoch']}", lambda: log_epoch(tracked, record))
         if self.shows:
-            table = markdown_table(EPOCH_COLUMNS, epoch_rows(history))
+            table = epoch_table(history)
             self._submit("table", lambda: create_markdown_artifact(
                 key="training-epochs",
                 description="Per-epoch metrics, all ranks reduced",

@@ -37,6 +37,7 @@ from prefect_ddp.tasks.training.optimization import (
     warmup_epochs,
 )
 from prefect_ddp.tasks.training.step_times import StepClock, input_advice
+from prefect_ddp.tasks.training.weights_average import weights_average
 
 
 def autocast_dtype(cfg: TrainingConfig, device: torch.device, log: Any) -> torch.dtype | None:
@@ -102,7 +103,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     model = model.to(device).to(memory_format=train_inputs.memory_format)
     optimizer = build_optimizer(model, job.training, ctx.world_size)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler)
+    state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler,
+                          weights_average(model, job.training.ema_decay))
     advice = input_advice(job.training, from_object_store="://" in job.manifest.root,
                           loader_processes=data.loader_workers.workers)
     warm_epochs = warmup_epochs(job.training, ctx.world_size)

@@ -127,7 +127,8 @@ def train_epochs(training: RankTraining, ddp_model: nn.Module, unreadable: Unrea
     trained = Trained()
     for epoch in range(position.epoch, epochs):
         record, images = run_epoch(ctx, rank, ddp_model, boundary, unreadable, position, epoch,
-                                   start=position.start, next_epoch=epoch + 1 if epoch + 1 < epochs else None)
+                                   start=position.start, next_epoch=epoch + 1 if epoch + 1 < epochs else None,
+                                   selection=formation.kept.selection)
         exceeded = unreadable.exceeded(record["epoch"])  # the gang's count: every rank stops here, or none
         if exceeded:
             log.log(level, "Stopped in epoch %d, keeping nothing of it: %s", record["epoch"], exceeded)
