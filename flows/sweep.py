@@ -56,7 +56,7 @@ from prefect_ddp.tasks.sweeps.settings import SweepSettings, TrialOutcome
 from prefect_ddp.tasks.sweeps.sweep import open_study, run_trials, study_storage, trial_run_name
 from prefect_ddp.tasks.sweeps.sweep_report import publish_sweep_report
 from prefect_ddp.tasks.tracking import Tracking
-from prefect_ddp.tasks.training.input_side import require_drop_path, require_input_side
+from prefect_ddp.tasks.training.backbone_checks import BACKBONE_CHECKS
 from prefect_ddp.tasks.training.model import is_state_dict_uri, pretrained_weights
 from prefect_ddp.tasks.urls import child_url, safe_segment
 
@@ -105,8 +105,9 @@ def field_value(path: str, value: Any) -> Any:
 
 def check_space_values(space: dict[str, Dimension], model: ModelConfig, training: TrainingConfig) -> None:
     """Refuse, before any trial starts, a grid or choice value its parameter refuses, and a backbone
-    of the space with weights or an image side of the space it cannot take: each would fail only
-    the trials that drew it."""
+    of the space with weights, or a training value (tasks/training/backbone_checks.py: an image side, a
+    drop-path rate, layer-wise decay), of the space it cannot take: each would fail only the trials
+    that drew it."""
     drawn = {path: [field_value(path, value) for value in dimension.values or []] for path, dimension in space.items()}
 
     def offered(path: str, base: Any) -> list[Any]:
@@ -118,10 +119,9 @@ def check_space_values(space: dict[str, Dimension], model: ModelConfig, training
     for backbone, weights in itertools.product(backbones, offered("model.weights", model.weights)):
         if not is_state_dict_uri(weights):  # a state_dict's fit is checked by loading it, in each trial
             pretrained_weights(backbone, weights)
-    for backbone, side in itertools.product(backbones, offered("training.image_size", training.image_size)):
-        require_input_side(backbone, side)
-    for backbone, drop_path in itertools.product(backbones, offered("training.drop_path", training.drop_path)):
-        require_drop_path(backbone, drop_path)
+    for field, check in BACKBONE_CHECKS.items():
+        for backbone, value in itertools.product(backbones, offered(f"training.{field}", getattr(training, field))):
+            check(backbone, value)
 
 
 def check_space(space: dict[str, Dimension]) -> None:

@@ -76,7 +76,7 @@ from prefect_ddp.tasks.results.tracking_run import (
     tracking_run,
 )
 from prefect_ddp.tasks.tracking import TrackedRun, Tracking, import_mlflow
-from prefect_ddp.tasks.training.input_side import require_drop_path, require_input_side
+from prefect_ddp.tasks.training.backbone_checks import require_backbone_takes
 from prefect_ddp.tasks.training.model import WarmStart, check_starting_weights, model_problem
 from prefect_ddp.tasks.training.rank_result import RankResult
 from prefect_ddp.tasks.training.job import TrainJob
@@ -245,8 +245,7 @@ def transfer_learning(
     kept_name = kept_model_name(output, model)
     tracker = tracking_settings(tracking)
     require_registry(model, tracker)
-    require_input_side(model.backbone, training.image_size)  # an image side the backbone cannot take fails here, not in every rank
-    require_drop_path(model.backbone, training.drop_path)
+    require_backbone_takes(model.backbone, training)  # e.g. an image side it cannot take fails here, not in every rank
     source = data_location(data)
     base = output_base(output, source)
     run_name = flow_run.get_name() or "run"

@@ -247,6 +247,12 @@ class TrainingConfig(_Strict):
         "up to this probability. timm's models and torchvision's ConvNeXt, EfficientNet, Swin and MaxViT take "
         "it. Empty: the model's own (timm: 0; torchvision's builders: 0.1-0.5 by size).",
     )
+    layer_decay: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Layer-wise learning-rate decay, for fine-tuning transformers: the head trains at lr, each "
+        "layer below it at layer_decay times the rate of the one above (timm's layer groups: timm/NAME models "
+        "only). Empty: one rate for every layer.",
+    )
     ema_decay: float | None = Field(
         default=None, gt=0, lt=1,
         description="Keep an exponential moving average of the weights, moved 1 - ema_decay of the way to them "

@@ -277,23 +277,29 @@ def test_a_model_built_on_meta_in_one_thread_leaves_another_thread_s_model_real(
     assert {p.device.type for p in torchvision_model("resnet18", None).parameters()} == {"cpu"}
 
 
-@pytest.mark.parametrize(("backbone", "training"), [("vit_b_16", {}), ("timm/convnext_atto", {"drop_path": 0.1})],
-                         ids=["torchvision-vit", "timm-convnext"])
+@pytest.mark.parametrize(("backbone", "training"), [
+    ("vit_b_16", {}),
+    ("timm/convnext_atto", {"drop_path": 0.1, "layer_decay": 0.75, "ema_decay": 0.9}),
+], ids=["torchvision-vit", "timm-convnext"])
 def test_the_flow_fine_tunes_a_vit_and_a_timm_model_and_keeps_a_model_that_loads(backbone, training, image_location,
                                                                                  dask_cluster, tmp_path):
     """Families beyond the first four, through the whole flow (the side check, the ranks, the card):
     trained at 32 px, kept, rebuilt from model.json for the side it records; the ViT built for its
-    side, the timm model with drop-path. ConvNeXt ran here too, in 0.1 min more; the gloo test above
-    trains it through the same recipe."""
+    side, the timm model with drop-path, layer-wise decay and the weights' average (whose columns the
+    report shows). ConvNeXt ran here too, in 0.1 min more; the gloo test above trains it through the
+    same recipe."""
     image_location.save("test-images", overwrite=True)
     state = run_tiny_flow(tmp_path / "out", {"address": dask_cluster.scheduler_address}, model={"backbone": backbone},
                           training=training)
-    folder = Path(state.result()["files"]["model.pt"]).parent
+    files = state.result()["files"]
+    folder = Path(files["model.pt"]).parent
     card = json.loads((folder / "model.json").read_text())
     assert (card["backbone"], card["image_size"]) == (backbone, 32)
     model = load_model(card, torch.load(folder / "model.pt", weights_only=True))
     with torch.no_grad():
         assert model(torch.rand(2, 3, card["image_size"], card["image_size"])).shape == (2, len(card["classes"]))
+    averaged = "| model_val_acc | ema_val_acc | weights |" in Path(files["report.md"]).read_text()
+    assert averaged is ("ema_decay" in training)
 
 
 @pytest.mark.unit

@@ -23,7 +23,9 @@ from torchvision.ops import StochasticDepth
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.sweeps.search_space import Dimension
+from prefect_ddp.tasks.training.backbone_checks import require_backbone_takes
 from prefect_ddp.tasks.training.input_side import parameters_on_meta, require_drop_path, side_problem
+from prefect_ddp.tasks.training.optimization import build_optimizer
 from prefect_ddp.tasks.training.model import (
     backbone_model,
     build_model,
@@ -162,6 +164,22 @@ def test_drop_path_sets_timm_s_rate_and_torchvision_s_stochastic_depth_and_is_re
 
 
 @pytest.mark.unit
+def test_layer_decay_gives_each_of_a_timm_vit_s_layers_a_rate_the_head_s_times_a_power_and_only_timm_s():
+    model = backbone_model(VIT, None)
+    optimizer = build_optimizer(model, TrainingConfig(lr=0.1, layer_decay=0.5, weight_decay=0.05), world_size=1)
+    rate = {id(param): group["lr"] for group in optimizer.param_groups for param in group["params"]}
+    decay = {id(param): group["weight_decay"] for group in optimizer.param_groups for param in group["params"]}
+    depth = len(model.blocks) + 1  # the embeddings below the blocks, the head above them
+    assert rate[id(model.head.weight)] == pytest.approx(0.1)
+    assert rate[id(model.blocks[-1].mlp.fc1.weight)] == pytest.approx(0.1 * 0.5)
+    assert rate[id(model.patch_embed.proj.weight)] == pytest.approx(0.1 * 0.5 ** depth)
+    assert decay[id(model.pos_embed)] == decay[id(model.head.bias)] == 0 and decay[id(model.head.weight)] == 0.05
+    assert len(rate) == sum(1 for _ in model.parameters())  # every parameter trains, once
+    with pytest.raises(ValueError, match="only timm's models have"):
+        require_backbone_takes("vit_b_16", TrainingConfig(layer_decay=0.75))
+
+
+@pytest.mark.unit
 def test_a_sweep_over_timm_and_torchvision_backbones_is_checked_before_any_trial():
     space = {"model.backbone": Dimension(kind="choice", values=["resnet18", "timm/convnext_atto"]),
              "training.drop_path": Dimension(kind="grid", values=[0.0, 0.1])}
@@ -169,6 +187,10 @@ def test_a_sweep_over_timm_and_torchvision_backbones_is_checked_before_any_trial
         check_space_values(space, ModelConfig(), TrainingConfig(image_size=64))
     space["model.backbone"] = Dimension(kind="choice", values=["convnext_tiny", "timm/convnext_atto"])
     check_space_values(space, ModelConfig(), TrainingConfig(image_size=64))
+    space["training.layer_decay"] = Dimension(kind="choice", values=[0.65, 0.75])
+    with pytest.raises(ValueError, match="convnext_tiny: layer-wise decay needs timm's layer groups"):
+        check_space_values(space, ModelConfig(), TrainingConfig(image_size=64))
+    del space["training.layer_decay"]
     space["model.backbone"] = Dimension(kind="choice", values=["timm/convnext_atto", "timm/convnext_attoo"])
     with pytest.raises(ValueError, match="the closest: convnext_atto"):
         check_space_values(space, ModelConfig(), TrainingConfig(image_size=64))

@@ -34,7 +34,7 @@ from prefect_ddp.tasks.training.run_stop import RunStop
 # The recipe fields that change what a resumed training would compute.
 RECIPE_FIELDS = {"batch_size", "image_size", "optimizer", "lr", "momentum", "weight_decay",
                  "scale_lr_by_world_size", "warmup_epochs", "sync_batchnorm", "scheduler", "amp", "amp_dtype",
-                 "drop_path", "ema_decay"}
+                 "drop_path", "ema_decay", "layer_decay"}
 
 
 def job_fingerprint(classes: list[str], split_digest: str, model: Any, training: Any) -> dict[str, Any]:

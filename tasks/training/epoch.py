@@ -138,7 +138,7 @@ def epoch_record(epoch: int, totals: list[float], optimizer, seconds: float) -> 
         "val_acc": val_correct / max(val_count, 1),
         "train_samples": int(train_count),
         "val_samples": int(val_count),
-        "lr": optimizer.param_groups[0]["lr"],
+        "lr": max(group["lr"] for group in optimizer.param_groups),  # the head's, with training.layer_decay
         "seconds": round(seconds, 2),
     }
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prefect_ddp.tasks.backbone_names import is_timm
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 
 
@@ -60,9 +61,33 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     return [group for group in groups if group["params"]]
 
 
+def layer_decayed_groups(model: nn.Module, weight_decay: float, layer_decay: float, lr: float) -> list[dict[str, Any]]:
+    """`parameter_groups`' split, per layer of a timm model (its `group_matcher`): the head's at `lr`, each
+    layer below at `layer_decay` times the rate of the one above (timm's `param_groups_layer_decay`, its
+    rates set here, as torch's optimizers and schedules read a group's `lr`). Parameters timm's model names
+    as taking no weight decay (a ViT's position embedding, class token) take none."""
+    from timm.optim import param_groups_layer_decay
+
+    skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else ()  # type: ignore[operator]
+    groups = param_groups_layer_decay(model, weight_decay=weight_decay, no_weight_decay_list=skip,
+                                      layer_decay=layer_decay)
+    return [{"params": group["params"], "weight_decay": group["weight_decay"], "lr": lr * group["lr_scale"]}
+            for group in groups]
+
+
+def require_layer_decay(backbone: str, layer_decay: float | None) -> None:
+    """Refuse layer-wise decay for a backbone without timm's layer groups."""
+    if layer_decay is not None and not is_timm(backbone):
+        raise ValueError(
+            f"training.layer_decay={layer_decay} for {backbone}: layer-wise decay needs timm's layer groups, which "
+            "only timm's models have. Use a timm/NAME backbone (timm/vit_base_patch16_224), or leave it empty."
+        )
+
+
 def build_optimizer(model: nn.Module, cfg: TrainingConfig, world_size: int) -> torch.optim.Optimizer:
     lr = cfg.lr * world_size if scales_lr(cfg) else cfg.lr
-    groups = parameter_groups(model, cfg.weight_decay)
+    groups = (layer_decayed_groups(model, cfg.weight_decay, cfg.layer_decay, lr) if cfg.layer_decay
+              else parameter_groups(model, cfg.weight_decay))
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
     if cfg.optimizer == "adamw":

@@ -112,7 +112,7 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     warmup = Warmup(warm_epochs * len(data.train), start=1 / scaled_by if scaled_by > 1 else 0.0)
     frozen = frozen_batchnorm(model)
     recipe = EffectiveRecipe(
-        lr=optimizer.param_groups[0]["lr"], lr_scaled_by=scaled_by,
+        lr=max(group["lr"] for group in optimizer.param_groups), lr_scaled_by=scaled_by,
         warmup_epochs=warm_epochs, weight_decay=job.training.weight_decay, frozen_batchnorm=len(frozen),
         sync_batchnorm=synced)
     return RankSetup(state, data, train_inputs, val_inputs, amp_dtype, StepClock(device), advice,
