@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from playwright.sync_api import expect
 from prefect.client.orchestration import get_client
@@ -13,6 +16,7 @@ from tests.support.browser import (
     prefect_ui,
     wait_for_final_state,
 )
+from tests.support.flow_runs import TINY_TRAINING
 
 pytestmark = pytest.mark.slow
 
@@ -75,10 +79,32 @@ def test_a_custom_run_from_the_form_completes_with_its_artifacts(ui, on_demand_i
     assert curves.evaluate("img => img.naturalWidth") > 300  # the PNG decoded, not a broken icon
 
 
-def test_the_sweep_run_form_takes_the_search_space(ui, deployments):
+def test_a_sweep_over_two_backbones_runs_from_the_form_and_each_trial_trains_its_own(ui, deployments,
+                                                                                     tmp_path_factory):
+    """The sweep's form as people use it: its space and settings described, a space over a torchvision
+    and a timm backbone submitted, and each trial's kept model built from the backbone it drew."""
+    output = tmp_path_factory.mktemp("browser-sweep")
+    backbones = ["mobilenet_v3_small", "timm/convnext_atto"]
     with get_client(sync_client=True) as api:
         sweep_id = str(api.read_deployment_by_name("hyperparameter-sweep/ui-sweep").id)
-    ui.open_run_form(sweep_id)
+    ui.open_run_form(sweep_id, prefill={
+        "space": {"model.backbone": {"kind": "grid", "values": backbones}},
+        "settings": {"name": "ui-backbones", "n_trials": 2, "concurrency": 2, "ranks_per_trial": 1, "sampler": "grid"},
+        "data": {"block": "test-images", "index_cache_minutes": 0},
+        "training": TINY_TRAINING,
+        "cluster": {"n_workers": 2, "init_timeout_s": 60},
+        "output": {"url": str(output)},
+    })
     expect(ui.description(ui.field("space"))).to_contain_text("Per dotted path (training.lr, training.batch_size")
     settings = ui.field("settings (Optional)")
     expect(ui.description(ui.field("Pruner (Optional)", settings))).to_contain_text("median")
+    name = ui.submit_run(sweep_id, output_url=str(output))
+
+    run = flow_run_by_name(name)
+    assert run.parameters["space"]["model.backbone"]["values"] == backbones
+    assert wait_for_final_state(run.id, timeout_s=600) == "COMPLETED"
+    (record,) = [json.loads(path.read_text()) for path in output.rglob("sweep.json")]
+    trained = {row["params"]["model.backbone"]: Path(row["model_url"]).parent for row in record["trials"]}
+    assert sorted(trained) == sorted(backbones)
+    for backbone, folder in trained.items():
+        assert json.loads((folder / "model.json").read_text())["backbone"] == backbone
