@@ -1,6 +1,7 @@
 """The recipe's defaults against the old ones, on real images: scikit-learn's bundled digits.
 
     .venv/bin/python -m bench.digits [--epochs 6] [--world-size 2] [--seeds 3] [--random-init]
+    .venv/bin/python -m bench.digits --knob label_smoothing=0.1 [--knob mixup_alpha=0.2 ...] [--epochs 5] [--seeds 5]
 
 Writes the 1,797 8x8 digits as 32-px PNGs in class folders. Transfer learning needs a
 pretrained backbone, and this machine cannot download torchvision's: so resnet18 is first
@@ -18,6 +19,10 @@ gloo ranks, the same epochs, seed and starting weights per pair:
 
 Each for a fine-tuned (`freeze_backbone=false`) and a frozen-backbone resnet18, printing the
 best val accuracy of each and whether the frozen backbone's BatchNorm statistics changed.
+
+`--knob NAME=VALUE` (a `training` field, given as often as there are knobs to try) compares
+instead today's defaults against the defaults with that one field changed, fine-tuned, each
+seed's runs paired as above (one run of the defaults per seed serves every knob).
 Record results in bench/RESULTS.md.
 """
 
@@ -31,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -109,21 +115,25 @@ def manifest_of(root: Path):
     return build_manifest(str(root), listing)
 
 
-def job_for(images: Path, output: Path, seed: int, model: ModelConfig, epochs: int, old: bool) -> TrainJob:
+# The old recipe's fields: it scaled every optimizer's lr and warmed up never.
+OLD_RECIPE = {"scale_lr_by_world_size": True, "warmup_epochs": 0}
+
+
+def job_for(images: Path, output: Path, seed: int, model: ModelConfig, epochs: int,
+            changed: dict[str, Any]) -> TrainJob:
+    """The run of `seed` on `images`: the defaults, with the `training` fields in `changed`."""
     manifest = manifest_of(images)
     return TrainJob(
         source=DataLocation(url=str(images)), output=DataLocation(url=str(output)),
         manifest=manifest, split=stratified_split(manifest, 0.2, seed), model=model,
-        # The old recipe scaled every optimizer's lr and warmed up never.
-        training=TrainingConfig(epochs=epochs, batch_size=32, image_size=SIDE, num_workers=0,
-                                **({"scale_lr_by_world_size": True, "warmup_epochs": 0} if old else {})),
+        training=TrainingConfig(epochs=epochs, batch_size=32, image_size=SIDE, num_workers=0, **changed),
     )
 
 
 def pretrained_backbone(work: Path, epochs: int, world_size: int) -> str:
     """A resnet18 trained on the digits 0-4 by the new recipe: the starting weights' path."""
     write_digits(work / "pretrain", range(5))
-    job = job_for(work / "pretrain", work / "pretrain-run", 0, ModelConfig(backbone="resnet18"), epochs, old=False)
+    job = job_for(work / "pretrain", work / "pretrain-run", 0, ModelConfig(backbone="resnet18"), epochs, {})
     result = train(job, world_size)
     print(json.dumps({"pretrained_on": "digits 0-4", "best_val_acc": max(h["val_acc"] for h in result.history)}),
           flush=True)
@@ -145,17 +155,58 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--pretrain-epochs", type=int, default=6)
     parser.add_argument("--random-init", action="store_true", help="from random weights, on all ten digits")
+    parser.add_argument("--knob", type=knob, action="append", default=[], metavar="NAME=VALUE",
+                        help="compare the defaults against them with this training field changed (repeatable)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="digits-"))
     weights = None if args.random_init else pretrained_backbone(work, args.pretrain_epochs, args.world_size)
     write_digits(work / "images", range(10) if args.random_init else range(5, 10))
+    if args.knob:
+        compare_knobs(args, work, ModelConfig(backbone="resnet18", weights=weights))
+    else:
+        compare_recipes(args, work, weights)
+
+
+def knob(text: str) -> dict[str, Any]:
+    """`--knob NAME=VALUE` as the training field takes it (`label_smoothing=0.1` -> {"label_smoothing": 0.1})."""
+    name, _, value = text.partition("=")
+    if name not in TrainingConfig.model_fields or not value:
+        raise argparse.ArgumentTypeError(f"--knob {text!r}: give NAME=VALUE with NAME a training field, such as "
+                                         "label_smoothing=0.1 or mixup_alpha=0.2.")
+    return {name: getattr(TrainingConfig.model_validate({name: value}), name)}
+
+
+def compare_knobs(args: argparse.Namespace, work: Path, model: ModelConfig) -> None:
+    """The defaults against each of `args.knob`, fine-tuned, paired per seed: each seed's best val acc
+    and the mean paired difference with its standard error."""
+    arms = {"defaults": {}} | {",".join(f"{k}={v}" for k, v in changed.items()): changed for changed in args.knob}
+    best: dict[tuple[str, int], float] = {}
+    for seed in range(args.seeds):
+        for number, (name, changed) in enumerate(arms.items()):
+            job = job_for(work / "images", work / f"knob-{number}-{seed}", seed, model, args.epochs, changed)
+            result = train(job, args.world_size)
+            best[name, seed] = round(max(h["val_acc"] for h in result.history), 4)
+            print(json.dumps({"arm": name, "seed": seed, "best_val_acc": best[name, seed],
+                              "recipe_as_run": asdict(result.recipe)}), flush=True)
+    for name in list(arms)[1:]:
+        print(f"\n| seed | defaults best val acc | {name} best val acc | difference (points) |")
+        print("|---|---|---|---|")
+        for seed in range(args.seeds):
+            print(f"| {seed} | {best['defaults', seed]} | {best[name, seed]} | "
+                  f"{100 * (best[name, seed] - best['defaults', seed]):+.2f} |")
+        differences = [best[name, seed] - best["defaults", seed] for seed in range(args.seeds)]
+        print(f"| mean of {args.seeds} | | | {name} - defaults: {paired_summary(differences)} |")
+
+
+def compare_recipes(args: argparse.Namespace, work: Path, weights: str | None) -> None:
+    """The old recipe against the new, fine-tuned and frozen, paired per seed."""
     rows = []
     for frozen in (False, True):
         for seed in range(args.seeds):
             for old in (True, False):
                 job = job_for(work / "images", work / f"run-{frozen}-{seed}-{old}", seed,
                               ModelConfig(backbone="resnet18", weights=weights, freeze_backbone=frozen),
-                              args.epochs, old)
+                              args.epochs, OLD_RECIPE if old else {})
                 result = train(job, args.world_size, old_recipe if old else None)
                 best = max(h["val_acc"] for h in result.history)
                 rows.append({"backbone": "frozen" if frozen else "fine-tuned", "seed": seed,

@@ -24,6 +24,10 @@ from prefect_ddp.tasks.backbone_names import known_backbone
 REGROUP_EVERY_STEPS = 50
 # The most DataLoader processes a rank may be given (training.num_workers).
 MAX_NUM_WORKERS = 64
+# TrainingConfig's fine-tuning knobs (docs/models.md, "Fine-tuning knobs"): each default trains as the recipe
+# did before they existed.
+FINE_TUNING_KNOBS = ("label_smoothing", "mixup_alpha", "cutmix_alpha", "trivial_augment", "random_erasing",
+                     "clip_grad_norm", "drop_path", "layer_decay", "ema_decay")
 
 
 class _Strict(BaseModel):
@@ -171,6 +175,50 @@ class TrainingConfig(_Strict):
         default=False, description="Pool BatchNorm's batch statistics over all ranks (SyncBatchNorm; CUDA "
         "ranks only): for small per-rank batches. BatchNorm layers of a frozen backbone stay in eval mode.",
     )
+    # FINE_TUNING_KNOBS:
+    label_smoothing: float = Field(
+        default=0, ge=0, lt=1, description="Share of each training target spread evenly over all classes (0: "
+        "off). The training loss only: val_loss stays plain cross-entropy, comparable between runs.",
+    )
+    mixup_alpha: float = Field(
+        default=0, ge=0, le=10, description="MixUp on each training batch: each image blended with its batch "
+        "neighbour, its target alike, by a share drawn from Beta(alpha, alpha) (0: off; 0.2 is usual). With "
+        "cutmix_alpha too, each batch takes one of the two at random.",
+    )
+    cutmix_alpha: float = Field(
+        default=0, ge=0, le=10, description="CutMix on each training batch: a box of each image replaced by its "
+        "batch neighbour's, the target mixed by the box's area, drawn from Beta(alpha, alpha) (0: off; 1.0 is usual).",
+    )
+    trivial_augment: bool = Field(
+        default=False, description="TrivialAugmentWide after the random crop and flip: one photometric or "
+        "geometric change of random strength per training image.",
+    )
+    random_erasing: float = Field(
+        default=0, ge=0, le=1, description="Probability of erasing a random box of each normalised training "
+        "image (RandomErasing; 0: off; 0.1-0.25 is usual).",
+    )
+    clip_grad_norm: float | None = Field(
+        default=None, gt=0, le=1e6, description="Scale the gradients down to this total L2 norm before each "
+        "optimizer step (after unscaling them under float16's loss scaling). Empty: no clipping.",
+    )
+    drop_path: float | None = Field(
+        default=None, ge=0, lt=1,
+        description="Drop-path (stochastic depth) rate: each residual block of a training step is skipped with "
+        "up to this probability. timm's models and torchvision's ConvNeXt, EfficientNet, Swin and MaxViT take "
+        "it. Empty: the model's own (timm: 0; torchvision's builders: 0.1-0.5 by size).",
+    )
+    layer_decay: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Layer-wise learning-rate decay, for fine-tuning transformers: the head trains at lr, each "
+        "layer below it at layer_decay times the rate of the one above (timm's layer groups: timm/NAME models "
+        "only). Empty: one rate for every layer.",
+    )
+    ema_decay: float | None = Field(
+        default=None, gt=0, lt=1,
+        description="Keep an exponential moving average of the weights, moved 1 - ema_decay of the way to them "
+        "after every optimizer step (0.999: about the last thousand steps). Each epoch validates it beside the "
+        "model and keeps whichever did better (the record's `weights`). Empty: none.",
+    )
     scheduler: Literal["cosine", "plateau", "none"] = Field(
         default="cosine", description="cosine over the epochs, plateau on val loss, or none."
     )
@@ -241,24 +289,6 @@ class TrainingConfig(_Strict):
         "came free, and grow onto it there, mid-epoch, instead of leaving it idle until the epoch ends. "
         "0: at epochs' ends only. Each ask is one tiny broadcast between the ranks.",
     )
-    drop_path: float | None = Field(
-        default=None, ge=0, lt=1,
-        description="Drop-path (stochastic depth) rate: each residual block of a training step is skipped with "
-        "up to this probability. timm's models and torchvision's ConvNeXt, EfficientNet, Swin and MaxViT take "
-        "it. Empty: the model's own (timm: 0; torchvision's builders: 0.1-0.5 by size).",
-    )
-    layer_decay: float | None = Field(
-        default=None, gt=0, le=1,
-        description="Layer-wise learning-rate decay, for fine-tuning transformers: the head trains at lr, each "
-        "layer below it at layer_decay times the rate of the one above (timm's layer groups: timm/NAME models "
-        "only). Empty: one rate for every layer.",
-    )
-    ema_decay: float | None = Field(
-        default=None, gt=0, lt=1,
-        description="Keep an exponential moving average of the weights, moved 1 - ema_decay of the way to them "
-        "after every optimizer step (0.999: about the last thousand steps). Each epoch validates it beside the "
-        "model and keeps whichever did better (the record's `weights`). Empty: none.",
-    )
     fetch_timeout_s: float = Field(
         default=60, ge=1, le=3600,
         description="Limit in seconds for fetching one batch of images, retries included. A "
@@ -270,6 +300,15 @@ class TrainingConfig(_Strict):
     def fetches_in_flight(self) -> int:
         """fetch_threads, or the batch size when it is empty."""
         return self.fetch_threads or self.batch_size
+
+    def knobs_set(self) -> dict[str, float | bool]:
+        """The fine-tuning knobs set away from their defaults, for the report's recipe.
+
+        >>> TrainingConfig(label_smoothing=0.1, clip_grad_norm=1.0).knobs_set()
+        {'label_smoothing': 0.1, 'clip_grad_norm': 1.0}
+        """
+        return {name: getattr(self, name) for name in FINE_TUNING_KNOBS
+                if getattr(self, name) != TrainingConfig.model_fields[name].default}
 
     @model_validator(mode="after")
     def _shards_no_smaller_than_the_crop(self) -> TrainingConfig:

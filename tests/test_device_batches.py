@@ -106,8 +106,13 @@ def encoded(images: list[bytes]) -> tuple[EncodedBatch, torch.Tensor]:
 PHOTO_SIZES = [(64, 48), (48, 64), (40, 40), (96, 30), (31, 57), (70, 52), (52, 70), (45, 45)]
 
 
+def train_transform_with_knobs(side: int) -> v2.Compose:
+    """The train transform with the image knobs on (random_erasing often enough to erase some of 8 images)."""
+    return train_transform(side, trivial_augment=True, random_erasing=0.5)
+
+
 @pytest.mark.unit
-@pytest.mark.parametrize("make_transform", [train_transform, eval_transform])
+@pytest.mark.parametrize("make_transform", [train_transform, eval_transform, train_transform_with_knobs])
 def test_a_batch_makes_the_tensors_the_transform_makes_image_by_image(make_transform):
     transform = make_transform(24)
     photos = [photo_bytes(w, h, seed, orientation=1 + seed % 8) for seed, (w, h) in enumerate(PHOTO_SIZES)]
@@ -117,8 +122,8 @@ def test_a_batch_makes_the_tensors_the_transform_makes_image_by_image(make_trans
     torch.manual_seed(7)
     batch, batch_labels = ToDevice(torch.device("cpu"), channels_last=True, transform=transform)(images, labels)
     # Exactly equal, no tolerance: the same decoded tensors, the same draws of torch's CPU generator in
-    # the same order (crop, then flip, image by image), the same uint8 resize kernel on the CPU, and
-    # the same elementwise conversion and normalisation, once on the batch instead of per image.
+    # the same order (crop, then flip, then the knobs' steps, image by image), the same uint8 kernels on
+    # the CPU, and the same elementwise conversion and normalisation, once on the batch instead of per image.
     assert torch.equal(batch, expected) and torch.equal(batch_labels, labels)
     assert batch.is_contiguous(memory_format=torch.channels_last)
     torch.manual_seed(8)  # another seed draws other crops: the batch follows torch's generator

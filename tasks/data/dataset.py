@@ -31,7 +31,7 @@ import torch
 from fsspec import AbstractFileSystem
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.transforms import v2
+from torchvision.transforms import InterpolationMode, v2
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
@@ -170,17 +170,33 @@ def needed_side(transform: Callable[..., Any] | None) -> int | None:
     return transform.decode_side if isinstance(transform, SizedTransform) else None
 
 
-def train_transform(image_size: int, preprocessing: Preprocessing = Preprocessing()) -> SizedTransform:
+def train_transform(image_size: int, preprocessing: Preprocessing = Preprocessing(), trivial_augment: bool = False,
+                    random_erasing: float = 0.0) -> SizedTransform:
     """A random crop of `image_size` of a random share of the image, flipped at random, scaled
-    with the weights' interpolation and normalised with their statistics (`preprocessing`)."""
+    with the weights' interpolation and normalised with their statistics (`preprocessing`).
+
+    The fine-tuning knobs (docs/models.md, "Fine-tuning knobs") add steps where torchvision's
+    reference recipe has them: `trivial_augment`, TrivialAugmentWide on the uint8 crop after the
+    flip; `random_erasing`, RandomErasing with this probability on the normalised image. Off, they
+    add no step: the transform is the one before they existed. TrivialAugmentWide turns, shears
+    and shifts bilinearly, whatever the weights' interpolation: torchvision's kernels for those
+    take nearest or bilinear on a tensor and raise for bicubic (the weights' other choice).
+    """
     return SizedTransform([
         v2.PILToTensor(),
         v2.RandomResizedCrop(image_size, scale=CROP_SCALE, ratio=CROP_RATIO, interpolation=preprocessing.mode,
                              antialias=True),
         v2.RandomHorizontalFlip(),
+        *([v2.TrivialAugmentWide(interpolation=InterpolationMode.BILINEAR)] if trivial_augment else []),
         v2.ToDtype(torch.float32, scale=True),
         v2.Normalize(preprocessing.mean, preprocessing.std),
+        *([v2.RandomErasing(p=random_erasing)] if random_erasing else []),
     ], decode_side(image_size))
+
+
+def train_transform_for(cfg: TrainingConfig, preprocessing: Preprocessing) -> SizedTransform:
+    """`train_transform` as the run's recipe (`cfg`) asks for it: its crop side and image knobs."""
+    return train_transform(cfg.image_size, preprocessing, cfg.trivial_augment, cfg.random_erasing)
 
 
 def decode_side(image_size: int) -> int:

@@ -147,11 +147,16 @@ def decode_other(device: torch.device, data: torch.Tensor) -> torch.Tensor | Non
 
 # The steps of a loader's transform (prefect_ddp.tasks.data.dataset) by where the device path runs
 # them, in the order they must come: per image (sizing it), per image drawn and applied to the
-# batch (the flip), on the stacked batch. PILToTensor is left out: the decode made the tensor.
+# batch (the flip), per image after the flip (TrivialAugmentWide: the image is flipped first),
+# on the stacked batch, and per image drawn with the sizing but applied to the finished batch
+# (RandomErasing: torchvision's erases one box in every image of a batch given it whole).
+# PILToTensor is left out: the decode made the tensor.
 SIZING_STEPS = (v2.RandomResizedCrop, v2.Resize, v2.CenterCrop)
 FLIP_STEPS = (v2.RandomHorizontalFlip,)
+AUGMENT_STEPS = (v2.TrivialAugmentWide,)
 BATCH_STEPS = (v2.ToDtype, v2.Normalize)
-STEP_GROUPS = (SIZING_STEPS, FLIP_STEPS, BATCH_STEPS)
+ERASING_STEPS = (v2.RandomErasing,)
+STEP_GROUPS = (SIZING_STEPS, FLIP_STEPS, AUGMENT_STEPS, BATCH_STEPS, ERASING_STEPS)
 
 
 def step_group(step: Callable[..., Any]) -> int:
@@ -166,10 +171,21 @@ def step_group(step: Callable[..., Any]) -> int:
 
 
 class Sized(NamedTuple):
-    """An image sized for its batch (uint8 CHW on the device) and whether the batch flips it."""
+    """An image sized for its batch (uint8 CHW on the device), whether the batch flips it, and
+    the box each erasing step erases in it (None: that step leaves it whole)."""
 
     image: torch.Tensor
     flipped: bool
+    erasures: tuple[dict[str, Any] | None, ...] = ()
+
+
+def erasure(step: v2.RandomErasing, image: torch.Tensor) -> dict[str, Any] | None:
+    """`step`'s draws for `image`, in RandomErasing's own order (whether, then where): the box to
+    erase, or None. Only the image's shape counts, so the uint8 image draws what the finished one would."""
+    if torch.rand(1) >= step.p:
+        return None
+    params: dict[str, Any] = step.make_params([image])
+    return params
 
 
 class BatchTransform:
@@ -180,7 +196,10 @@ class BatchTransform:
     as the transform does (`make_params`, from torch's CPU generator), and the flip is drawn
     after them, per image, as the transform draws it: a seed gives the same crops and flips.
     The flips are then applied to the stacked batch at once, and so are the dtype conversion
-    and normalisation. Nothing reads a value back from the device.
+    and normalisation. Nothing reads a value back from the device. The fine-tuning knobs'
+    steps (training.trivial_augment, random_erasing) run per image: TrivialAugmentWide on the
+    flipped image, RandomErasing's box drawn with the image's other draws and erased from the
+    finished batch, so a seed still gives the tensors the transform gives image by image.
 
     >>> from prefect_ddp.tasks.data.dataset import eval_transform
     >>> batch = BatchTransform(eval_transform(8))
@@ -199,27 +218,38 @@ class BatchTransform:
                             "Order them so (as train_transform does), or decode in the loader (decode_on='loader').")
         self.sizing = [step for step, group in zip(steps, groups) if group == 0]
         self.flips = [step for step, group in zip(steps, groups) if group == 1]
-        self.batch_steps = [step for step, group in zip(steps, groups) if group == 2]
+        self.augments = [step for step, group in zip(steps, groups) if group == 2]
+        self.batch_steps = [step for step, group in zip(steps, groups) if group == 3]
+        self.erasing = [step for step, group in zip(steps, groups) if group == 4]
 
     def sized(self, image: torch.Tensor) -> Sized:
-        """`image` (uint8 CHW) cropped and resized by the transform's steps, with its flip drawn."""
+        """`image` (uint8 CHW) cropped and resized by the transform's steps, with its flip drawn
+        (applied here where per-image steps follow it) and its erasures."""
         for step in self.sizing:
             image = step.transform(image, step.make_params([image]))
         flipped = False
         for flip in self.flips:  # RandomHorizontalFlip's own draw: flipped when below p
             flipped ^= bool(torch.rand(1) < flip.p)
-        return Sized(image, flipped)
+        if self.augments:  # they see the image flipped, as the transform's do
+            image, flipped = image.flip(-1) if flipped else image, False
+            for step in self.augments:
+                image = step(image)
+        return Sized(image, flipped, tuple(erasure(step, image) for step in self.erasing))
 
     def finished(self, images: Sequence[Sized], memory_format: torch.memory_format) -> torch.Tensor:
         """`images` stacked in `memory_format`, the flips applied, then the transform's batch steps."""
         # Laid out on the uint8 stack, a quarter of the float batch's size; the steps keep the layout.
-        batch = torch.stack([image for image, _ in images]).contiguous(memory_format=memory_format)
-        flipped = [flipped for _, flipped in images]
+        batch = torch.stack([image.image for image in images]).contiguous(memory_format=memory_format)
+        flipped = [image.flipped for image in images]
         if any(flipped):  # the choices are on the host: the mask is copied over, never read back
             mask = torch.tensor(flipped).to(batch.device, non_blocking=True).view(-1, 1, 1, 1)
             batch = torch.where(mask, batch.flip(-1), batch)
         for step in self.batch_steps:
             batch = step(batch)
+        for index, image in enumerate(images):
+            for step, box in zip(self.erasing, image.erasures):
+                if box is not None:
+                    batch[index] = step.transform(batch[index], box)
         return batch.contiguous(memory_format=memory_format)
 
 

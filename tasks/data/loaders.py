@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
-from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform_for
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.device_batches import encoded_collate
 from prefect_ddp.tasks.data.epoch_ahead import EpochAhead
@@ -99,7 +99,7 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
     # decode_on="device": the loaders hand over encoded images (no transform); the rank
     # decodes and transforms them (the recipe's batch_inputs).
     on_device = cfg.decode_on == "device"
-    train_tf = None if on_device else train_transform(cfg.image_size, preprocessing)
+    train_tf = None if on_device else train_transform_for(cfg, preprocessing)
     val_tf = None if on_device else eval_transform(cfg.image_size, preprocessing)
     collate: dict[str, Any] = {"collate_fn": encoded_collate} if on_device else {}
     val_set = dataset(split.val, val_tf)

@@ -137,11 +137,16 @@ def time_markdown(timing: EpochTiming | None, epoch: int) -> str:
 
 
 def recipe_text(recipe: EffectiveRecipe | None) -> str:
-    """The recipe as it ran, with what its empty fields were left to; empty for a run recorded before.
+    """The recipe as it ran, with what its empty fields were left to and the fine-tuning knobs
+    set; empty for a run recorded before.
 
     >>> recipe_text(EffectiveRecipe(lr=0.04, lr_scaled_by=4, warmup_epochs=1, weight_decay=0.0001,
     ...                             frozen_batchnorm=0, sync_batchnorm=False))
     'Recipe as run: lr 0.04 per step (4x the per-rank lr: the world size), warmed up over 1 epoch(s); weight decay 0.0001 on weights, none on norm and bias parameters; BatchNorm per rank.'
+    >>> recipe_text(EffectiveRecipe(lr=0.01, lr_scaled_by=1, warmup_epochs=0, weight_decay=0.0,
+    ...                             frozen_batchnorm=0, sync_batchnorm=False,
+    ...                             knobs={"label_smoothing": 0.1, "trivial_augment": True}))
+    'Recipe as run: lr 0.01 per step, no warmup; weight decay 0 on weights, none on norm and bias parameters; BatchNorm per rank; label_smoothing 0.1; trivial_augment.'
     """
     if not recipe:
         return ""
@@ -149,8 +154,10 @@ def recipe_text(recipe: EffectiveRecipe | None) -> str:
     warmup = f", warmed up over {recipe.warmup_epochs} epoch(s)" if recipe.warmup_epochs else ", no warmup"
     norms = ("BatchNorm synchronised across ranks" if recipe.sync_batchnorm else "BatchNorm per rank") + (
         f", {recipe.frozen_batchnorm} frozen layer(s) in eval mode" if recipe.frozen_batchnorm else "")
+    knobs = "".join(f"; {name} {value:g}" if not isinstance(value, bool) else f"; {name}"
+                    for name, value in recipe.knobs.items())
     return (f"Recipe as run: lr {recipe.lr:g} per step{scaled}{warmup}; weight decay {recipe.weight_decay:g} "
-            f"on weights, none on norm and bias parameters; {norms}.")
+            f"on weights, none on norm and bias parameters; {norms}{knobs}.")
 
 
 def report_markdown(summary: TrainingSummary, manifest: Manifest, curves: str, outcome: str) -> str:

@@ -33,17 +33,19 @@ from prefect_ddp.tasks.training.run_stop import RunStop
 
 # The recipe fields that change what a resumed training would compute.
 RECIPE_FIELDS = {"batch_size", "image_size", "optimizer", "lr", "momentum", "weight_decay",
-                 "scale_lr_by_world_size", "warmup_epochs", "sync_batchnorm", "scheduler", "amp", "amp_dtype",
-                 "drop_path", "ema_decay", "layer_decay"}
+                 "scale_lr_by_world_size", "warmup_epochs", "sync_batchnorm", "scheduler", "amp", "amp_dtype"}
 
 
 def job_fingerprint(classes: list[str], split_digest: str, model: Any, training: Any) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed (epochs may grow; loader settings may change)."""
+    """What a checkpoint must match to be resumed (epochs may grow; loader settings may change).
+
+    The fine-tuning knobs count where set (`knobs_set`), so that a checkpoint written before they
+    existed still matches a job that leaves them at their defaults, as it trained."""
     return {
         "classes": list(classes),
         "split_digest": split_digest,
         "model": model.model_dump(include={"backbone", "freeze_backbone"}),
-        "recipe": training.model_dump(include=RECIPE_FIELDS),
+        "recipe": training.model_dump(include=RECIPE_FIELDS) | training.knobs_set(),
     }
 
 

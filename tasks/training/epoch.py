@@ -60,7 +60,8 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, boundary:
     train_one_epoch(ddp_model, rank.data.train, rank.state.optimizer, rank.state.scaler,
                     rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock,
                     warmup=rank.warmup, frozen=rank.frozen, sums=train,
-                    batches=rank.data.train_epochs.batches(epoch, start), average=rank.state.average)
+                    batches=rank.data.train_epochs.batches(epoch, start), knobs=rank.knobs,
+                    average=rank.state.average)
     trained_at = time.monotonic()
     if next_epoch is not None:  # its first batches load while this epoch validates (tasks/data/epoch_ahead.py)
         rank.data.train_epochs.start(next_epoch)

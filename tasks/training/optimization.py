@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ class EffectiveRecipe:
     weight_decay: float  # on weights of two or more dimensions; norm and bias parameters get none
     frozen_batchnorm: int  # BatchNorm layers kept in eval mode (their parameters do not train)
     sync_batchnorm: bool
+    knobs: dict[str, float | bool] = field(default_factory=dict)  # fine-tuning knobs set (TrainingConfig.knobs_set)
 
 
 def scales_lr(cfg: TrainingConfig) -> bool:

@@ -21,18 +21,24 @@ from torch.utils.data import DataLoader
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.training.optimization import Warmup, keep_frozen_in_eval
 from prefect_ddp.tasks.training.pass_sums import PassSums
+from prefect_ddp.tasks.training.step_knobs import StepKnobs
 from prefect_ddp.tasks.training.step_times import StepClock
 
 
-def readable_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def readable_loss(logits: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor | None = None,
+                  label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy summed over the batch's readable images, and how many there are.
 
     Stand-ins for unreadable images (negative labels, tasks/data/dataset.py) add nothing. They are
     masked, not cut out of the batch: no device sync, and a batch with none readable keeps
     its graph, so its zero loss still runs backward, and DDP's gradient all-reduce with it.
+    `targets`: soft targets (class probabilities, MixUp's and CutMix's) to take instead of the
+    labels; `label_smoothing` as `cross_entropy` takes it (training's only: validation's loss stays
+    plain cross-entropy, so that val_loss compares between runs with other knobs).
     """
     readable = labels >= 0
-    losses = nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+    losses = nn.functional.cross_entropy(logits, labels.clamp(min=0) if targets is None else targets,
+                                         reduction="none", label_smoothing=label_smoothing)
     return torch.where(readable, losses, 0).sum(), readable.sum()
 
 
@@ -41,7 +47,7 @@ def train_one_epoch(
     scaler: torch.amp.GradScaler, inputs: ToDevice, amp_dtype: torch.dtype | None,
     on_step: Callable[[int, int], None] | None = None, clock: StepClock | None = None,
     warmup: Warmup | None = None, frozen: Sequence[nn.Module] = (), sums: PassSums | None = None,
-    batches: Iterable[Any] | None = None, average: AveragedModel | None = None,
+    batches: Iterable[Any] | None = None, knobs: StepKnobs = StepKnobs(), average: AveragedModel | None = None,
 ) -> PassSums:
     """One pass over this rank's shard; returns the rank's local sums.
 
@@ -54,8 +60,10 @@ def train_one_epoch(
     `frozen` stay in eval mode (tasks/training/optimization.py). `sums`: where to
     add the pass's sums (a new PassSums by default), for a caller that reads them mid-pass.
     `batches`: the loader's batches for this pass where the caller began them (an epoch started
-    ahead, tasks/data/epoch_ahead.py); the loader's own otherwise. `average`: the weights' moving
-    average, moved after every step (tasks/training/weights_average.py).
+    ahead, tasks/data/epoch_ahead.py); the loader's own otherwise. `knobs`: mixed batches, label
+    smoothing and gradient clipping (tasks/training/step_knobs.py); train accuracy counts the
+    logits' argmax against each image's own label, mixed batches' too. `average`: the weights'
+    moving average, moved after every step (tasks/training/weights_average.py).
     The loss is the mean over the batch's readable images; a batch with none still steps,
     with a zero loss: which batches hold readable images differs between ranks, and a rank
     that skipped its step would leave the others waiting in DDP's all-reduce.
@@ -67,14 +75,16 @@ def train_one_epoch(
     clock.start()
     for step, (images, labels) in enumerate(loader if batches is None else batches, start=1):
         images, labels = inputs(images, labels)
+        images, targets = knobs.mixed(images, labels)
         clock.mark("data")
         with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
-            loss_sum, readable = readable_loss(logits, labels)
+            loss_sum, readable = readable_loss(logits, labels, targets, knobs.label_smoothing)
         clock.mark("forward")
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss_sum / readable.clamp(min=1)).backward()
         clock.after_backward()
+        knobs.clip(model.parameters(), optimizer, scaler)
         if warmup:
             warmup.before_step(optimizer)
         scaler.step(optimizer)

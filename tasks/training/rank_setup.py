@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from prefect_ddp.tasks.config import TrainingConfig
-from prefect_ddp.tasks.data.dataset import eval_transform, train_transform
+from prefect_ddp.tasks.data.dataset import eval_transform, train_transform_for
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.data.loaders import RankData, rank_data
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
@@ -36,6 +36,7 @@ from prefect_ddp.tasks.training.optimization import (
     sync_batchnorm,
     warmup_epochs,
 )
+from prefect_ddp.tasks.training.step_knobs import StepKnobs
 from prefect_ddp.tasks.training.step_times import StepClock, input_advice
 from prefect_ddp.tasks.training.weights_average import weights_average
 
@@ -55,7 +56,7 @@ def batch_inputs(cfg: TrainingConfig, preprocessing: Preprocessing, device: torc
     """How train and val batches reach the device: copied as decoded, or decoded and transformed there."""
     channels_last = cfg.channels_last and device.type == "cuda"
     on_device = cfg.decode_on == "device"
-    return (ToDevice(device, channels_last, train_transform(cfg.image_size, preprocessing) if on_device else None),
+    return (ToDevice(device, channels_last, train_transform_for(cfg, preprocessing) if on_device else None),
             ToDevice(device, channels_last, eval_transform(cfg.image_size, preprocessing) if on_device else None))
 
 
@@ -75,6 +76,7 @@ class RankSetup:
     warmup: Warmup
     frozen: list[nn.Module]  # BatchNorm layers kept in eval mode
     recipe: EffectiveRecipe
+    knobs: StepKnobs  # what a training step does beyond plain cross-entropy
 
     @property
     def device(self) -> torch.device:
@@ -114,10 +116,11 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     recipe = EffectiveRecipe(
         lr=max(group["lr"] for group in optimizer.param_groups), lr_scaled_by=scaled_by,
         warmup_epochs=warm_epochs, weight_decay=job.training.weight_decay, frozen_batchnorm=len(frozen),
-        sync_batchnorm=synced)
+        sync_batchnorm=synced, knobs=job.training.knobs_set())
     return RankSetup(state, data, train_inputs, val_inputs, amp_dtype, StepClock(device), advice,
                      decode_probe(ctx, job, data, log),
-                     job.training.batch_size, warmup, frozen, recipe)
+                     job.training.batch_size, warmup, frozen, recipe,
+                     StepKnobs.of(job.training, len(job.manifest.classes)))
 
 
 def decode_probe(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> DecodeProbe | None:
@@ -137,4 +140,4 @@ def decode_probe(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> D
             return []
         return [image for image in images if image]
 
-    return DecodeProbe(fetch, cfg.image_size, train_transform(cfg.image_size, job.preprocessing))
+    return DecodeProbe(fetch, cfg.image_size, train_transform_for(cfg, job.preprocessing))
