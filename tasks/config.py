@@ -27,7 +27,7 @@ MAX_NUM_WORKERS = 64
 # TrainingConfig's fine-tuning knobs (docs/models.md, "Fine-tuning knobs"): each default trains as the recipe
 # did before they existed.
 FINE_TUNING_KNOBS = ("label_smoothing", "mixup_alpha", "cutmix_alpha", "trivial_augment", "random_erasing",
-                     "clip_grad_norm", "drop_path", "layer_decay", "ema_decay")
+                     "clip_grad_norm", "accumulate_steps", "drop_path", "layer_decay", "ema_decay")
 
 
 class _Strict(BaseModel):
@@ -200,6 +200,12 @@ class TrainingConfig(_Strict):
     clip_grad_norm: float | None = Field(
         default=None, gt=0, le=1e6, description="Scale the gradients down to this total L2 norm before each "
         "optimizer step (after unscaling them under float16's loss scaling). Empty: no clipping.",
+    )
+    accumulate_steps: int = Field(
+        default=1, ge=1, le=1024,
+        description="Batches whose gradients add up to one optimizer step: each rank's batch_size images times "
+        "this make a step's batch per rank, for a batch larger than the GPU holds. The gradients are all-reduced "
+        "once per step. 1: a step per batch.",
     )
     drop_path: float | None = Field(
         default=None, ge=0, lt=1,

@@ -28,14 +28,15 @@ from prefect_ddp.tasks.gang import free_port
 from prefect_ddp.tasks.sweeps.search_space import Dimension
 from prefect_ddp.tasks.training.checkpoints import RECIPE_FIELDS, job_fingerprint
 from prefect_ddp.tasks.training.job import TrainJob
+from prefect_ddp.tasks.training.optimization import Warmup
 from prefect_ddp.tasks.training.passes import readable_loss
 from prefect_ddp.tasks.training.step_knobs import BatchMixing, StepKnobs
 from tests.support.image_folders import local_image_folder
 from tests.support.rank_processes import start_ranks
-from tests.support.two_ranks import train_as_rank
+from tests.support.two_ranks import accumulate_as_rank, accumulation_data, accumulation_model, train_as_rank
 
 ALL_KNOBS = {"label_smoothing": 0.1, "mixup_alpha": 0.2, "cutmix_alpha": 1.0, "trivial_augment": True,
-             "random_erasing": 0.25, "clip_grad_norm": 1.0}
+             "random_erasing": 0.25, "clip_grad_norm": 1.0, "accumulate_steps": 2, "ema_decay": 0.9}
 
 
 def batch_with_stand_ins() -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,9 +175,37 @@ def test_every_knob_at_once_trains_two_gloo_ranks(tmp_path):
     job = TrainJob(source=DataLocation(url=str(tmp_path / "images")), output=DataLocation(url=str(tmp_path / "run")),
                    manifest=manifest, split=stratified_split(manifest, 0.25, 0),
                    model=ModelConfig(backbone="mobilenet_v3_small"),
-                   training=TrainingConfig(epochs=1, batch_size=4, image_size=32, num_workers=0, optimizer="adamw",
+                   training=TrainingConfig(epochs=1, batch_size=2, image_size=32, num_workers=0, optimizer="adamw",
                                            lr=1e-3, **ALL_KNOBS))
     start_ranks(train_as_rank, (free_port(), {"knobs": job}, tmp_path, ("history",)), 2)
     (epoch,) = json.loads((tmp_path / "rank0.json").read_text())["knobs"]["history"]
     assert epoch["train_samples"] == 8
     assert math.isfinite(epoch["train_loss"]) and math.isfinite(epoch["val_loss"])
+
+
+@pytest.mark.unit
+def test_warmup_counts_every_batch_an_accumulated_step_took():
+    plain, accumulated = (torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0) for _ in range(2))
+    one_by_one, two_by_two = Warmup(steps=4), Warmup(steps=4)
+    rates = []
+    for batch in range(4):
+        one_by_one.before_step(plain)
+        if batch % 2:
+            two_by_two.before_step(accumulated, batches=2)
+            rates.append((plain.param_groups[0]["lr"], accumulated.param_groups[0]["lr"]))
+    assert rates == [(0.5, 0.5), (1.0, 1.0)] and two_by_two.done == one_by_one.done == 4
+
+
+def test_two_accumulated_batches_on_two_gloo_ranks_take_the_step_of_one_batch_of_all_eight_images(tmp_path):
+    """What accumulate_steps decides: the step equals the one over the whole batch; DDP all-reduces the
+    group's gradients once, at its last batch, and boundaries see optimizer steps only."""
+    start_ranks(accumulate_as_rank, (free_port(), tmp_path), 2)
+    ranks = [torch.load(tmp_path / f"accumulated{rank}.pt", weights_only=True) for rank in range(2)]
+    model = accumulation_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    images, labels = (torch.cat(parts) for parts in zip(*(accumulation_data(rank) for rank in range(2))))
+    nn.functional.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+    for rank in ranks:
+        assert rank["steps"] == [2]  # one optimizer step, after the pass's 2 batches
+        assert all(torch.allclose(rank["state"][name], expected, atol=1e-6) for name, expected in model.state_dict().items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -40,6 +41,7 @@ class GrowChecks(BoundaryPart):
         if not ctx.elastic:
             return None
         every = cfg.regroup_every_steps if isinstance(leaving.sampler, PositionedSampler) else 0
+        every = math.ceil(every / cfg.accumulate_steps) * cfg.accumulate_steps  # at an optimizer step, in batches
         return cls(ctx, leaving, progress, writer, every)
 
     def after_step(self, step: StepEnd) -> None:

@@ -114,10 +114,11 @@ def step_scheduler(scheduler, val_loss: float) -> None:
 
 
 class Warmup:
-    """Linear warmup over the first `steps` optimizer steps of the run: the rate rises in equal
-    steps from `start` of the epoch's rate (1/world size when the rate was scaled up by it: the
-    unscaled rate) to all of it at the last warmup step; step n (from 0) takes
-    start + (1 - start) * (n + 1) / steps of it.
+    """Linear warmup over the first `steps` batches of the run: the rate rises in equal steps from
+    `start` of the epoch's rate (1/world size when the rate was scaled up by it: the unscaled rate)
+    to all of it at the last warmup batch; the optimizer step after batch n (from 0) takes
+    start + (1 - start) * (n + 1) / steps of it. An optimizer step over several batches
+    (training.accumulate_steps) counts them all.
 
     The epoch-level schedule sets each epoch's rate; warmup scales it step by step and puts
     it back at the epoch's end (`end_epoch`, before the schedule steps), so the schedule and
@@ -131,13 +132,15 @@ class Warmup:
         self.done = done
         self._epoch_lrs: list[float] | None = None
 
-    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer, batches: int = 1) -> None:
+        """Before the optimizer step over the next `batches` batches: their share of the rate."""
         if self.done < self.steps:
             if self._epoch_lrs is None:
                 self._epoch_lrs = [group["lr"] for group in optimizer.param_groups]
+            reached = min(self.done + batches, self.steps) / self.steps
             for group, lr in zip(optimizer.param_groups, self._epoch_lrs):
-                group["lr"] = lr * (self.start + (1 - self.start) * (self.done + 1) / self.steps)
-        self.done += 1
+                group["lr"] = lr * (self.start + (1 - self.start) * reached)
+        self.done += batches
 
     def end_epoch(self, optimizer: torch.optim.Optimizer) -> None:
         if self._epoch_lrs is not None:

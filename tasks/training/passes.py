@@ -11,6 +11,7 @@ is no process group and the wrappers do nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.utils.data import DataLoader
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.training.optimization import Warmup, keep_frozen_in_eval
 from prefect_ddp.tasks.training.pass_sums import PassSums
-from prefect_ddp.tasks.training.step_knobs import StepKnobs
+from prefect_ddp.tasks.training.step_knobs import Accumulation, StepKnobs
 from prefect_ddp.tasks.training.step_times import StepClock
 
 
@@ -53,7 +54,8 @@ def train_one_epoch(
 
     `inputs` puts each batch of images on the rank's device (decoding it there when the
     loader hands over encoded images); `amp_dtype` None trains in full precision.
-    `on_step(done, total)` is called after every optimizer step, for progress reports.
+    `on_step(done, total)` is called after every optimizer step (`done`: the batches so far), for
+    progress reports, positions and boundaries.
     `clock` is cut at each part of the step (tasks/training/step_times.py); the
     final mark counts the wait that ends the pass, so its parts add up to the pass.
     `warmup` scales each step's learning rate while it lasts; the BatchNorm layers in
@@ -77,23 +79,29 @@ def train_one_epoch(
         images, labels = inputs(images, labels)
         images, targets = knobs.mixed(images, labels)
         clock.mark("data")
-        with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(images)
-            loss_sum, readable = readable_loss(logits, labels, targets, knobs.label_smoothing)
-        clock.mark("forward")
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss_sum / readable.clamp(min=1)).backward()
+        group = Accumulation.of(step, len(loader), knobs.accumulate_steps)
+        # DDP all-reduces the gradients in the backward of a group's last batch only (its `no_sync` before).
+        with nullcontext() if group.last or not hasattr(model, "no_sync") else model.no_sync():
+            with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                logits = model(images)
+                loss_sum, readable = readable_loss(logits, labels, targets, knobs.label_smoothing)
+            clock.mark("forward")
+            if group.first:
+                optimizer.zero_grad(set_to_none=True)
+            loss = loss_sum / readable.clamp(min=1)
+            scaler.scale(loss / group.size if group.size > 1 else loss).backward()
         clock.after_backward()
-        knobs.clip(model.parameters(), optimizer, scaler)
-        if warmup:
-            warmup.before_step(optimizer)
-        scaler.step(optimizer)
-        scaler.update()
-        if average is not None:
-            average.update_parameters(getattr(model, "module", model))  # DDP's wrapped model, or the model
-        clock.mark("optimizer")
+        if group.last:
+            knobs.clip(model.parameters(), optimizer, scaler)
+            if warmup:
+                warmup.before_step(optimizer, group.size)
+            scaler.step(optimizer)
+            scaler.update()
+            if average is not None:
+                average.update_parameters(getattr(model, "module", model))  # DDP's wrapped model, or the model
+            clock.mark("optimizer")
         sums.add(loader, logits, labels, loss_sum, readable)
-        if on_step:
+        if on_step and group.last:  # positions and boundaries fall between optimizer steps only
             on_step(step, len(loader))
         clock.mark("other")
     clock.mark("data")  # the wait for the loader to say the pass is over

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torchvision.transforms import v2
@@ -62,6 +64,29 @@ class BatchMixing:
                 torch.where(unmixed.view(-1, 1), own, targets))
 
 
+class Accumulation(NamedTuple):
+    """Where a batch stands in the optimizer step it adds its gradients to (training.accumulate_steps).
+
+    The pass's batches go in groups of `accumulate_steps` from its first, the last group holding what
+    is left; the step is taken after a group's last batch. Each batch's loss counts 1/size of the
+    step's, so a step's gradient is the mean over its batches' (each one's mean over its images).
+
+    >>> [Accumulation.of(step, total=5, every=2) for step in (1, 2, 5)]
+    [Accumulation(first=True, last=False, size=2), Accumulation(first=False, last=True, size=2), Accumulation(first=True, last=True, size=1)]
+    """
+
+    first: bool  # the group's first batch: the gradients start from zero
+    last: bool  # its last: the optimizer steps after it, and DDP all-reduces its gradients
+    size: int  # batches in the group
+
+    @classmethod
+    def of(cls, step: int, total: int, every: int) -> Accumulation:
+        """Batch `step` (from 1) of a pass of `total` batches, stepping after every `every`."""
+        start = (step - 1) // every * every + 1
+        size = min(every, total - start + 1)
+        return cls(first=step == start, last=step == start + size - 1, size=size)
+
+
 @dataclass(frozen=True)
 class StepKnobs:
     """What a training step does beyond plain cross-entropy on its batch; the defaults do nothing more."""
@@ -69,13 +94,15 @@ class StepKnobs:
     mixing: BatchMixing | None = None  # MixUp / CutMix: soft targets
     label_smoothing: float = 0.0  # in the training loss only
     clip_grad_norm: float | None = None  # the most total L2 norm the gradients keep
+    accumulate_steps: int = 1  # batches per optimizer step
 
     @classmethod
     def of(cls, cfg: TrainingConfig, num_classes: int) -> StepKnobs:
         """The knobs `cfg` sets, for a model of `num_classes` outputs."""
         mixes = cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0
         return cls(mixing=BatchMixing(num_classes, cfg.mixup_alpha, cfg.cutmix_alpha) if mixes else None,
-                   label_smoothing=cfg.label_smoothing, clip_grad_norm=cfg.clip_grad_norm)
+                   label_smoothing=cfg.label_smoothing, clip_grad_norm=cfg.clip_grad_norm,
+                   accumulate_steps=cfg.accumulate_steps)
 
     def mixed(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The batch as the step trains on it, and its soft targets (None: the labels are the targets)."""

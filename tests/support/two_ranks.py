@@ -191,3 +191,40 @@ def hand_over_as_rank(rank: int, port: int, carries: list[int], out: Path) -> No
         handed = handover.hand_over("gang-test")
     assert handed is not None
     (out / f"handed{rank}.json").write_text(json.dumps({"data": handed.data.decode(), "carries": handed.carries}))
+
+
+ACCUMULATION_SEED = 7
+
+
+def accumulation_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s 4 samples of a 4-feature, 3-class problem: the same on every call."""
+    generator = torch.Generator().manual_seed(ACCUMULATION_SEED + rank)
+    return torch.randn(4, 4, generator=generator), torch.randint(0, 3, (4,), generator=generator)
+
+
+def accumulation_model() -> torch.nn.Module:
+    torch.manual_seed(ACCUMULATION_SEED)
+    return torch.nn.Linear(4, 3)
+
+
+def accumulate_as_rank(rank: int, port: int, out: Path) -> None:
+    """Rank `rank` of 2 takes one optimizer step over its 4 samples in 2 batches of 2, accumulated
+    (training.accumulate_steps=2) under DDP; writes `out`/accumulated{rank}.pt: the weights after it."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from prefect_ddp.tasks.data.device_batches import ToDevice
+    from prefect_ddp.tasks.training.passes import train_one_epoch
+    from prefect_ddp.tasks.training.step_knobs import StepKnobs
+
+    torch.set_num_threads(1)
+    with process_group(backend="gloo", rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                       timeout=timedelta(seconds=60)):
+        model = accumulation_model()
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        steps: list[int] = []
+        train_one_epoch(ddp, DataLoader(TensorDataset(*accumulation_data(rank)), batch_size=2), optimizer,
+                        torch.amp.GradScaler("cpu", enabled=False), ToDevice(torch.device("cpu")), None,
+                        on_step=lambda done, total: steps.append(done), knobs=StepKnobs(accumulate_steps=2))
+        torch.save({"state": model.state_dict(), "steps": steps}, out / f"accumulated{rank}.pt")
