@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 
@@ -81,7 +82,7 @@ def train_one_epoch(
         clock.mark("data")
         group = Accumulation.of(step, len(loader), knobs.accumulate_steps)
         # DDP all-reduces the gradients in the backward of a group's last batch only (its `no_sync` before).
-        with nullcontext() if group.last or not hasattr(model, "no_sync") else model.no_sync():
+        with model.no_sync() if isinstance(model, DistributedDataParallel) and not group.last else nullcontext():
             with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits = model(images)
                 loss_sum, readable = readable_loss(logits, labels, targets, knobs.label_smoothing)
