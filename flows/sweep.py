@@ -100,19 +100,19 @@ def field_value(path: str, value: Any) -> Any:
     except ValidationError as error:
         raise ValueError(f"The search space offers {path}={value!r}, which transfer-learning refuses: "
                          f"{error.errors()[0]['msg'].removeprefix('Value error, ').rstrip('.')}. "
-                         "Take it out of the space's values.") from None
+                         "Take it out of the space (its values, or its range's low and high).") from None
 
 
 def check_space_values(space: dict[str, Dimension], model: ModelConfig, training: TrainingConfig) -> None:
-    """Refuse, before any trial starts, a grid or choice value its parameter refuses, and a backbone
-    of the space with weights, or a training value (tasks/training/backbone_checks.py: an image side, a
-    drop-path rate, layer-wise decay), of the space it cannot take: each would fail only the trials
-    that drew it."""
-    drawn = {path: [field_value(path, value) for value in dimension.values or []] for path, dimension in space.items()}
+    """Refuse, before any trial starts, a value its parameter refuses, and a backbone of the space with
+    weights, or a training value (tasks/training/backbone_checks.py: an image side, a drop-path rate,
+    layer-wise decay), of the space it cannot take: each would fail the trials that drew it. A range is
+    checked at its ends (a drop-path rate for a backbone without drop-path fails every draw)."""
+    drawn = {path: [field_value(path, value) for value in dimension.offered()] for path, dimension in space.items()}
 
     def offered(path: str, base: Any) -> list[Any]:
-        """The values of `path` a trial may draw, as its parameter takes them: the base configuration's
-        when the space leaves it out, none known before the draw when drawn from a range."""
+        """The values of `path` a trial may draw (a range's ends), as its parameter takes them: the base
+        configuration's when the space leaves it out."""
         return drawn[path] if path in space else [base]
 
     backbones = offered("model.backbone", model.backbone)

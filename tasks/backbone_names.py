@@ -73,10 +73,15 @@ def known_timm_backbone(backbone: str) -> str:
     timm, name = timm_module(), timm_name(backbone)
     architecture, tag = timm.models.split_model_name_tag(name)
     if not timm.is_model(architecture):
-        raise ValueError(f"model.backbone={backbone!r} is not a timm model; {closest(name, timm.list_models())}. "
-                         "Every name: timm.list_models().")
+        raise ValueError(f"model.backbone={backbone!r} is not a timm model; "
+                         f"{closest(backbone, timm_names(timm.list_models()))}. Every name: timm.list_models().")
     tags = timm.list_pretrained(f"{architecture}.*")
-    if tag and name not in tags:
-        raise ValueError(f"timm has no weights tagged {tag!r} for {architecture}; {closest(name, tags)}. Or give the "
-                         f"architecture alone (timm/{architecture}) for timm's default weights.")
+    if "." in name and name not in tags:  # an unknown tag, or none after the dot
+        raise ValueError(f"timm has no weights tagged {tag!r} for {architecture}; {closest(backbone, timm_names(tags))}. "
+                         f"Or give the architecture alone (timm/{architecture}) for timm's default weights.")
     return backbone
+
+
+def timm_names(names: list[str]) -> list[str]:
+    """timm's model names as `model.backbone` takes them."""
+    return [f"{TIMM_PREFIX}{name}" for name in names]

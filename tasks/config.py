@@ -211,7 +211,8 @@ class TrainingConfig(_Strict):
         default=None, ge=0, lt=1,
         description="Drop-path (stochastic depth) rate: each residual block of a training step is skipped with "
         "up to this probability. timm's models and torchvision's ConvNeXt, EfficientNet, Swin and MaxViT take "
-        "it. Empty: the model's own (timm: 0; torchvision's builders: 0.1-0.5 by size).",
+        "it. Empty: the model's own (0 for most of timm's, 0.1-0.2 for a few such as FasterNet; torchvision's "
+        "builders: 0.1-0.5 by size); 0 turns it off.",
     )
     layer_decay: float | None = Field(
         default=None, gt=0, le=1,

@@ -26,13 +26,16 @@ from prefect_ddp.tasks.sweeps.search_space import Dimension
 from prefect_ddp.tasks.training.backbone_checks import require_backbone_takes
 from prefect_ddp.tasks.training.input_side import parameters_on_meta, require_drop_path, side_problem
 from prefect_ddp.tasks.training.optimization import build_optimizer
+from prefect_ddp.tasks.location import Location
 from prefect_ddp.tasks.training.model import (
+    WarmStart,
     backbone_model,
     build_model,
     download_weights,
     freeze_all_but_head,
     head_prefixes,
     load_model,
+    load_warm_start,
     model_card,
     named_weights,
     preprocessing_for,
@@ -61,8 +64,9 @@ def test_a_timm_model_swaps_its_heads_freezes_and_rebuilds_from_its_card(backbon
 
 @pytest.mark.unit
 @pytest.mark.parametrize(("backbone", "refused"), [
-    ("timm/convnext_tinyy", "is not a timm model; the closest: convnext_tiny"),
-    ("timm/convnext_tiny.fb_in23k", "no weights tagged 'fb_in23k' for convnext_tiny; the closest: convnext_tiny.fb_in22k"),
+    ("timm/convnext_tinyy", "is not a timm model; the closest: timm/convnext_tiny"),
+    ("timm/convnext_tiny.fb_in23k", "no weights tagged 'fb_in23k' for convnext_tiny; the closest: timm/convnext_tiny.fb_in22k"),
+    ("timm/resnet18.", "no weights tagged '' for resnet18; the closest: timm/resnet18"),
 ])
 def test_a_misspelt_timm_name_or_tag_is_refused_with_the_closest(backbone, refused):
     with pytest.raises(ValidationError, match=refused):
@@ -180,6 +184,34 @@ def test_layer_decay_gives_each_of_a_timm_vit_s_layers_a_rate_the_head_s_times_a
 
 
 @pytest.mark.unit
+def test_a_drop_path_of_0_turns_off_a_timm_builder_s_own_rate():
+    """timm's FasterNet builds with 0.2 of its own: 0 was taken for "empty" (review of issue 58)."""
+    with parameters_on_meta():
+        rates = {given: max(getattr(module, "drop_prob", 0.0) for module in backbone_model(
+            "timm/fasternet_m", None, drop_path=given).modules()) for given in (None, 0.0, 0.1)}
+    assert rates == {None: pytest.approx(0.2), 0.0: 0.0, 0.1: pytest.approx(0.1)}
+
+
+@pytest.mark.unit
+def test_a_torchvision_state_given_to_a_timm_backbone_is_refused_in_the_project_s_words(tmp_path):
+    """timm's ConvNeXt filter met torchvision's keys with a bare KeyError (review of issue 58)."""
+    torch.save(backbone_model("convnext_tiny", None).state_dict(), tmp_path / "torchvision.pt")
+    with pytest.raises(ValueError, match=r"torchvision.pt does not fit this backbone: fitting it raised KeyError.*"
+                                         r"Save it from the same model"):
+        build_model(ModelConfig(backbone="timm/convnext_tiny", weights=str(tmp_path / "torchvision.pt")), 3)
+
+
+@pytest.mark.unit
+def test_a_kept_timm_model_that_cannot_be_fitted_to_another_side_is_refused_saying_how_to_start(tmp_path):
+    """LeViT's attention biases are sized by the side and timm does not resize them (review of issue 58)."""
+    torch.save(build_model(ModelConfig(backbone="timm/levit_128s"), 3, side=64).state_dict(), tmp_path / "model.pt")
+    warm = WarmStart(model=Location(url=str(tmp_path / "model.pt")), with_head=True, origin="run `kept`",
+                     preprocessing=Preprocessing())
+    with pytest.raises(ValueError, match=r"does not fit this backbone: .*size mismatch.*train at its own image_size"):
+        load_warm_start(build_model(ModelConfig(backbone="timm/levit_128s"), 3, side=96), warm)
+
+
+@pytest.mark.unit
 def test_a_sweep_over_timm_and_torchvision_backbones_is_checked_before_any_trial():
     space = {"model.backbone": Dimension(kind="choice", values=["resnet18", "timm/convnext_atto"]),
              "training.drop_path": Dimension(kind="grid", values=[0.0, 0.1])}
@@ -190,9 +222,16 @@ def test_a_sweep_over_timm_and_torchvision_backbones_is_checked_before_any_trial
     space["training.layer_decay"] = Dimension(kind="choice", values=[0.65, 0.75])
     with pytest.raises(ValueError, match="convnext_tiny: layer-wise decay needs timm's layer groups"):
         check_space_values(space, ModelConfig(), TrainingConfig(image_size=64))
+    space["training.layer_decay"] = Dimension(kind="uniform", low=0.6, high=0.9)  # a range: checked at its ends
+    with pytest.raises(ValueError, match="convnext_tiny: layer-wise decay needs timm's layer groups"):
+        check_space_values(space, ModelConfig(), TrainingConfig(image_size=64))
     del space["training.layer_decay"]
+    space["training.drop_path"] = Dimension(kind="uniform", low=0.0, high=1.0)
+    with pytest.raises(ValueError, match=r"offers training.drop_path=1.0, .* less than 1"):
+        check_space_values(space, ModelConfig(), TrainingConfig(image_size=64))
+    space["training.drop_path"] = Dimension(kind="uniform", low=0.0, high=0.3)
     space["model.backbone"] = Dimension(kind="choice", values=["timm/convnext_atto", "timm/convnext_attoo"])
-    with pytest.raises(ValueError, match="the closest: convnext_atto"):
+    with pytest.raises(ValueError, match="the closest: timm/convnext_atto"):
         check_space_values(space, ModelConfig(), TrainingConfig(image_size=64))
 
 

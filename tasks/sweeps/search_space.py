@@ -42,6 +42,17 @@ class Dimension(BaseModel):
             raise ValueError(f"kind='log_uniform' needs low > 0; got low={self.low!r}.")
         return self
 
+    def offered(self) -> list[Value]:
+        """The values a grid or choice offers; a range's ends.
+
+        >>> Dimension(kind="uniform", low=0.1, high=0.3).offered(), Dimension(kind="grid", values=[1, 2]).offered()
+        ([0.1, 0.3], [1, 2])
+        """
+        if self.values is not None:
+            return self.values
+        assert self.low is not None and self.high is not None, "_complete requires low and high of a range"
+        return [self.low, self.high]
+
     def distribution(self) -> Any:
         """The Optuna distribution this dimension draws from."""
         from optuna.distributions import (

@@ -18,6 +18,7 @@ from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.gang import RankContext, all_reduce_sum, sync_buffers
 from prefect_ddp.tasks.selection import Selection
 from prefect_ddp.tasks.training.boundary import Boundaries, StepEnd
+from prefect_ddp.tasks.training.heartbeats import beat
 from prefect_ddp.tasks.training.pass_sums import PassSums
 from prefect_ddp.tasks.training.passes import evaluate, train_one_epoch
 from prefect_ddp.tasks.training.rank_setup import RankSetup
@@ -61,7 +62,7 @@ def run_epoch(ctx: RankContext, rank: RankSetup, ddp_model: nn.Module, boundary:
                     rank.train_inputs, rank.amp_dtype, on_step=on_step, clock=rank.clock,
                     warmup=rank.warmup, frozen=rank.frozen, sums=train,
                     batches=rank.data.train_epochs.batches(epoch, start), knobs=rank.knobs,
-                    average=rank.state.average)
+                    average=rank.state.average, on_batch=lambda done, total: beat(ctx, epoch, done))
     trained_at = time.monotonic()
     if next_epoch is not None:  # its first batches load while this epoch validates (tasks/data/epoch_ahead.py)
         rank.data.train_epochs.start(next_epoch)

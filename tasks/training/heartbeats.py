@@ -21,9 +21,16 @@ class Heartbeats(BoundaryPart):
         self.ctx = ctx
 
     def after_step(self, step: StepEnd) -> None:
-        self.ctx.progress("step", epoch=step.epoch + 1, step=step.step)
-        self.ctx.check_stop()
+        beat(self.ctx, step.epoch, step.step)
 
     def after_epoch(self, end: EpochEnd) -> Stop | None:
         self.ctx.progress("checkpoint", epoch=end.record["epoch"])
         return None
+
+
+def beat(ctx: RankContext, epoch: int, batches: int) -> None:
+    """Tell the supervisor the rank trained `batches` of epoch `epoch` (from 0), and leave if the gang is
+    being stopped: after every optimizer step, and after every batch of an accumulated one
+    (training.accumulate_steps), whose batches together may take longer than the hang limit."""
+    ctx.progress("step", epoch=epoch + 1, step=batches)
+    ctx.check_stop()

@@ -166,7 +166,7 @@ def backbone_model(backbone: str, weights: Any, side: int | None = None, drop_pa
     """`backbone` with `weights` (`pretrained_weights`; None: random init) and the classes it was
     trained for, built for images of `side`, its drop-path rate `drop_path` (None: its own)."""
     if is_timm(backbone):
-        return timm_model(backbone, cached_weights(weights, lambda: None) if weights else None, side, drop_path or 0.0)
+        return timm_model(backbone, cached_weights(weights, lambda: None) if weights else None, side, drop_path)
     return torchvision_model(backbone, weights, side, drop_path)
 
 
@@ -350,21 +350,32 @@ def load_backbone_state(model: nn.Module, state: dict[str, torch.Tensor], uri: s
     # A state saved as a plain dict (after DDP, `module.` stripped) lost its modules' versions: those of
     # the same torchvision modules, built here, stand in (MNASNet refuses to load without them).
     versions = state if hasattr(state, "_metadata") else model.state_dict()
-    body = with_versions_of(versions, {k: v for k, v in fitted_state(model, state).items() if not k.startswith(dropped)})
+    body = with_versions_of(versions, {k: v for k, v in fitted(model, state, uri).items() if not k.startswith(dropped)})
     try:
         missing, unexpected = model.load_state_dict(body, strict=False)
     except (RuntimeError, ValueError) as error:  # tensors of other shapes: another model of the family
-        raise ValueError(
-            f"The state_dict at {uri} does not fit this backbone: {str(error).splitlines()[-1].strip()} "
-            "Save it from the same model (torch.save(model.state_dict(), ...))."
-        ) from None
+        raise ValueError(does_not_fit(uri, str(error).splitlines()[-1].strip())) from None
     missing = [k for k in missing if not k.startswith(prefixes)]
     if missing or unexpected:
-        raise ValueError(
-            f"The state_dict at {uri} does not fit this backbone: {len(missing)} missing keys "
-            f"(e.g. {missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]}). "
-            "Save it from the same model (torch.save(model.state_dict(), ...))."
-        )
+        raise ValueError(does_not_fit(uri, f"{len(missing)} missing keys (e.g. {missing[:3]}), {len(unexpected)} "
+                                           f"unexpected (e.g. {unexpected[:3]})."))
+
+
+# How to fix a starting state_dict that does not fit.
+SAVE_FROM_THE_SAME_MODEL = "Save it from the same model (torch.save(model.state_dict(), ...))."
+
+
+def does_not_fit(uri: str, why: str, fix: str = SAVE_FROM_THE_SAME_MODEL) -> str:
+    return f"The state_dict at {uri} does not fit this backbone: {why} {fix}"
+
+
+def fitted(model: nn.Module, state: dict[str, torch.Tensor], uri: str) -> dict[str, torch.Tensor]:
+    """`fitted_state`, where a family's fitting meets another model's state (timm's filters index keys
+    of their own family) refused in the project's words."""
+    try:
+        return fitted_state(model, state)
+    except Exception as error:  # noqa: BLE001 - a KeyError, AttributeError... from the family's own code
+        raise ValueError(does_not_fit(uri, f"fitting it raised {type(error).__name__}: {error}.")) from None
 
 
 def preprocessing_for(config: ModelConfig) -> Preprocessing:
@@ -448,8 +459,15 @@ class WarmStart(BaseModel):
 
 def load_warm_start(model: nn.Module, warm: WarmStart) -> None:
     """Load the kept weights: all of them when the classes match, else all but the head."""
-    state = fitted_state(model, load_torch(warm.model.url, warm.model.storage_options()))
-    if warm.with_head:
-        model.load_state_dict(state)
-    else:
-        load_backbone_state(model, state, warm.model.url)
+    url, state = warm.model.url, load_torch(warm.model.url, warm.model.storage_options())
+    if not warm.with_head:
+        load_backbone_state(model, state, url)
+        return
+    try:
+        model.load_state_dict(fitted(model, state, url))
+    except RuntimeError as error:  # a model built for another side whose state the family cannot fit (LeViT)
+        raise ValueError(does_not_fit(url, str(error).splitlines()[-1].strip(), WARM_START_FIX)) from None
+
+
+WARM_START_FIX = ("The kept model was trained otherwise (another training.image_size or drop-path): train at its "
+                  "own image_size (its model.json), or start without it (model.warm_start=false).")

@@ -50,13 +50,15 @@ def train_one_epoch(
     on_step: Callable[[int, int], None] | None = None, clock: StepClock | None = None,
     warmup: Warmup | None = None, frozen: Sequence[nn.Module] = (), sums: PassSums | None = None,
     batches: Iterable[Any] | None = None, knobs: StepKnobs = StepKnobs(), average: AveragedModel | None = None,
+    on_batch: Callable[[int, int], None] | None = None,
 ) -> PassSums:
     """One pass over this rank's shard; returns the rank's local sums.
 
     `inputs` puts each batch of images on the rank's device (decoding it there when the
     loader hands over encoded images); `amp_dtype` None trains in full precision.
     `on_step(done, total)` is called after every optimizer step (`done`: the batches so far), for
-    progress reports, positions and boundaries.
+    progress reports, positions and boundaries; `on_batch(done, total)` after every other batch (those
+    an accumulated step takes before its last), for heartbeats.
     `clock` is cut at each part of the step (tasks/training/step_times.py); the
     final mark counts the wait that ends the pass, so its parts add up to the pass.
     `warmup` scales each step's learning rate while it lasts; the BatchNorm layers in
@@ -102,8 +104,11 @@ def train_one_epoch(
                 average.update_parameters(getattr(model, "module", model))  # DDP's wrapped model, or the model
             clock.mark("optimizer")
         sums.add(loader, logits, labels, loss_sum, readable)
-        if on_step and group.last:  # positions and boundaries fall between optimizer steps only
-            on_step(step, len(loader))
+        if group.last:  # positions and boundaries fall between optimizer steps only
+            if on_step:
+                on_step(step, len(loader))
+        elif on_batch:
+            on_batch(step, len(loader))
         clock.mark("other")
     clock.mark("data")  # the wait for the loader to say the pass is over
     if warmup:

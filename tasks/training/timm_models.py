@@ -68,14 +68,15 @@ def weights_folder(config: Any) -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / "timm" / f"{config.architecture}.{config.tag}"
 
 
-def timm_model(backbone: str, weights_file: Path | None, side: int | None, drop_path: float = 0.0) -> nn.Module:
+def timm_model(backbone: str, weights_file: Path | None, side: int | None, drop_path: float | None = None) -> nn.Module:
     """timm's `backbone` as pretrained (its 1000 or so classes), its weights read from `weights_file`
     (None: random init), built for images of `side` where its family is built for one side (timm
-    resizes a ViT's position embeddings to it)."""
+    resizes a ViT's position embeddings to it), its drop-path rate `drop_path` (None: its builder's,
+    0 for most, 0.1-0.2 for a few families such as FasterNet and Next-ViT)."""
     timm, name = timm_module(), timm_name(backbone)
     sized = bool(side) and timm.models.get_pretrained_cfg(name) is not None \
         and timm.models.get_pretrained_cfg(name).fixed_input_size
-    keywords: dict[str, Any] = ({"img_size": side} if sized else {}) | ({"drop_path_rate": drop_path} if drop_path else {})
+    keywords: dict[str, Any] = ({"img_size": side} if sized else {}) | ({"drop_path_rate": drop_path} if drop_path is not None else {})
     if weights_file is not None:
         keywords |= {"pretrained": True, "pretrained_cfg_overlay": {"file": str(weights_file)}}
     return timm.create_model(name, **keywords)

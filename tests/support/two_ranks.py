@@ -209,7 +209,8 @@ def accumulation_model() -> torch.nn.Module:
 
 def accumulate_as_rank(rank: int, port: int, out: Path) -> None:
     """Rank `rank` of 2 takes one optimizer step over its 4 samples in 2 batches of 2, accumulated
-    (training.accumulate_steps=2) under DDP; writes `out`/accumulated{rank}.pt: the weights after it."""
+    (training.accumulate_steps=2) under DDP; writes `out`/accumulated{rank}.pt: the weights after it,
+    and after which batches the pass called on_step (an optimizer step) and on_batch (a heartbeat)."""
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -224,7 +225,9 @@ def accumulate_as_rank(rank: int, port: int, out: Path) -> None:
         ddp = DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         steps: list[int] = []
+        beats: list[int] = []
         train_one_epoch(ddp, DataLoader(TensorDataset(*accumulation_data(rank)), batch_size=2), optimizer,
                         torch.amp.GradScaler("cpu", enabled=False), ToDevice(torch.device("cpu")), None,
-                        on_step=lambda done, total: steps.append(done), knobs=StepKnobs(accumulate_steps=2))
-        torch.save({"state": model.state_dict(), "steps": steps}, out / f"accumulated{rank}.pt")
+                        on_step=lambda done, total: steps.append(done), knobs=StepKnobs(accumulate_steps=2),
+                        on_batch=lambda done, total: beats.append(done))
+        torch.save({"state": model.state_dict(), "steps": steps, "beats": beats}, out / f"accumulated{rank}.pt")
