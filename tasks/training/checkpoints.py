@@ -98,12 +98,13 @@ class TrainingState:
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict(),
-            "average": self.average.state_dict() if self.average is not None else None,
             "epoch": epoch,
             "history": history,
             "job": fingerprint,
             "world_size": world_size,
         })
+        if self.average is not None:  # training.ema_decay's: a run without one writes no key
+            snapshot["average"] = to_cpu(self.average.state_dict())
         if best is not None:
             snapshot["best"] = {"epoch": best[0], "model": best[1]}
         if stop is not None:
