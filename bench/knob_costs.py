@@ -106,13 +106,15 @@ def image_runner(fields: dict[str, Any], images: int) -> Callable[[], float]:
 
 
 def interleaved(runners: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Each runner's median time over `rounds`, the runners taken in turn in every round; one warm-up each."""
+    """Each runner's median time over `rounds`, the runners taken in turn in every round, each round
+    starting one runner later (the first of a round ran slower); one warm-up each."""
     for run in runners.values():
         run()
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
-            times[name].append(run())
+    names = list(runners)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            times[name].append(runners[name]())
     return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
