@@ -74,8 +74,8 @@ def timm_model(backbone: str, weights_file: Path | None, side: int | None, drop_
     resizes a ViT's position embeddings to it), its drop-path rate `drop_path` (None: its builder's,
     0 for most, 0.1-0.2 for a few families such as FasterNet and Next-ViT)."""
     timm, name = timm_module(), timm_name(backbone)
-    sized = bool(side) and timm.models.get_pretrained_cfg(name) is not None \
-        and timm.models.get_pretrained_cfg(name).fixed_input_size
+    config = timm.models.get_pretrained_cfg(name)
+    sized = bool(side) and config is not None and config.fixed_input_size
     keywords: dict[str, Any] = ({"img_size": side} if sized else {}) | ({"drop_path_rate": drop_path} if drop_path is not None else {})
     if weights_file is not None:
         keywords |= {"pretrained": True, "pretrained_cfg_overlay": {"file": str(weights_file)}}
