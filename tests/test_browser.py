@@ -79,10 +79,11 @@ def test_a_custom_run_from_the_form_completes_with_its_artifacts(ui, on_demand_i
     assert curves.evaluate("img => img.naturalWidth") > 300  # the PNG decoded, not a broken icon
 
 
-def test_a_sweep_over_two_backbones_runs_from_the_form_and_each_trial_trains_its_own(ui, deployments,
+def test_a_sweep_over_two_backbones_runs_from_the_form_and_each_trial_trains_its_own(ui, deployments, dask_cluster,
                                                                                      tmp_path_factory):
     """The sweep's form as people use it: its space and settings described, a space over a torchvision
-    and a timm backbone submitted, and each trial's kept model built from the backbone it drew."""
+    and a timm backbone submitted, and each trial's kept model built from the backbone it drew. On the
+    session's cluster, by its address: a cluster of the sweep's own took longer to start than to train."""
     output = tmp_path_factory.mktemp("browser-sweep")
     backbones = ["mobilenet_v3_small", "timm/convnext_atto"]
     with get_client(sync_client=True) as api:
@@ -92,7 +93,7 @@ def test_a_sweep_over_two_backbones_runs_from_the_form_and_each_trial_trains_its
         "settings": {"name": "ui-backbones", "n_trials": 2, "concurrency": 2, "ranks_per_trial": 1, "sampler": "grid"},
         "data": {"block": "test-images", "index_cache_minutes": 0},
         "training": TINY_TRAINING,
-        "cluster": {"n_workers": 2, "init_timeout_s": 60},
+        "cluster": {"address": dask_cluster.scheduler_address, "init_timeout_s": 60},
         "output": {"url": str(output)},
     })
     expect(ui.description(ui.field("space"))).to_contain_text("Per dotted path (training.lr, training.batch_size")
