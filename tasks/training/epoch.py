@@ -125,8 +125,7 @@ def validate(ctx: RankContext, model: nn.Module, loader: DataLoader, inputs: ToD
 
 def between_batches(ctx: RankContext, epoch: int, done: int, total: int) -> None:
     """After every validation batch: tell the supervisor, leave if the gang is being stopped."""
-    ctx.progress("validation", epoch=epoch + 1, step=done)
-    ctx.check_stop()
+    beat(ctx, epoch, done, "validation")
 
 
 def epoch_record(epoch: int, totals: list[float], optimizer, seconds: float) -> dict[str, Any]:

@@ -28,9 +28,10 @@ class Heartbeats(BoundaryPart):
         return None
 
 
-def beat(ctx: RankContext, epoch: int, batches: int) -> None:
-    """Tell the supervisor the rank trained `batches` of epoch `epoch` (from 0), and leave if the gang is
-    being stopped: after every optimizer step, and after every batch of an accumulated one
-    (training.accumulate_steps), whose batches together may take longer than the hang limit."""
-    ctx.progress("step", epoch=epoch + 1, step=batches)
+def beat(ctx: RankContext, epoch: int, batches: int, phase: str = "step") -> None:
+    """Tell the supervisor the rank is through `batches` of epoch `epoch` (from 0) in `phase`, and leave
+    if the gang is being stopped: after every optimizer step, after every batch of an accumulated one
+    (training.accumulate_steps), and after every validation batch ("validation"), where many batches
+    together may take longer than the hang limit."""
+    ctx.progress(phase, epoch=epoch + 1, step=batches)
     ctx.check_stop()

@@ -24,6 +24,7 @@ import torch
 import torchvision
 from prefect import task
 from pydantic import BaseModel
+from safetensors.torch import load as load_safetensors
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
 
@@ -322,9 +323,7 @@ def load_starting_weights(uri: str, storage_options: dict[str, Any]) -> dict[str
             "(DEFAULT), or leave it empty for random init."
         )
     if uri.endswith(".safetensors"):  # tensors only, no pickle: timm's and Hugging Face's format
-        from safetensors.torch import load
-
-        return load(read_bytes(uri, storage_options))
+        return load_safetensors(read_bytes(uri, storage_options))
     return load_torch(uri, storage_options)
 
 
