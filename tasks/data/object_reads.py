@@ -15,9 +15,10 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from itertools import islice
+from typing import Any, NamedTuple
 
 import botocore.session
 import obstore
@@ -98,7 +99,8 @@ def fetch_objects(
     process that forks DataLoader workers later.
 
     Args:
-        fs: the filesystem; an async one (s3fs) fetches on its event loop, a sync one in threads.
+        fs: the filesystem: obstore's GETs and a sync filesystem's reads run on this process's read
+            threads (`_read_pool`), s3fs's on its event loop.
         paths: paths inside `fs`, without protocol; duplicates are fetched once.
         batch_size: fetches in flight at once.
         attempts: tries per path, the first included.
@@ -209,26 +211,30 @@ def _settings(options_json: str) -> dict[str, Any] | None:
     return obstore_settings(json.loads(options_json))
 
 
-def _reader(fs: AbstractFileSystem, keep_fork_safe: bool) -> Callable[[str], Awaitable[bytes]] | None:
-    """How `_fetch_once` reads one path on `fs`'s loop: obstore or s3fs; None for a sync `fs`."""
+def _reader(fs: AbstractFileSystem, keep_fork_safe: bool) -> Read:
+    """How `_fetch_once` reads one path of `fs`: obstore's blocking GET, run on this process's
+    read threads; s3fs's on its event loop; `cat_file` in threads for a filesystem that is not async.
+
+    obstore's blocking API from threads costs less CPU per GET than its async one driven by
+    fsspec's event loop: 0.28 against 0.45-0.52 ms here (bench/RESULTS.md, "A loader process's
+    CPU beyond the transform"), each wake-up of the loop being a Python round trip."""
     if not isinstance(fs, AsyncFileSystem):
-        return None
-    cat_file: Callable[[str], Awaitable[bytes]] = fs._cat_file
+        return Read(threaded=fs.cat_file)
     options_json = None if keep_fork_safe else _obstore_options(fs)
     if options_json is None:
-        return cat_file
+        return Read(on_loop=fs._cat_file)
 
-    async def read(path: str) -> bytes:
+    def read(path: str) -> bytes:
         bucket, _, key = fs._strip_protocol(path).partition("/")
         if not _obstore_can_name(key):
-            return await cat_file(path)
+            cat: bytes = fs.cat_file(path)
+            return cat
         try:
-            got = await obstore.get_async(_store(options_json, bucket), key)
-            return bytes(await got.bytes_async())
+            return bytes(obstore.get(_store(options_json, bucket), key).bytes())
         except (PermissionDeniedError, UnauthenticatedError) as exc:  # as s3fs maps a 403
             raise PermissionError(str(exc)) from exc
 
-    return read
+    return Read(threaded=read)
 
 
 def obstore_store(fs: AbstractFileSystem, bucket: str) -> S3Store | None:
@@ -309,14 +315,21 @@ def _timed_out(timeout_s: float | None, last: Exception) -> TimeoutError:
     return TimeoutError(f"not fetched within the {timeout_s:g} s limit (last try: {last!r})")
 
 
+class Read(NamedTuple):
+    """One path's read: a coroutine function for `fs`'s event loop, or a blocking one for threads."""
+
+    on_loop: Callable[[str], Awaitable[bytes]] | None = None
+    threaded: Callable[[str], bytes] | None = None
+
+
 def _fetch_once(
-    fs: AbstractFileSystem, read: Callable[[str], Awaitable[bytes]] | None, paths: list[str],
-    batch_size: int, deadline: float | None,
+    fs: AbstractFileSystem, read: Read, paths: list[str], batch_size: int, deadline: float | None,
 ) -> dict[str, bytes | Exception]:
-    if read is not None:
-        fetched: dict[str, bytes | Exception] = sync(fs.loop, _read_on_loop, read, paths, batch_size, deadline)
+    if read.on_loop is not None:
+        fetched: dict[str, bytes | Exception] = sync(fs.loop, _read_on_loop, read.on_loop, paths, batch_size, deadline)
         return fetched
-    return _cat_in_threads(fs, paths, batch_size, deadline)
+    assert read.threaded is not None  # a Read holds one or the other (`_reader`)
+    return _read_in_threads(read.threaded, paths, batch_size, deadline)
 
 
 async def _read_on_loop(
@@ -333,25 +346,52 @@ async def _read_on_loop(
     return dict(zip(paths, results))
 
 
-def _cat_in_threads(
-    fs: AbstractFileSystem, paths: list[str], batch_size: int, deadline: float | None
+# Threads of a process's reads at most: they are started only as reads wait for one (each call
+# keeps its own `batch_size` in flight), so this only bounds a process that is asked for more.
+MAX_READ_THREADS = 1024
+_read_threads: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made them, the pool)
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """This process's read threads, shared by every call: making a pool per batch cost more CPU
+    than the GETs it ran (0.70 against 0.28 ms a GET here). A forked child makes its own: the
+    threads of its parent's pool do not exist in it."""
+    global _read_threads
+    with _stores_lock:
+        if _read_threads is None or _read_threads[0] != os.getpid():
+            _read_threads = (os.getpid(), ThreadPoolExecutor(MAX_READ_THREADS, thread_name_prefix="object-read"))
+        return _read_threads[1]
+
+
+def _read_in_threads(
+    read: Callable[[str], bytes], paths: list[str], batch_size: int, deadline: float | None
 ) -> dict[str, bytes | Exception]:
-    # A thread cannot be stopped: past the deadline it is left to finish on its own.
-    pool = ThreadPoolExecutor(max_workers=max(1, min(batch_size, len(paths))))
-    futures = {path: pool.submit(fs.cat_file, path) for path in paths}
-    wait(futures.values(), timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-    pool.shutdown(wait=False, cancel_futures=True)
-    return {path: _outcome(future) for path, future in futures.items()}
+    """`read` of each path on the process's read threads, `batch_size` in flight, until `deadline`.
+
+    A thread cannot be stopped: a read still running at the deadline is left to finish on its
+    own (its thread is not idle, so later calls start others), and paths not yet started never are."""
+    pool, waiting = _read_pool(), iter(paths)
+    futures: dict[str, Future[bytes]] = {}
+    running: set[Future[bytes]] = set()
+    while True:
+        for path in islice(waiting, batch_size - len(running)):
+            futures[path] = pool.submit(read, path)
+            running.add(futures[path])
+        if not running:
+            break
+        left = None if deadline is None else deadline - time.monotonic()
+        done, running = wait(running, timeout=None if left is None else max(0.0, left), return_when=FIRST_COMPLETED)
+        if not done:  # the deadline passed
+            break
+    return {path: _outcome(futures[path]) if path in futures else
+            TimeoutError("not started before the time limit: the fetches before it took it all") for path in paths}
 
 
 def _outcome(future: Future[bytes]) -> bytes | Exception:
     """The bytes or the fetch's error; `result()` raises anything that is not an Exception
     (a KeyboardInterrupt or SystemExit in the thread) rather than returning it as an answer.
-    A fetch still running or never started (cancelled, queued behind the others when the
-    deadline passed) timed out: asking a cancelled future for its exception raises."""
+    A fetch still running at the deadline timed out."""
     if not future.done():
         return TimeoutError("still fetching")
-    if future.cancelled():
-        return TimeoutError("not started before the time limit: the fetches before it took it all")
     error = future.exception()
     return error if isinstance(error, Exception) else future.result()
