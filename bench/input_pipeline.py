@@ -12,7 +12,12 @@ DataLoader reached 0.80x (bench/RESULTS.md). Both feeds here read the same photo
   pass timed by its own record (`images_per_s`: train images over the pass's wall time).
 
 Epochs of `--short-steps` and of `--long-steps` steps; the first epoch of each (forking the loader
-processes) is left out of both. On the CPU (`--device cpu`, the default here) the model costs almost
+processes) is left out of both. Each feed also says what its loader processes spent: CPU per image
+(all its epochs, train and validation, from the children's rusage once the loaders are reaped),
+against the loader's transform alone on one thread of this process over the same images (target:
+the loader end to end at most 1.2x the transform), images/s per loader process, and the S3 front's
+CPU per image (it runs beside them here; on a GPU host, pin it off the ranks' cores with
+`--front-cpus`). On the CPU (`--device cpu`, the default here) the model costs almost
 nothing (one linear layer on each image's channel means), so all that is measured is the input: the
 target is the flow at 0.9x of the bare loader or more. With `--device cuda` both train `--model`
 (ResNet-50 at 224 px, batch 128, the recipe's bf16 autocast and channels-last) and a third row feeds it
@@ -26,7 +31,9 @@ synthetic tensors already on the GPU, the ceiling (targets: 0.9x in the best mod
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -42,12 +49,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from bench.data_path import BUCKET, listing_manifest, machine, photo_dataset, s3_options, write_files
-from bench.s3_endpoints import latency_endpoint
+from bench.s3_endpoints import S3Endpoint, latency_endpoint
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
-from prefect_ddp.tasks.data.dataset import S3ImageFolder, forked_workers, train_transform
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, forked_workers, prepare, train_transform
 from prefect_ddp.tasks.data.device_batches import ToDevice
+from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps
 from prefect_ddp.tasks.data.loaders import default_loader_workers
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import stratified_split
@@ -82,6 +90,24 @@ class Row:
     feed: str
     steps: int
     images_per_s: float
+    loader_ms: float | None = None  # loader processes' CPU per image they prepared
+    front_ms: float | None = None  # the S3 front's CPU per image
+
+
+@dataclass
+class Spent:
+    """CPU seconds of this process's reaped children (the loader processes) and of the S3 front."""
+
+    loaders_s: float
+    front_s: float
+
+    @classmethod
+    def now(cls, front: S3Endpoint) -> Spent:
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return cls(children.ru_utime + children.ru_stime, front.cpu_s())
+
+    def per_image_ms(self, since: Spent, images: int) -> tuple[float, float]:
+        return (1000 * (self.loaders_s - since.loaders_s) / images, 1000 * (self.front_s - since.front_s) / images)
 
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
@@ -105,6 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=None,
                         help="Loader processes of both (default: the flow's own default on this host).")
     parser.add_argument("--latency-ms", type=float, default=30.0, help="The S3 front's wait before each response.")
+    parser.add_argument("--front-cpus", type=int, nargs="*", default=None,
+                        help="CPUs the S3 front runs on (default: any); on a GPU host, cores the ranks do not use.")
     args = parser.parse_args(argv)
     on_gpu = args.device == "cuda"
     args.model = args.model or ("resnet50" if on_gpu else CHEAP)
@@ -174,32 +202,54 @@ def synthetic_rate(args: argparse.Namespace, steps: int, epochs: int) -> float:
 
 def bare_rate(args: argparse.Namespace, manifest: Manifest, positions: list[int], endpoint: str, workers: int,
               epochs: int) -> float:
-    """Images/s of a plain DataLoader over the train images, epochs 2.. of `epochs`."""
+    """Images/s of a plain DataLoader over the train images, epochs 2.. of `epochs`; the loaders
+    run the recipe's uint8 steps and the rank finishes the batch (prefect_ddp.tasks.data.loader_steps)."""
     device = torch.device(args.device)
+    transform = train_transform(args.image_size)
     dataset = S3ImageFolder(manifest.root, [manifest.paths[i] for i in positions],
                             [manifest.labels[i] for i in positions], s3_options(endpoint),
-                            train_transform(args.image_size), fetch_threads=args.batch_size,
+                            loader_steps(transform), fetch_threads=args.batch_size,
                             sizes=[manifest.sizes[i] for i in positions])
     options = {**forked_workers(), "persistent_workers": True} if workers else {}
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, num_workers=workers,
-                        pin_memory=device.type == "cuda", **options)
-    return rate_over_epochs((loader for _ in range(epochs)), ToDevice(device, channels_last=device.type == "cuda"),
+                        pin_memory=device.type == "cuda", collate_fn=collate_images, **options)
+    rate = rate_over_epochs((loader for _ in range(epochs)), ToDevice(device, device.type == "cuda", transform),
                             training_step(make_model(args.model, device), device))
+    del loader  # its processes end and are reaped: their CPU joins the children's rusage
+    gc.collect()
+    return rate
+
+
+def transform_ms(folder: Path, image_size: int, count: int = 128) -> float:
+    """The loader's transform alone (decode, crop, resize, flip to uint8) on one thread of this
+    process, CPU ms per image, over the first `count` images of `folder`."""
+    images = [path.read_bytes() for path in sorted(folder.rglob("*.jpg"))[:count]]
+    steps, threads = loader_steps(train_transform(image_size)), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prepare(images[0], 0, 0, steps)  # the first call loads what the decoders need
+        started = time.thread_time()
+        for data in images:
+            prepare(data, 0, 0, steps)
+        return 1000 * (time.thread_time() - started) / len(images)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextmanager
 def recipe_model(name: str) -> Iterator[None]:
     """The recipe builds ChannelMeans instead of its backbone where --model says so: only the input is left."""
     if name == CHEAP:
-        with mock.patch.object(rank_setup, "build_model", lambda config, classes, options=None: ChannelMeans(classes)):
+        with mock.patch.object(rank_setup, "build_model", lambda config, classes, *where_and_how: ChannelMeans(classes)):
             yield
     else:
         yield
 
 
 def flow_rate(args: argparse.Namespace, manifest: Manifest, endpoint: str, output: Path, workers: int | None,
-              epochs: int) -> float:
-    """Images/s of the recipe's training passes, epochs 2.. of `epochs`, from its own epoch records."""
+              epochs: int) -> tuple[float, int]:
+    """Images/s of the recipe's training passes, epochs 2.. of `epochs`, from its own epoch
+    records; and the images its loaders prepared in all (train and validation, every epoch)."""
     source = DataLocation(url=manifest.root, endpoint_url=endpoint, region_name=MOTO_REGION, **MOTO_CREDENTIALS)
     job = TrainJob(
         source=source, output=DataLocation(url=str(output)), manifest=manifest,
@@ -214,7 +264,8 @@ def flow_rate(args: argparse.Namespace, manifest: Manifest, endpoint: str, outpu
     with recipe_model(args.model):
         history = train_classifier(ctx, job).history
     later = history[1:]
-    return sum(h["train_samples"] for h in later) / sum(h["train_samples"] / h["images_per_s"] for h in later)
+    rate = sum(h["train_samples"] for h in later) / sum(h["train_samples"] / h["images_per_s"] for h in later)
+    return rate, epochs * len(job.split.train) + epochs * len(job.split.val)
 
 
 def photo_files(per_class: int) -> dict[str, bytes]:
@@ -238,11 +289,17 @@ def run(args: argparse.Namespace, workers: int, steps: int, epochs: int, work: P
     write_files(folder / "photo", photo_files(per_class_for(steps, args.batch_size)))
     rows = [Row("synthetic tensors on the GPU", steps, synthetic_rate(args, steps, epochs))] if args.device == "cuda" else []
     with latency_endpoint(work, BUCKET, folder, args.latency_ms) as front:
+        if args.front_cpus:
+            front.process.cpu_affinity(args.front_cpus)
         manifest = listing_manifest(folder / "photo", f"s3://{BUCKET}/photo")
         train = stratified_split(manifest, VAL_FRACTION, 0).train
-        rows.append(Row("bare DataLoader", steps, bare_rate(args, manifest, train, front.url, workers, epochs)))
-        rows.append(Row("the flow's recipe", steps,
-                        flow_rate(args, manifest, front.url, work / f"run-{steps}", args.workers, epochs)))
+        before = Spent.now(front)
+        bare = bare_rate(args, manifest, train, front.url, workers, epochs)
+        after_bare = Spent.now(front)
+        rows.append(Row("bare DataLoader", steps, bare,
+                        *after_bare.per_image_ms(before, epochs * (len(train) // args.batch_size) * args.batch_size)))
+        rate, prepared = flow_rate(args, manifest, front.url, work / f"run-{steps}", args.workers, epochs)
+        rows.append(Row("the flow's recipe", steps, rate, *Spent.now(front).per_image_ms(after_bare, prepared)))
     return rows
 
 
@@ -254,23 +311,34 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-input-")))
         rows = [row for steps, epochs in ((args.short_steps, args.short_epochs), (args.long_steps, args.long_epochs))
                 if steps for row in run(args, workers, steps, epochs, work)]
-    report(args, workers, load, rows)
+        alone = transform_ms(work, args.image_size)
+    report(args, workers, load, rows, alone)
 
 
-def report(args: argparse.Namespace, workers: int, load: tuple[float, float, float], rows: list[Row]) -> None:
+def report(args: argparse.Namespace, workers: int, load: tuple[float, float, float], rows: list[Row],
+           alone_ms: float) -> None:
     print(f"# The flow's input pipeline against the bare DataLoader, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n")
     print(f"Machine: {machine()}; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print(f"Command: {' '.join([os.path.relpath(sys.executable), '-m', 'bench.input_pipeline', *sys.argv[1:]])}")
     print(f"{args.model} on {args.device}, {workers} loader process(es) each ({default_loader_workers().why}), "
           f"batch {args.batch_size}, {args.image_size} px crops of 500x375 JPEGs, S3 front +{args.latency_ms:g} ms; "
           f"{args.short_epochs} short or {args.long_epochs} long epochs, the first left out\n")
-    print("| steps per epoch | feed | images/s | of the bare loader | of the GPU's ceiling |\n|---:|---|---:|---:|---:|")
+    print(f"The loader's transform alone (decode, crop, resize, flip to uint8), one thread: {alone_ms:.2f} ms "
+          "of CPU per image.\n")
+    print("| steps per epoch | feed | images/s | per loader process | of the bare loader | of the GPU's ceiling "
+          "| loader CPU ms/image | of the transform alone | S3 front CPU ms/image |\n"
+          "|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for steps in dict.fromkeys(row.steps for row in rows):
-        same = {row.feed: row.images_per_s for row in rows if row.steps == steps}
+        same = {row.feed: row for row in rows if row.steps == steps}
         ceiling = same.get("synthetic tensors on the GPU")
-        for feed, rate in same.items():
-            of_ceiling = f"{rate / ceiling:.2f}x" if ceiling else "-"
-            print(f"| {steps} | {feed} | {rate:,.1f} | {rate / same['bare DataLoader']:.2f}x | {of_ceiling} |")
+        bare = same["bare DataLoader"].images_per_s
+        for feed, row in same.items():
+            of_ceiling = f"{row.images_per_s / ceiling.images_per_s:.2f}x" if ceiling else "-"
+            per_process = f"{row.images_per_s / workers:,.1f}" if row.loader_ms is not None and workers else "-"
+            spent = ("- | - | -" if row.loader_ms is None or row.front_ms is None else
+                     f"{row.loader_ms:.2f} | {row.loader_ms / alone_ms:.2f}x | {row.front_ms:.2f}")
+            print(f"| {steps} | {feed} | {row.images_per_s:,.1f} | {per_process} | {row.images_per_s / bare:.2f}x "
+                  f"| {of_ceiling} | {spent} |")
 
 
 if __name__ == "__main__":

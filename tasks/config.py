@@ -240,7 +240,8 @@ class TrainingConfig(_Strict):
     )
     decode_on: Literal["loader", "device"] = Field(
         default="loader", description="Where images are decoded and augmented: in the DataLoader's CPU "
-        "processes, or in batches on the rank's device (on a GPU, torchvision's nvjpeg decoder: "
+        "processes (on uint8: the rank converts and normalises each batch on its device), or in batches on "
+        "the rank's device (on a GPU, torchvision's nvjpeg decoder: "
         "for when the CPUs cannot keep the GPU fed). Non-JPEG images decode on the CPU either way.",
     )
     num_workers: int | None = Field(
