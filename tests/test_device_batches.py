@@ -217,8 +217,10 @@ def test_cpu_ranks_train_in_full_precision_and_keep_the_default_layout():
                               torch.device("cpu"))
     assert train.memory_format == val.memory_format == torch.contiguous_format
     assert train.transform is not None and val.transform is not None
-    train, _ = batch_inputs(TrainingConfig(), Preprocessing(), torch.device("cpu"))
-    assert train.transform is None
+    train, _ = batch_inputs(TrainingConfig(channels_last=True, image_size=16), Preprocessing(), torch.device("cpu"))
+    uint8_batch = torch.zeros(2, 3, 16, 16, dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    images, _ = train(uint8_batch, torch.tensor([0, 1]))  # a loader's batch: finished on the rank, laid out for the CPU
+    assert images.dtype == torch.float32 and images.is_contiguous() and images.min() < 0
 
 
 @pytest.mark.unit

@@ -35,7 +35,7 @@ from torchvision.transforms import InterpolationMode, v2
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
-from prefect_ddp.tasks.data.decoding import RESIZED_QUALITY, open_rgb, stored_resized
+from prefect_ddp.tasks.data.decoding import RESIZED_QUALITY, decoded_tensor, open_rgb, stored_resized
 from prefect_ddp.tasks.data.fetch_ahead import BATCHES_AT_ONCE, FetchesAhead
 from prefect_ddp.tasks.data.loader_leftovers import use_own_temp_folder
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
@@ -82,12 +82,13 @@ def unreadable_positions(labels: torch.Tensor) -> list[int]:
     return (-1 - labels[labels < 0]).tolist()
 
 
-def decoded(data: bytes | None, side: int | None) -> Image.Image | None:
-    """`data` decoded by `open_rgb` (at `side`); None for an image that is gone (`data` None) or does not decode."""
+def decoded(data: bytes | None, side: int | None, as_tensor: bool = True) -> torch.Tensor | Image.Image | None:
+    """`data` decoded at `side` by `decoded_tensor`, or by `open_rgb` to a PIL image where not
+    `as_tensor`; None for an image that is gone (`data` None) or does not decode."""
     if data is None:
         return None
     try:
-        return open_rgb(data, side)
+        return decoded_tensor(data, side) if as_tensor else open_rgb(data, side)
     except Exception:  # any decoder error means unreadable, as decode-check takes it (prefect_ddp.tasks.data.validation)
         return None
 
@@ -101,9 +102,10 @@ def encoded_tensor(data: bytes | None) -> torch.Tensor:
 
 
 def prepare(data: bytes | None, label: int, position: int, transform: Callable[..., Any] | None) -> Sample:
-    """A fetched image as the loader hands it over: decoded (no smaller than the transform
-    needs, `needed_side`) and transformed, or, with no transform, its bytes (none for an image
-    that is gone) for a rank that decodes on its device.
+    """A fetched image as the loader hands it over: decoded (no smaller than the transform needs,
+    `needed_side`) and transformed, or, with no transform, its bytes (none for an image that is
+    gone) for a rank that decodes on its device. The project's transforms (`SizedTransform`) are
+    given a uint8 tensor (`decoded_tensor`); any other transform the PIL image it was written for.
 
     An image that is gone (`data` None) or does not decode comes back as None, labelled
     `unreadable_label(position)`: `with_stand_ins` fills its place. Only the decode is
@@ -111,14 +113,15 @@ def prepare(data: bytes | None, label: int, position: int, transform: Callable[.
     """
     if transform is None:
         return EncodedImage(encoded_tensor(data), position), label
-    image = decoded(data, needed_side(transform))
+    image = decoded(data, needed_side(transform), as_tensor=isinstance(transform, SizedTransform))
     if image is None:
         return None, unreadable_label(position)
     return transform(image), label
 
 
 def blank_image(transform: Callable[..., Any] | None) -> torch.Tensor:
-    """A black image run through `transform`: the stand-in when no image of a batch could be read.
+    """A black image, as `prepare` would hand it to `transform`, run through it: the stand-in
+    when no image of a batch could be read.
 
     Loaders pass their own transform, None where they hand over encoded images; those are
     never unreadable in the loader (`prepare`), so a stand-in asked for there is a bug.
@@ -126,7 +129,9 @@ def blank_image(transform: Callable[..., Any] | None) -> torch.Tensor:
     if transform is None:
         raise ValueError("blank_image got transform=None: a loader that hands over encoded images (no "
                          "transform) has no unreadable image to stand in for; a stand-in needs a transform.")
-    blank: torch.Tensor = transform(Image.new("RGB", (BLANK_SIDE, BLANK_SIDE)))
+    black = (torch.zeros(3, BLANK_SIDE, BLANK_SIDE, dtype=torch.uint8) if isinstance(transform, SizedTransform)
+             else Image.new("RGB", (BLANK_SIDE, BLANK_SIDE)))
+    blank: torch.Tensor = transform(black)
     return blank
 
 
@@ -277,7 +282,8 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         keys: the images to serve.
         labels: their class indices, one per key.
         storage_options: fsspec options (endpoint, credentials) for `root`.
-        transform: applied to each decoded PIL image (8-bit RGB, see `open_rgb`); None
+        transform: applied to each decoded image: a uint8 CHW tensor for the project's transforms
+            (`SizedTransform`, `decoded_tensor`), else a PIL image (8-bit RGB, `open_rgb`); None
             serves the encoded bytes as a uint8 tensor, for decoding on the rank's device.
         fetch_threads: images fetched at once within a batch.
         fetch_timeout_s: limit for fetching one batch, retries included; past it the batch

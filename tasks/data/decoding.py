@@ -2,7 +2,9 @@
 
 Training, validation, decode-check, batch-predict, shard writing and the byte cache all
 decode through `open_rgb` (docs/architecture.md, "Data: pre-resized shards"), so an image
-turns out the same wherever it is read. `stored_resized` is the copy of an image that shards
+turns out the same wherever it is read. The loaders take it as a tensor (`decoded_tensor`):
+the same pixels, a JPEG that needs no reduced-size decode decoded straight into one by
+torchvision (docs/architecture.md, "Data: uint8 batches"). `stored_resized` is the copy of an image that shards
 and the byte cache keep in place of a camera original: resized to the side training needs and
 stored as a JPEG, so that later epochs decode a small image instead of the original.
 """
@@ -14,7 +16,9 @@ import time
 from typing import NamedTuple
 
 import numpy as np
+import torch
 from PIL import ExifTags, Image, ImageOps
+from torchvision.io import ImageReadMode, decode_jpeg
 
 JPEG_MAX_SIDE = 65500  # libjpeg's largest width or height
 RESIZED_QUALITY = 90  # of the JPEGs resized copies are stored as, unless told (training.shard_quality)
@@ -57,6 +61,99 @@ def decode_upright(data: bytes, side: int | None) -> tuple[Image.Image, tuple[in
         if image.mode.startswith("I;16"):
             return Image.fromarray((np.asarray(image) >> 8).astype(np.uint8)).convert("RGB"), size
         return image.convert("RGB"), size
+
+
+class JpegHeader(NamedTuple):
+    """What a JPEG's segments before its image data say: its frame (None where no frame came
+    before the data) and whether an APP1 segment (EXIF or XMP, where an orientation tag lives) did."""
+
+    size: tuple[int, int] | None  # (width, height) as stored
+    components: int
+    app1: bool
+
+
+APP1, START_OF_SCAN = 0xE1, 0xDA
+# Start-of-frame markers: every SOFn but DHT (C4), JPG (C8) and DAC (CC), which share the range.
+START_OF_FRAME = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def jpeg_header(data: bytes | memoryview) -> JpegHeader | None:
+    """The header of a JPEG read from its segments' lengths alone, without a decoder (a few us);
+    None where the data is not a JPEG or its header is not a plain run of segments (PIL reads those).
+
+    >>> buffer = io.BytesIO()
+    >>> Image.new("RGB", (40, 30)).save(buffer, "JPEG")
+    >>> jpeg_header(buffer.getvalue())
+    JpegHeader(size=(40, 30), components=3, app1=False)
+    """
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    size, components, app1, at = None, 0, False, 2  # past the start-of-image marker (FF D8)
+    while at + 4 <= len(data) and data[at] == 0xFF:
+        marker = data[at + 1]
+        if marker == START_OF_SCAN:
+            return JpegHeader(size, components, app1)
+        if marker == 0xFF:  # fill bytes before a marker: not a plain run
+            return None
+        if marker in START_OF_FRAME and at + 10 <= len(data):
+            size = (data[at + 7] << 8 | data[at + 8], data[at + 5] << 8 | data[at + 6])
+            components = data[at + 9]
+        app1 |= marker == APP1
+        at += 2 + (data[at + 2] << 8 | data[at + 3])  # the marker, then the segment's length, which counts itself
+    return None
+
+
+def reduces(size: tuple[int, int], side: int | None) -> bool:
+    """Whether `open_rgb` decodes an image of `size` at a reduced size for `side`: where PIL's
+    `draft` finds a scale of 1/2 or less that keeps both sides at least `side`."""
+    return bool(side) and min(size[0] // side, size[1] // side) >= 2  # type: ignore[operator]
+
+
+def decoded_tensor(data: bytes, side: int | None = None) -> torch.Tensor:
+    """`open_rgb`'s pixels as a uint8 CHW tensor (a view of HWC memory, as both decoders write it).
+
+    A colour or grey JPEG that `open_rgb` would decode at full size is decoded by torchvision's
+    `decode_jpeg` straight into the tensor, its EXIF orientation applied: the same libjpeg-turbo
+    decode, without PIL's four bytes a pixel and the copy to a tensor (bench/RESULTS.md, "The
+    train path per image"). Others (a JPEG for a reduced-size decode, CMYK, PNG, 16-bit) go
+    through `open_rgb`. Raises as `open_rgb` does for an image that does not decode.
+
+    >>> buffer = io.BytesIO()
+    >>> Image.new("RGB", (40, 30), (255, 0, 0)).save(buffer, "JPEG")
+    >>> image = decoded_tensor(buffer.getvalue())
+    >>> tuple(image.shape), image.dtype, bool(torch.equal(image, torch.from_numpy(np.array(open_rgb(buffer.getvalue()))).permute(2, 0, 1)))
+    ((3, 30, 40), torch.uint8, True)
+    """
+    header = jpeg_header(data)
+    if header and header.size and header.components in (1, 3) and not reduces(header.size, side):
+        image: torch.Tensor = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        return upright(image, exif_orientation(data)) if header.app1 else image
+    return torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
+
+
+def exif_orientation(data: bytes) -> int:
+    """The orientation tag PIL reads from a JPEG's header, in EXIF or XMP (1 when it has none, or
+    its header does not parse). torchvision's own reading of the tag skips XMP: this one is
+    `open_rgb`'s, so both decoders turn an image alike. Call it only for a JPEG with an APP1
+    segment (`jpeg_header`), where the tag lives: opening the header costs about 70 us."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return orientation(image)
+    except Exception:  # a header the decoder did not mind but PIL cannot read: leave the image as decoded
+        return 1
+
+
+# EXIF orientation -> the turns that make the stored image upright, as PIL's exif_transpose
+# does: (quarter turns counter-clockwise, then mirror left-right).
+UPRIGHT_TURNS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
+                 5: (3, True), 6: (3, False), 7: (1, True), 8: (1, False)}
+
+
+def upright(image: torch.Tensor, tag: int) -> torch.Tensor:
+    """A decoded CHW image turned as its EXIF orientation `tag` says (`open_rgb` does the same to a PIL image)."""
+    turns, mirror = UPRIGHT_TURNS.get(tag, (0, False))
+    image = torch.rot90(image, turns, dims=(-2, -1)) if turns else image
+    return image.flip(-1) if mirror else image
 
 
 def orientation(image: Image.Image) -> int:

@@ -29,12 +29,10 @@ tests here exercise it; it only pays off on a GPU.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from PIL import Image
 from torch.utils.data import default_collate
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
@@ -45,7 +43,8 @@ from prefect_ddp.tasks.data.dataset import (
     decoded,
     unreadable_label,
 )
-from prefect_ddp.tasks.data.decoding import orientation
+from prefect_ddp.tasks.data.decoding import exif_orientation, jpeg_header, upright
+from prefect_ddp.tasks.data.loader_steps import device_steps
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -88,7 +87,7 @@ def decode_on(device: torch.device, images: list[torch.Tensor]) -> list[torch.Te
     the CPU; None for an image that does not decode."""
     is_jpeg = [bytes(data[:3].tolist()) == JPEG_MAGIC for data in images]
     jpegs = iter(decode_jpegs(device, [data for data, jpeg in zip(images, is_jpeg) if jpeg]))
-    return [upright(next(jpegs), jpeg_orientation(data)) if jpeg else decode_other(device, data)
+    return [upright_or_none(next(jpegs), jpeg_orientation(data)) if jpeg else decode_other(device, data)
             for data, jpeg in zip(images, is_jpeg)]
 
 
@@ -98,51 +97,19 @@ def jpeg_orientation(data: torch.Tensor) -> int:
     PIL finds the tag in EXIF or XMP, both kept in APP1 segments: a JPEG with none (as the byte
     cache and shards store their resized copies, `stored_resized`) is upright without opening
     it, which saves the rank's thread about 70 us an image here."""
-    if not has_app1_segment(data.numpy().data):
-        return 1
-    try:
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
-            return orientation(image)
-    except Exception:  # a header the decoder did not mind but PIL cannot read: leave the image as decoded
-        return 1
+    header = jpeg_header(data.numpy().data)
+    return exif_orientation(data.numpy().tobytes()) if header is None or header.app1 else 1
 
 
-APP1, START_OF_SCAN = 0xE1, 0xDA
-
-
-def has_app1_segment(jpeg: memoryview) -> bool:
-    """Whether a JPEG's header (its segments before the image data) holds an APP1 segment; True
-    where the header is not a plain run of segments, so that PIL reads it (`jpeg_orientation`)."""
-    at = 2  # past the start-of-image marker (FF D8): the first segment's marker
-    while at + 4 <= len(jpeg) and jpeg[at] == 0xFF:
-        marker = jpeg[at + 1]
-        if marker == START_OF_SCAN:
-            return False
-        if marker in (APP1, 0xFF):  # APP1, or fill bytes before a marker
-            return True
-        at += 2 + (jpeg[at + 2] << 8 | jpeg[at + 3])  # the marker, then the segment's length, which counts itself
-    return True
-
-
-# EXIF orientation -> the turns that make the stored image upright, as PIL's exif_transpose
-# does: (quarter turns counter-clockwise, then mirror left-right).
-UPRIGHT_TURNS = {1: (0, False), 2: (0, True), 3: (2, False), 4: (2, True),
-                 5: (3, True), 6: (3, False), 7: (1, True), 8: (1, False)}
-
-
-def upright(image: torch.Tensor | None, tag: int) -> torch.Tensor | None:
-    """A decoded CHW image turned as its EXIF orientation `tag` says (`open_rgb` does the same on the CPU)."""
-    if image is None:
-        return None
-    turns, mirror = UPRIGHT_TURNS.get(tag, (0, False))
-    image = torch.rot90(image, turns, dims=(-2, -1)) if turns else image
-    return image.flip(-1) if mirror else image
+def upright_or_none(image: torch.Tensor | None, tag: int) -> torch.Tensor | None:
+    """`upright`, passing over an image that did not decode (None)."""
+    return None if image is None else upright(image, tag)
 
 
 def decode_other(device: torch.device, data: torch.Tensor) -> torch.Tensor | None:
     """An image that is not a JPEG, decoded on the CPU (`prefect_ddp.tasks.data.dataset.decoded`) and moved to `device`."""
     image = decoded(data.numpy().tobytes(), None)
-    return None if image is None else v2.functional.pil_to_tensor(image).to(device)
+    return image.to(device) if isinstance(image, torch.Tensor) else None
 
 
 # The steps of a loader's transform (prefect_ddp.tasks.data.dataset) by where the device path runs
@@ -264,15 +231,17 @@ def with_sized_stand_ins(images: list[Sized | None], blank: Callable[[], Sized])
 
 
 class ToDevice:
-    """Moves (and, for encoded batches, decodes and transforms) a loader's batches onto `device`.
+    """Moves a loader's batches onto `device` and finishes them there: a uint8 batch is converted
+    and normalised (the transform's DEVICE_STEPS, prefect_ddp.tasks.data.loader_steps), an encoded
+    one decoded and transformed whole (`BatchTransform`).
 
     Args:
         device: the rank's device.
         channels_last: lay images out channels-last, to match a model converted with
             `model.to(memory_format=torch.channels_last)` (faster convolutions on tensor cores).
-        transform: for encoded batches, the loader's transform (`train_transform`,
-            `eval_transform`) to run on the device after decoding, on the whole batch
-            (`BatchTransform`). None: batches arrive decoded.
+        transform: the loader's transform (`train_transform`, `eval_transform`), whose steps from
+            the float conversion on run here on a uint8 batch, and all of which run on an encoded
+            one. None: batches arrive finished (float), as a loader with the whole transform makes them.
 
     >>> images, labels = ToDevice(torch.device("cpu"))(torch.zeros(2, 3, 8, 8), torch.tensor([0, 1]))
     >>> tuple(images.shape), labels.tolist()
@@ -285,30 +254,50 @@ class ToDevice:
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.transform = transform
         self.batched = None if transform is None else BatchTransform(transform)
+        self.finishing = None if transform is None else device_steps(transform)
 
     def __call__(self, images: torch.Tensor | EncodedBatch, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's images and labels on the device; an encoded image that does not decode is
         left out there: a stand-in labelled `unreadable_label(position)` takes its place."""
+        if isinstance(images, EncodedBatch):
+            return self.decoded(images, labels)
+        finishing = self.finishing
+        if (finishing is None) != images.is_floating_point():
+            raise TypeError(f"ToDevice got a batch of {images.dtype} images {'without' if finishing is None else 'with'} "
+                            "a transform to finish them: give it the loader's transform for uint8 batches "
+                            "(loader_steps' output), none for batches the loader finished.")
+        # Copied without blocking: a blocking copy would first wait for all the work queued on the
+        # device (the previous step), which this batch's work could otherwise overlap.
+        moved = images.to(self.device, non_blocking=True, memory_format=self.memory_format)
+        labels = labels.to(self.device, non_blocking=True)
+        if finishing is None:
+            return moved, labels
+        return finished_on_device(moved, finishing).contiguous(memory_format=self.memory_format), labels
+
+    def decoded(self, images: EncodedBatch, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An encoded batch decoded, transformed and stacked on the device (module docstring)."""
         batched = self.batched
         if batched is None:
-            if isinstance(images, EncodedBatch):
-                raise TypeError("ToDevice got a batch of encoded images but has no transform to run after "
-                                "decoding them: give it the loader's transform (decode_on='device').")
-            return (images.to(self.device, non_blocking=True, memory_format=self.memory_format),
-                    labels.to(self.device, non_blocking=True))
-        if not isinstance(images, EncodedBatch):
-            raise TypeError(f"ToDevice has a transform to run after decoding, so it takes encoded batches "
-                            f"(encoded_collate's); got a {type(images).__name__}: give it no transform "
-                            "for a loader that decodes.")
+            raise TypeError("ToDevice got a batch of encoded images but has no transform to run after "
+                            "decoding them: give it the loader's transform (decode_on='device').")
         sized = [None if image is None else batched.sized(image) for image in decode_on(self.device, images.data)]
         kept_labels = [label if image is not None else unreadable_label(position)
                        for image, label, position in zip(sized, labels.tolist(), images.positions.tolist())]
         ready = with_sized_stand_ins(sized, lambda: batched.sized(self.blank()))
-        # Copied without blocking: a blocking copy would first wait for all the work queued on the
-        # device (the previous step), which this batch's work could otherwise overlap.
         return (batched.finished(ready, self.memory_format),
                 torch.tensor(kept_labels).to(self.device, non_blocking=True))
 
     def blank(self) -> torch.Tensor:
         """The black image `prefect_ddp.tasks.data.dataset.blank_image` starts from, decoded on the device."""
         return torch.zeros(3, BLANK_SIDE, BLANK_SIDE, dtype=torch.uint8, device=self.device)
+
+
+def finished_on_device(batch: torch.Tensor, steps: list[Any]) -> torch.Tensor:
+    """A uint8 batch through a transform's DEVICE_STEPS: the conversion and normalisation at once
+    on the batch, RandomErasing image by image (it erases one box in every image of a batch given whole)."""
+    for step in steps:
+        if isinstance(step, v2.RandomErasing):
+            batch = torch.stack([step(image) for image in batch])
+        else:
+            batch = step(batch)
+    return batch

@@ -29,6 +29,7 @@ from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.device_batches import encoded_collate
 from prefect_ddp.tasks.data.epoch_ahead import EpochAhead
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
+from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps
 from prefect_ddp.tasks.data.loader_leftovers import remove_dead_loader_folders
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
@@ -98,10 +99,12 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
 
     # decode_on="device": the loaders hand over encoded images (no transform); the rank
     # decodes and transforms them (the recipe's batch_inputs).
+    # Otherwise they decode and run the transform's uint8 steps, and the rank converts and
+    # normalises the batch on its device (prefect_ddp.tasks.data.loader_steps).
     on_device = cfg.decode_on == "device"
-    train_tf = None if on_device else train_transform_for(cfg, preprocessing)
-    val_tf = None if on_device else eval_transform(cfg.image_size, preprocessing)
-    collate: dict[str, Any] = {"collate_fn": encoded_collate} if on_device else {}
+    train_tf = None if on_device else loader_steps(train_transform_for(cfg, preprocessing))
+    val_tf = None if on_device else loader_steps(eval_transform(cfg.image_size, preprocessing))
+    collate: dict[str, Any] = {"collate_fn": encoded_collate if on_device else collate_images}
     val_set = dataset(split.val, val_tf)
     chosen = loader_workers(cfg)
     workers = chosen.workers

@@ -46,6 +46,7 @@ from prefect_ddp.tasks.data.dataset import (
     with_stand_ins,
 )
 from prefect_ddp.tasks.data.device_batches import EncodedBatch, encoded_collate
+from prefect_ddp.tasks.data.loader_steps import LoaderSteps, collate_images
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.object_reads import fetch_objects, object_read_options
 from prefect_ddp.tasks.data.shard_writer import (
@@ -174,7 +175,10 @@ class ShardDataset(IterableDataset[tuple[torch.Tensor | EncodedBatch, torch.Tens
         self.ahead = max(1, min(MAX_AHEAD, AHEAD_BYTES // max(index.bytes)))
         self.storage_options = {**object_read_options(folder, storage_options, self.ahead), "skip_instance_cache": True}
         self.transform = transform
-        self.collate = default_collate if transform else encoded_collate
+        # The loaders' uint8 images stack channels-last; another transform's output as torch stacks it.
+        self.collate: Callable[[Any], tuple[torch.Tensor | EncodedBatch, torch.Tensor]] = (
+            encoded_collate if transform is None else collate_images if isinstance(transform, LoaderSteps)
+            else default_collate)
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.loader_workers = max(1, loader_workers)

@@ -18,6 +18,7 @@ from torch import nn
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.dataset import eval_transform, train_transform_for
 from prefect_ddp.tasks.data.device_batches import ToDevice
+from prefect_ddp.tasks.data.loader_steps import loader_steps
 from prefect_ddp.tasks.data.loaders import RankData, rank_data
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.gang import RankContext
@@ -53,11 +54,11 @@ def autocast_dtype(cfg: TrainingConfig, device: torch.device, log: Any) -> torch
 
 
 def batch_inputs(cfg: TrainingConfig, preprocessing: Preprocessing, device: torch.device) -> tuple[ToDevice, ToDevice]:
-    """How train and val batches reach the device: copied as decoded, or decoded and transformed there."""
+    """How train and val batches reach the device and are finished there: uint8 batches converted
+    and normalised, encoded ones (decode_on="device") decoded and transformed whole."""
     channels_last = cfg.channels_last and device.type == "cuda"
-    on_device = cfg.decode_on == "device"
-    return (ToDevice(device, channels_last, train_transform_for(cfg, preprocessing) if on_device else None),
-            ToDevice(device, channels_last, eval_transform(cfg.image_size, preprocessing) if on_device else None))
+    return (ToDevice(device, channels_last, train_transform_for(cfg, preprocessing)),
+            ToDevice(device, channels_last, eval_transform(cfg.image_size, preprocessing)))
 
 
 @dataclass
@@ -140,4 +141,4 @@ def decode_probe(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> D
             return []
         return [image for image in images if image]
 
-    return DecodeProbe(fetch, cfg.image_size, train_transform_for(cfg, job.preprocessing))
+    return DecodeProbe(fetch, cfg.image_size, loader_steps(train_transform_for(cfg, job.preprocessing)))

@@ -1,0 +1,159 @@
+"""uint8 batches: the loaders decode (torchvision's decode_jpeg where PIL's would decode at full
+size), crop and flip on uint8; the rank converts and normalises. The pixels are today's.
+
+Unit tier (no processes) but for the last test, which runs a real loader process.
+"""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+from torchvision.transforms import v2
+
+from prefect_ddp.tasks.data.dataset import (
+    S3ImageFolder,
+    blank_image,
+    eval_transform,
+    forked_workers,
+    prepare,
+    train_transform,
+)
+from prefect_ddp.tasks.data.decoding import decoded_tensor, jpeg_header, open_rgb
+from prefect_ddp.tasks.data.device_batches import ToDevice
+from prefect_ddp.tasks.data.loader_steps import collate_images, device_steps, loader_steps
+from prefect_ddp.tasks.data.preprocessing import Preprocessing
+
+CPU = torch.device("cpu")
+
+
+def photo(width: int, height: int, seed: int, mode: str = "RGB", orientation: int = 1, xmp: bool = False,
+          **save: object) -> bytes:
+    """A photo-like JPEG (a ramp under grain, red top left) in `mode`, tagged with `orientation`
+    in EXIF, or in XMP alone where `xmp`."""
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0, 200, width)[None, :, None] * np.linspace(0.3, 1, height)[:, None, None]
+    pixels = (ramp + rng.integers(0, 56, (height, width, 3))).astype(np.uint8)
+    pixels[: height // 4, : width // 4] = (255, 0, 0)
+    image, buffer = Image.fromarray(pixels).convert(mode), io.BytesIO()
+    if xmp:
+        save["xmp"] = f'<x:xmpmeta><rdf:Description tiff:Orientation="{orientation}"/></x:xmpmeta>'.encode()
+    elif orientation != 1:
+        exif = image.getexif()
+        exif[0x0112] = orientation
+        save["exif"] = exif
+    image.save(buffer, "JPEG", quality=90, **save)
+    return buffer.getvalue()
+
+
+def png(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+# Every kind of image a bucket holds, each where the two decoders part ways: EXIF tags in both
+# places, grey and CMYK, progressive, 4:4:4, a PNG, and one large enough for a reduced-size decode.
+IMAGES = {
+    **{f"exif {tag}": photo(120, 90, tag, orientation=tag) for tag in range(1, 9)},
+    "xmp 6": photo(120, 90, 9, orientation=6, xmp=True),
+    "grey": photo(120, 90, 10, mode="L"),
+    "cmyk": photo(120, 90, 11, mode="CMYK"),
+    "progressive": photo(120, 90, 12, progressive=True),
+    "4:4:4": photo(120, 90, 13, subsampling=0),
+    "png": png(120, 90),
+    "reduced": photo(400, 300, 14),
+}
+
+
+def todays(data: bytes, transform: v2.Compose) -> torch.Tensor:
+    """The image as the loaders made it before uint8 batches: `open_rgb`'s PIL image through the whole transform."""
+    return transform(open_rgb(data, transform.decode_side))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", IMAGES)
+def test_decoded_tensor_has_open_rgbs_pixels(name):
+    data = IMAGES[name]
+    for side in (None, 32, 96):
+        expected = torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
+        assert torch.equal(decoded_tensor(data, side), expected), (name, side)
+
+
+@pytest.mark.unit
+def test_which_decoder_takes_an_image_is_read_from_its_header():
+    assert jpeg_header(IMAGES["exif 1"]) == (((120, 90), 3, False))
+    assert jpeg_header(IMAGES["exif 6"]).app1 and jpeg_header(IMAGES["xmp 6"]).app1
+    assert jpeg_header(IMAGES["grey"]).components == 1 and jpeg_header(IMAGES["cmyk"]).components == 4
+    assert jpeg_header(IMAGES["progressive"]).size == (120, 90)
+    assert jpeg_header(IMAGES["png"]) is None and jpeg_header(b"\xff\xd8\xff") is None
+    assert jpeg_header(b"\xff\xd8\xff\xff" + IMAGES["exif 1"][3:]) is None  # fill bytes: left to PIL
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("trivial_augment", [False, True])
+@pytest.mark.parametrize("make", [train_transform, eval_transform], ids=["train", "eval"])
+def test_a_uint8_batch_finished_on_the_device_is_todays_batch(make, trivial_augment):
+    transform = (train_transform(48, Preprocessing(), trivial_augment=True) if trivial_augment and make is train_transform
+                 else make(48))
+    torch.manual_seed(0)
+    expected = torch.stack([todays(data, transform) for data in IMAGES.values()])
+    torch.manual_seed(0)  # the same draws: the loader's steps draw as the whole transform does
+    steps = loader_steps(transform)
+    images, labels = collate_images([prepare(data, 7, at, steps) for at, data in enumerate(IMAGES.values())])
+    assert images.dtype == torch.uint8 and images.is_contiguous(memory_format=torch.channels_last)
+    finished, moved_labels = ToDevice(CPU, channels_last=True, transform=transform)(images, labels)
+    assert torch.equal(finished, expected)  # exactly: same decode, crop, resize, flip and normalisation
+    assert finished.is_contiguous(memory_format=torch.channels_last) and moved_labels.tolist() == [7] * len(IMAGES)
+
+
+@pytest.mark.unit
+def test_random_erasing_runs_on_the_device_on_the_normalised_batch():
+    transform = train_transform(32, random_erasing=1.0)
+    assert [type(step).__name__ for step in device_steps(transform)] == ["ToDtype", "Normalize", "RandomErasing"]
+    images, labels = collate_images([prepare(IMAGES["exif 1"], 0, 0, loader_steps(transform))] * 4)
+    finished, _ = ToDevice(CPU, transform=transform)(images, labels)
+    unerased = v2.Compose(device_steps(transform)[:2])(images)
+    erased = (finished != unerased).any(dim=1)  # each image has a box of its own, set to 0
+    assert all(erased[i].any() for i in range(4)) and (finished[~erased.unsqueeze(1).expand_as(finished)] ==
+                                                       unerased[~erased.unsqueeze(1).expand_as(unerased)]).all()
+    assert not all(torch.equal(erased[0], erased[i]) for i in range(1, 4))
+
+
+@pytest.mark.unit
+def test_stand_ins_and_other_transforms_keep_their_inputs():
+    steps = loader_steps(eval_transform(32))
+    blank = blank_image(steps)  # the stand-in for a batch of unreadable images: uint8, as its batch
+    assert blank.dtype == torch.uint8 and blank.shape == (3, 32, 32) and not blank.any()
+    as_pil = v2.Compose([v2.PILToTensor()])  # not the project's transform: given the PIL image it was written for
+    assert isinstance(blank_image(lambda image: image), Image.Image)
+    image, label = prepare(IMAGES["exif 6"], 3, 0, as_pil)
+    assert image.shape == (3, 120, 90) and label == 3
+
+
+@pytest.mark.unit
+def test_finishing_refuses_a_batch_it_cannot_finish():
+    finished = torch.zeros(2, 3, 16, 16)
+    with pytest.raises(TypeError, match="float32 images with a transform"):
+        ToDevice(CPU, transform=eval_transform(16))(finished, torch.tensor([0, 1]))
+    with pytest.raises(TypeError, match="uint8 images without a transform"):
+        ToDevice(CPU)(finished.to(torch.uint8), torch.tensor([0, 1]))
+    with pytest.raises(TypeError, match="must come last"):
+        loader_steps(type(eval_transform(16))([v2.ToDtype(torch.float32, scale=True), v2.CenterCrop(8)], 8))
+
+
+def test_a_loader_process_hands_over_uint8_batches_in_shared_memory(tmp_path):
+    folder = tmp_path / "images"
+    (folder / "a").mkdir(parents=True)
+    for name, data in IMAGES.items():
+        (folder / "a" / f"{name}.jpg").write_bytes(data)
+    keys = [f"a/{name}.jpg" for name in IMAGES]
+    transform = eval_transform(32)
+    dataset = S3ImageFolder(str(folder), keys, [0] * len(keys), {}, loader_steps(transform))
+    loader = DataLoader(dataset, batch_size=len(keys), num_workers=1, collate_fn=collate_images, **forked_workers())
+    images, labels = next(iter(loader))
+    assert images.dtype == torch.uint8 and images.is_contiguous(memory_format=torch.channels_last)
+    finished, _ = ToDevice(CPU, transform=transform)(images, labels)
+    assert torch.equal(finished, torch.stack([todays(data, transform) for data in IMAGES.values()]))
