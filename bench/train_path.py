@@ -15,8 +15,10 @@ bytes into batches of 32 224-px training samples as its users get them, on one t
   ToDtype(float32, scale=True), Normalize(ImageNet), collated by `default_collate` (a
   `torch.stack` of the float32 images): a float32 NCHW batch, normalised;
 - new: the project's loader path now: `prepare(data, label, position, loader_steps(train_transform(224)))`
-  per image and `collate_images` (prefect_ddp.tasks.data.dataset): a uint8 NCHW (channels-last)
-  batch, normalised later on the device. Switched off, saying why, where that API is missing;
+  per image (prefect_ddp.tasks.data.dataset; `decoded_tensor`: torchvision's `decode_jpeg` where
+  PIL would decode at full size, `open_rgb` where libjpeg's reduced-size decode applies) and
+  `collate_images` (prefect_ddp.tasks.data.loader_steps): a uint8 NCHW (channels-last) batch,
+  converted and normalised later on the rank's device. Switched off, saying why, where that API is missing;
 - torchvision: torchvision's reference recipe (references/classification/presets.py,
   `ClassificationPresetTrain` as its train.py builds it by default: crop 224, PIL backend,
   v1 transforms): `pil_loader` (PIL open and convert("RGB"), a full decode), RandomResizedCrop(224)
@@ -124,12 +126,8 @@ def today(datas: list[bytes], labels: list[int]) -> Batch:
 def new_variant() -> Variant | str:
     """The project's new path, or why it cannot run."""
     try:
-        from prefect_ddp.tasks.data.dataset import (  # noqa: PLC0415 - the API this bench waits for
-            collate_images,
-            loader_steps,
-            prepare,
-            train_transform,
-        )
+        from prefect_ddp.tasks.data.dataset import prepare, train_transform  # noqa: PLC0415
+        from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps  # noqa: PLC0415
     except ImportError as error:
         return f"the new loader path is not in this checkout ({error})"
     steps = loader_steps(train_transform(SIDE))
