@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import glob
 import multiprocessing
+import sys
+import threading
+import time
+import traceback
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -265,3 +269,60 @@ def test_reads_still_queued_when_the_limit_passes_time_out_like_the_running_one(
     finally:
         stalled.set()
     assert {path: type(outcome) for path, outcome in fetched.items()} == dict.fromkeys(paths, TimeoutError)
+
+
+def test_a_stalled_get_gives_back_its_thread_once_its_call_timed_out(image_location, odd_objects, front):
+    """obstore's GETs run on threads, which cannot be cancelled at the call's limit as a coroutine
+    was: obstore ends each request `timeout_s` after it started, so a stalled store holds no
+    thread (nor connection) for long, and later calls are not starved of threads."""
+    location = block_copy(image_location, endpoint_url=front.endpoint)
+    path = next(iter(odd_objects))
+    front.stall_gets("*", seconds=30)
+    started = time.monotonic()
+    fetched = fetch_objects(read_fs(location), [path], batch_size=1, attempts=1, timeout_s=1)
+    assert isinstance(fetched[path], TimeoutError)
+    assert wait_until(lambda: not reads_running(), timeout_s=20), "the stalled GET still holds its thread"
+    assert time.monotonic() - started < 30  # ended by obstore's timeout, not by the front's stall
+    front.clear()
+    assert fetch_objects(read_fs(location), [path], batch_size=1, attempts=1, timeout_s=10)[path] == odd_objects[path]
+
+
+def reads_running() -> bool:
+    """Whether a thread of this process's read pool is inside an obstore GET (its innermost frame)."""
+    frames = sys._current_frames()
+    return any(thread.name.startswith("object-read") and "obstore.get(" in traceback.format_stack(frames[thread.ident])[-1]
+               for thread in threading.enumerate() if thread.ident in frames)
+
+
+def wait_until(done, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        time.sleep(0.1)
+    return done()
+
+
+@pytest.mark.unit
+def test_no_read_starts_once_the_limit_has_passed():
+    started_late = []
+    deadline_at = []
+
+    class Slow(MemoryFileSystem):
+        protocol = "slow"
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            if deadline_at and time.monotonic() > deadline_at[0]:
+                started_late.append(path)
+            time.sleep(0.05)
+            return super().cat_file(path, start, end, **kwargs)
+
+    slow = Slow()
+    paths = [f"/slow/{n}.jpg" for n in range(40)]
+    slow.pipe({path: b"image" for path in paths})
+    deadline_at.append(time.monotonic() + 0.3)
+    fetched = fetch_objects(slow, paths, batch_size=2, attempts=1, timeout_s=0.3)
+    assert any(isinstance(outcome, bytes) for outcome in fetched.values())
+    assert any(isinstance(outcome, TimeoutError) for outcome in fetched.values())
+    time.sleep(0.2)  # the reads running at the limit finish; none may have started after it
+    assert started_late == []

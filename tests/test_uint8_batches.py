@@ -66,6 +66,10 @@ IMAGES = {
     "png": png(120, 90),
     "reduced": photo(400, 300, 14),
 }
+# Cut short and padded with zeros, no end marker: libjpeg warns, torchvision refuses, PIL (and so
+# decode-check) decodes it, the missing rows grey. The loaders must decide as decode-check did.
+_WHOLE = photo(120, 90, 15)
+IMAGES["padded"] = _WHOLE[:len(_WHOLE) * 9 // 10] + bytes(4096)
 
 
 def todays(data: bytes, transform: v2.Compose) -> torch.Tensor:
@@ -80,6 +84,15 @@ def test_decoded_tensor_has_open_rgbs_pixels(name):
     for side in (None, 32, 96):
         expected = torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
         assert torch.equal(decoded_tensor(data, side), expected), (name, side)
+
+
+@pytest.mark.unit
+def test_an_image_past_pils_decompression_bomb_limit_is_refused_as_open_rgb_refuses_it(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 120 * 90 // 3)  # the photo is past twice the limit
+    with pytest.raises(Image.DecompressionBombError):
+        open_rgb(IMAGES["exif 1"])
+    with pytest.raises(Image.DecompressionBombError):
+        decoded_tensor(IMAGES["exif 1"])
 
 
 @pytest.mark.unit

@@ -115,8 +115,10 @@ def decoded_tensor(data: bytes, side: int | None = None) -> torch.Tensor:
     A colour or grey JPEG that `open_rgb` would decode at full size is decoded by torchvision's
     `decode_jpeg` straight into the tensor, its EXIF orientation applied: the same libjpeg-turbo
     decode, without PIL's four bytes a pixel and the copy to a tensor (bench/RESULTS.md, "The
-    train path per image"). Others (a JPEG for a reduced-size decode, CMYK, PNG, 16-bit) go
-    through `open_rgb`. Raises as `open_rgb` does for an image that does not decode.
+    train path per image"). Others (a JPEG for a reduced-size decode, CMYK, PNG, 16-bit, one
+    past PIL's decompression-bomb limit) go through `open_rgb`, and so does a JPEG torchvision
+    refuses (its data cut short and padded, which libjpeg only warns of): `open_rgb`, decode-check's
+    decoder, decides whether it decodes, so training and decode-check agree. Raises as `open_rgb` does.
 
     >>> buffer = io.BytesIO()
     >>> Image.new("RGB", (40, 30), (255, 0, 0)).save(buffer, "JPEG")
@@ -125,10 +127,22 @@ def decoded_tensor(data: bytes, side: int | None = None) -> torch.Tensor:
     ((3, 30, 40), torch.uint8, True)
     """
     header = jpeg_header(data)
-    if header and header.size and header.components in (1, 3) and not reduces(header.size, side):
-        image: torch.Tensor = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        return upright(image, exif_orientation(data)) if header.app1 else image
+    if header and header.size and header.components in (1, 3) and not reduces(header.size, side) \
+            and within_pil_limit(header.size):
+        try:
+            image: torch.Tensor = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                                              mode=ImageReadMode.RGB)
+        except RuntimeError:  # libjpeg's complaints torchvision raises and PIL passes over: open_rgb decides
+            pass
+        else:
+            return upright(image, exif_orientation(data)) if header.app1 else image
     return torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
+
+
+def within_pil_limit(size: tuple[int, int]) -> bool:
+    """Whether an image of `size` is within PIL's decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`):
+    one beyond it goes to `open_rgb`, which refuses it as decode-check does."""
+    return Image.MAX_IMAGE_PIXELS is None or size[0] * size[1] <= Image.MAX_IMAGE_PIXELS
 
 
 def exif_orientation(data: bytes) -> int:

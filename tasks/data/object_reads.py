@@ -50,7 +50,7 @@ OBSTORE_CONFIG_KWARGS = {"retries", "max_pool_connections"}
 OBSTORE_RETRIES = {"total_max_attempts", "max_attempts"}
 
 logger = logging.getLogger(__name__)
-_stores: dict[tuple[str, str], S3Store] = {}  # (options as JSON, bucket) -> store
+_stores: dict[tuple[str, str, timedelta], S3Store] = {}  # (options as JSON, bucket, request timeout) -> store
 _stores_lock = threading.Lock()
 # The process that started obstore's runtime (tokio's), inherited by forked children.
 _runtime_pid: int | None = None
@@ -120,7 +120,7 @@ def fetch_objects(
             "at least 1."
         )
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    read = _reader(fs, keep_fork_safe)
+    read = _reader(fs, keep_fork_safe, timeout_s)
     results: dict[str, bytes | Exception] = {}
     pending = list(dict.fromkeys(paths))
     for attempt in range(attempts):
@@ -211,7 +211,7 @@ def _settings(options_json: str) -> dict[str, Any] | None:
     return obstore_settings(json.loads(options_json))
 
 
-def _reader(fs: AbstractFileSystem, keep_fork_safe: bool) -> Read:
+def _reader(fs: AbstractFileSystem, keep_fork_safe: bool, timeout_s: float | None) -> Read:
     """How `_fetch_once` reads one path of `fs`: obstore's blocking GET, run on this process's
     read threads; s3fs's on its event loop; `cat_file` in threads for a filesystem that is not async.
 
@@ -223,6 +223,7 @@ def _reader(fs: AbstractFileSystem, keep_fork_safe: bool) -> Read:
     options_json = None if keep_fork_safe else _obstore_options(fs)
     if options_json is None:
         return Read(on_loop=fs._cat_file)
+    timeout = OBSTORE_REQUEST_TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s)
 
     def read(path: str) -> bytes:
         bucket, _, key = fs._strip_protocol(path).partition("/")
@@ -230,7 +231,7 @@ def _reader(fs: AbstractFileSystem, keep_fork_safe: bool) -> Read:
             cat: bytes = fs.cat_file(path)
             return cat
         try:
-            return bytes(obstore.get(_store(options_json, bucket), key).bytes())
+            return bytes(obstore.get(_store(options_json, bucket, timeout), key).bytes())
         except (PermissionDeniedError, UnauthenticatedError) as exc:  # as s3fs maps a 403
             raise PermissionError(str(exc)) from exc
 
@@ -279,19 +280,21 @@ def _obstore_can_name(key: str) -> bool:
     )
 
 
-def _store(options_json: str, bucket: str) -> S3Store:
-    """This process's store for `bucket` with these options, made on first use.
+def _store(options_json: str, bucket: str, timeout: timedelta = OBSTORE_REQUEST_TIMEOUT) -> S3Store:
+    """This process's store for `bucket` with these options, each request ended by obstore after
+    `timeout`, made on first use.
 
     Made lazily, in the process that uses it: a store made before a fork is no use after it.
     """
     global _runtime_pid
     with _stores_lock:
-        if (options_json, bucket) not in _stores:
+        if (options_json, bucket, timeout) not in _stores:
             settings = _settings(options_json)
             assert settings is not None  # options_json comes from _obstore_options, which checked it
-            _stores[options_json, bucket] = S3Store(bucket, **settings)
+            client_options = {**settings["client_options"], "timeout": timeout}
+            _stores[options_json, bucket, timeout] = S3Store(bucket, **{**settings, "client_options": client_options})
             _runtime_pid = os.getpid()
-        return _stores[options_json, bucket]
+        return _stores[options_json, bucket, timeout]
 
 
 def _passed(deadline: float | None) -> bool:
@@ -373,16 +376,14 @@ def _read_in_threads(
     pool, waiting = _read_pool(), iter(paths)
     futures: dict[str, Future[bytes]] = {}
     running: set[Future[bytes]] = set()
-    while True:
+    while not _passed(deadline):
         for path in islice(waiting, batch_size - len(running)):
             futures[path] = pool.submit(read, path)
             running.add(futures[path])
         if not running:
             break
         left = None if deadline is None else deadline - time.monotonic()
-        done, running = wait(running, timeout=None if left is None else max(0.0, left), return_when=FIRST_COMPLETED)
-        if not done:  # the deadline passed
-            break
+        running = wait(running, timeout=None if left is None else max(0.0, left), return_when=FIRST_COMPLETED)[1]
     return {path: _outcome(futures[path]) if path in futures else
             TimeoutError("not started before the time limit: the fetches before it took it all") for path in paths}
 
