@@ -42,6 +42,11 @@ DEFAULT_REQUEST_ATTEMPTS = 5
 OBSTORE_READ_TIMEOUT = timedelta(seconds=60)
 OBSTORE_REQUEST_TIMEOUT = timedelta(days=1)
 CREDENTIALS_TTL = timedelta(minutes=5)  # botocore renews credentials 10-15 minutes before they expire
+# Worker threads of obstore's runtime (tokio's, TOKIO_WORKER_THREADS) in each process that reads with it,
+# where the environment names none. Tokio's default is a thread per CPU the process may run on: each
+# loader process of a 384-CPU host started 384, some 200,000 on an 8-GPU host. Its GETs wait on the
+# network; at ~0.2 ms of CPU each (bench/RESULTS.md, "S3 clients"), two threads serve ~10,000 a second.
+OBSTORE_RUNTIME_THREADS = 2
 # The s3fs options obstore can honour (what Location.storage_options and
 # object_read_options produce); any other keeps the reads on s3fs.
 OBSTORE_OPTIONS = {"anon", "key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "max_concurrency"}
@@ -289,6 +294,7 @@ def _store(options_json: str, bucket: str) -> S3Store:
         if (options_json, bucket) not in _stores:
             settings = _settings(options_json)
             assert settings is not None  # options_json comes from _obstore_options, which checked it
+            os.environ.setdefault("TOKIO_WORKER_THREADS", str(OBSTORE_RUNTIME_THREADS))  # read as the runtime starts
             _stores[options_json, bucket] = S3Store(bucket, **settings)
             _runtime_pid = os.getpid()
         return _stores[options_json, bucket]
