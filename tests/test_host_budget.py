@@ -91,18 +91,20 @@ def test_a_gpu_host_s_loaders_stay_within_its_limits(host, image_bytes):
     assert budget.fetches_in_flight >= 1 and budget.loader_processes <= limits.cpus - 1
 
 
-@pytest.mark.parametrize(("host", "processes", "fetches"), [
-    ("64 cores, /dev/shm half of memory, nofile 1024", 7, 24),
-    ("64 cores, /dev/shm 64 MiB, nofile 1024", 0, 256),
-    ("192 cores with SMT, /dev/shm half of memory, nofile 1024", 32, 5),
-    ("192 cores with SMT, /dev/shm 64 MiB, nofile 1048576", 0, 256),
+@pytest.mark.parametrize(("host", "processes", "fetches", "shm_gib", "gets"), [
+    ("64 cores, /dev/shm half of memory, nofile 1024", 112, 24, 34.5, 8064),
+    ("64 cores, /dev/shm 64 MiB, nofile 1024", 0, 256, 0, 6144),
+    ("192 cores with SMT, /dev/shm half of memory, nofile 1024", 512, 5, 149.3, 7680),
+    ("192 cores with SMT, /dev/shm 64 MiB, nofile 1048576", 0, 256, 0, 6144),
 ])
-def test_what_the_budget_decides_on_each_host(host, processes, fetches):
-    """The numbers docs/architecture.md quotes: the cores' loader processes where /dev/shm holds their
-    batches, none where it cannot hold one; as many images fetched at once as the host's GETs in flight
-    leave each batch."""
+def test_what_the_budget_decides_on_each_host(host, processes, fetches, shm_gib, gets):
+    """The numbers docs/architecture.md quotes, for the whole host: the cores' loader processes where
+    /dev/shm holds their batches, none where it cannot hold one; as many images fetched at once as the
+    host's GETs in flight leave each batch."""
     budget = rank_budget(BATCH, HOSTS[host], imagenet(FLOAT32))
-    assert (budget.loader_processes, budget.fetches_in_flight) == (processes, fetches)
+    host_shm = round(RANKS * budget.shm_bytes / GiB, 1)
+    assert (RANKS * LOADERS * budget.loader_processes, budget.fetches_in_flight, host_shm,
+            RANKS * budget.gets_in_flight) == (processes, fetches, shm_gib, gets)
 
 
 @pytest.mark.parametrize("host", HOSTS)
