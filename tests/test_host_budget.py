@@ -3,7 +3,8 @@
 The hosts are simulated by building `HostLimits` by hand, the seam every number is read through;
 the sizing is the project's own, unchanged. Each host is an 8-GPU host whose 8 ranks share it, at
 batch 256 of ImageNet-like images (1,281,167 of 110 kB on average), 224-px crops handed over as
-float32 (today) or uint8 tensors, pinned for CUDA:
+uint8 tensors (the loaders' steps, loader_steps.py) or float32 ones (the whole transform, as before),
+pinned for CUDA:
 
 - 64 cores (64 CPUs, no SMT), 512 GiB of memory;
 - 192 cores with SMT (384 CPUs), 2 TiB;
@@ -45,10 +46,12 @@ MiB, GiB, TiB = 2**20, 2**30, 2**40
 RANKS = 8
 BATCH = TrainingConfig(batch_size=256)
 IMAGENET = [110_000] * 1_281_167  # the stored sizes of ImageNet's training images, on average
-FLOAT32, UINT8 = 3 * 224 * 224 * 4, 3 * 224 * 224  # a 224-px crop handed over, today and soon
-# Linux's default pid_max is 1,024 per CPU (at least 32,768), and every thread takes a pid: a host's
-# loaders may take a thirty-second of that.
-THREADS_PER_CPU = 32
+FLOAT32, UINT8 = 3 * 224 * 224 * 4, 3 * 224 * 224  # a 224-px crop handed over, as before and now
+
+
+def pids(cpus: int) -> int:
+    """Linux's default pid_max: 1,024 per CPU, at least 32,768. Every thread takes a pid."""
+    return max(32_768, 1024 * cpus)
 
 
 def gpu_host(cores: int, memory: int, shm: int, open_files: int) -> HostLimits:
@@ -79,7 +82,7 @@ def assert_within(budget: Budget, limits: HostLimits) -> None:
     assert ranks * budget.memory_bytes <= MEMORY_SHARE * limits.memory_bytes
     assert max(budget.loader_open_files, budget.rank_open_files) <= limits.open_files
     assert ranks * budget.gets_in_flight <= limits.connections == CONNECTIONS_PER_ENDPOINT
-    assert ranks * budget.threads <= THREADS_PER_CPU * limits.affinity
+    assert ranks * budget.threads <= pids(limits.affinity) // 4
 
 
 @pytest.mark.parametrize("image_bytes", [FLOAT32, UINT8], ids=["float32", "uint8"])
@@ -92,16 +95,16 @@ def test_a_gpu_host_s_loaders_stay_within_its_limits(host, image_bytes):
 
 
 @pytest.mark.parametrize(("host", "processes", "fetches", "shm_gib", "gets"), [
-    ("64 cores, /dev/shm half of memory, nofile 1024", 112, 24, 34.5, 8064),
+    ("64 cores, /dev/shm half of memory, nofile 1024", 112, 24, 8.6, 8064),
     ("64 cores, /dev/shm 64 MiB, nofile 1024", 0, 256, 0, 6144),
-    ("192 cores with SMT, /dev/shm half of memory, nofile 1024", 512, 5, 149.3, 7680),
+    ("192 cores with SMT, /dev/shm half of memory, nofile 1024", 512, 5, 37.3, 7680),
     ("192 cores with SMT, /dev/shm 64 MiB, nofile 1048576", 0, 256, 0, 6144),
 ])
 def test_what_the_budget_decides_on_each_host(host, processes, fetches, shm_gib, gets):
     """The numbers docs/architecture.md quotes, for the whole host: the cores' loader processes where
     /dev/shm holds their batches, none where it cannot hold one; as many images fetched at once as the
     host's GETs in flight leave each batch."""
-    budget = rank_budget(BATCH, HOSTS[host], imagenet(FLOAT32))
+    budget = rank_budget(BATCH, HOSTS[host], imagenet(UINT8))
     host_shm = round(RANKS * budget.shm_bytes / GiB, 1)
     assert (RANKS * LOADERS * budget.loader_processes, budget.fetches_in_flight, host_shm,
             RANKS * budget.gets_in_flight) == (processes, fetches, shm_gib, gets)
@@ -114,7 +117,7 @@ def test_the_cores_alone_are_past_a_limit_of_every_gpu_host_and_a_setting_past_o
     limits = HOSTS[host]
     cores_only = min(32, limits.cpus - 1)
     cfg = BATCH.model_copy(update={"num_workers": cores_only, "fetch_threads": BATCH.batch_size})
-    budget = rank_budget(cfg, limits, imagenet(FLOAT32))
+    budget = rank_budget(cfg, limits, imagenet(UINT8))
     assert (budget.loader_processes, budget.fetches_in_flight, budget.cuts) == (cores_only, 256, ())
     assert RANKS * budget.gets_in_flight > CONNECTIONS_PER_ENDPOINT
     assert any(warning.startswith("training.fetch_threads=256 is past a limit of this host: this host keeps at "
@@ -155,11 +158,11 @@ def cut_by(limits: HostLimits, load: LoaderLoad, cfg: TrainingConfig = BATCH) ->
 def test_each_limit_that_cuts_a_number_says_so_with_its_value():
     host = HOSTS["64 cores, /dev/shm half of memory, nofile 1024"]
     # /dev/shm: Docker's default holds no batch of 256 224-px images.
-    [shm] = cut_by(dataclasses.replace(host, shm_bytes=64 * MiB), imagenet(FLOAT32))
+    [shm] = cut_by(dataclasses.replace(host, shm_bytes=64 * MiB), imagenet(UINT8))
     assert shm.startswith("Loader processes 0, not 7: /dev/shm holds 64 MiB for the 8 rank(s) on this host")
     assert shm.endswith("give the host (a container: docker run --shm-size) a larger /dev/shm for more")
     # Connections: 14 loader processes of batch 256 at once would keep 10,752 GETs in flight per rank.
-    [connections] = cut_by(host, imagenet(FLOAT32))
+    [connections] = cut_by(host, imagenet(UINT8))
     assert connections.startswith("Images fetched at once per batch 24, not 256: this host keeps at most 8192 GETs "
                                   "in flight per storage endpoint (host_budget.CONNECTIONS_PER_ENDPOINT), 1024 for "
                                   "each of its 8 rank(s), which the rank's 14 loader processes")
@@ -172,14 +175,14 @@ def test_each_limit_that_cuts_a_number_says_so_with_its_value():
     assert cut_by(dataclasses.replace(host, open_files=1_048_576), encoded)[0].startswith(
         "Images fetched at once per batch")  # the GETs in flight alone
     # Memory: camera photos of 5 MB, three batches of them fetched ahead in each loader process.
-    photos = LoaderLoad.of(BATCH, [5_000_000] * 100_000, FLOAT32, pinned=True)
+    photos = LoaderLoad.of(BATCH, [5_000_000] * 100_000, UINT8, pinned=True)
     memory = [sentence for sentence in cut_by(host, photos) if "memory is" in sentence]
-    assert memory[0].startswith("Loader processes 3, not 7: the host's memory is 512 GiB for the 8 rank(s)")
+    assert memory[0].startswith("Loader processes 4, not 7: the host's memory is 512 GiB for the 8 rank(s)")
     # Open files of a loader process: a batch of 512 fetched at once holds 1,536 sockets (one rank, one
     # loader process per loader: its GETs in flight fit the host's).
     one_rank = dataclasses.replace(host, cpus=2, ranks=1)
     large = BATCH.model_copy(update={"batch_size": 512})
-    [sockets] = cut_by(one_rank, imagenet(FLOAT32, large), large)
+    [sockets] = cut_by(one_rank, imagenet(UINT8, large), large)
     assert sockets.startswith("Images fetched at once per batch 318, not 512: a process may open 1024 files "
                               "(RLIMIT_NOFILE), and each loader process holds a socket per image in flight")
 

@@ -3,10 +3,11 @@
 
 The cores-only default (a loader process per CPU of the rank's share less one, at most 32; a batch's
 images all fetched at once) grew with the host's cores and nothing else. Sized that way, an 8-GPU host
-of 192 cores (384 CPUs with SMT) at batch 256 ran 512 loader processes holding 147 GiB of /dev/shm while
-the next epoch started during validation, and had 197,000 GETs in flight at an epoch's start, far past
-the ~28,000 ephemeral ports a host has towards one endpoint address; each loader process held ~780
-sockets, past the 1,024 open files many hosts allow a process. Here every number starts from that
+of 192 cores (384 CPUs with SMT) at batch 256 ran 512 loader processes holding ~150 GiB of float32
+batches (~37 GiB as uint8) in /dev/shm while the next epoch started during validation, and had 197,000
+GETs in flight at an epoch's start, each on a thread, far past the ~28,000 ephemeral ports a host has
+towards one endpoint address; each loader process held ~780 sockets, past the 1,024 open files many
+hosts allow a process. Here every number starts from that
 default and is cut to what the host's limits leave the rank, its share of each being the host's over
 the ranks on it; a limit that cut says so in a sentence rank 0 logs. A number the run sets
 (training.num_workers, training.fetch_threads) is kept, with a warning where it is past a limit.
@@ -64,8 +65,9 @@ RANK_FILES_PER_LOADER_PROCESS = 3
 # connections in TIME_WAIT. training.fetch_threads sets the images fetched at once per batch past this
 # budget, for a store that takes more.
 CONNECTIONS_PER_ENDPOINT = 8192
-# A loader process's threads: its own, fetch-ahead's (one per batch in flight), fsspec's event loop
-# and obstore's runtime. Reading a local filesystem adds a thread per read in flight.
+# A loader process's threads besides its reads: its own, fetch-ahead's (one per batch in flight), its
+# s3fs instance's event loop and obstore's runtime. Each read in flight takes one more, from the
+# process's read threads (object_reads' `_read_pool`), which stay once started.
 LOADER_PROCESS_THREADS = 1 + BATCHES_AT_ONCE + 1 + OBSTORE_RUNTIME_THREADS
 # Where a container's memory limit is, cgroup v2 and v1: a pod's limit is far below its node's memory.
 CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -186,7 +188,7 @@ class Budget:
     loader_open_files: int  # a loader process's: its sockets and the rest
     rank_open_files: int  # the rank process's: its own, and its loader processes' pipes and batches
     gets_in_flight: int  # both loaders' at once, as the next epoch starts during validation
-    threads: int  # the rank's torch threads and its loader processes' threads (reading S3)
+    threads: int  # the rank's torch threads, its loader processes' threads and a thread per read in flight
     cpus: int  # the rank's share of its host's CPUs, which the loader processes' default follows
     why: str  # how the cores-only default came about, or that the run set it
     cuts: tuple[str, ...]  # one sentence per limit that cut a number below its cores-only value
@@ -225,14 +227,15 @@ def rank_budget(cfg: TrainingConfig, limits: HostLimits, load: LoaderLoad) -> Bu
         warnings += past(f"training.fetch_threads={cfg.fetch_threads}", fetches, fetch_bounds)
     batches = live_batches(workers) * load.batch_bytes
     shm, pinned = (batches if workers else 0), (batches if load.pinned else 0)
+    gets = reading_processes(workers) * BATCHES_AT_ONCE * fetches
     return Budget(
         loader_processes=workers, fetches_in_flight=fetches, shm_bytes=shm, pinned_bytes=pinned,
         memory_bytes=LOADERS * workers * load.process_bytes + shm + pinned,
         loader_open_files=loader_files(load, fetches) if workers else 0,
         rank_open_files=RANK_FILES_MARGIN + (LOADERS * (workers * rank_files_per_process(load) + load.tensors_per_batch)
                                              if workers else BATCHES_AT_ONCE * fetches),
-        gets_in_flight=reading_processes(workers) * BATCHES_AT_ONCE * fetches,
-        threads=limits.cpus + load.pinned + LOADERS * workers * LOADER_PROCESS_THREADS, cpus=limits.cpus,
+        gets_in_flight=gets,
+        threads=limits.cpus + load.pinned + LOADERS * workers * LOADER_PROCESS_THREADS + gets, cpus=limits.cpus,
         why=processes_why + ("" if workers else ": the rank loads its batches itself"),
         cuts=tuple(cuts), warnings=tuple(warnings),
     )
