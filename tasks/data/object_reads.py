@@ -45,7 +45,8 @@ CREDENTIALS_TTL = timedelta(minutes=5)  # botocore renews credentials 10-15 minu
 # Worker threads of obstore's runtime (tokio's, TOKIO_WORKER_THREADS) in each process that reads with it,
 # where the environment names none. Tokio's default is a thread per CPU the process may run on: each
 # loader process of a 384-CPU host started 384, some 200,000 on an 8-GPU host. Its GETs wait on the
-# network; at ~0.2 ms of CPU each (bench/RESULTS.md, "S3 clients"), two threads serve ~10,000 a second.
+# network, at 0.14-0.28 ms of CPU each (bench/RESULTS.md): a loader process's few hundred a second
+# leave two threads mostly idle.
 OBSTORE_RUNTIME_THREADS = 2
 # The s3fs options obstore can honour (what Location.storage_options and
 # object_read_options produce); any other keeps the reads on s3fs.
