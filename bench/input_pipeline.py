@@ -53,10 +53,11 @@ from bench.s3_endpoints import S3Endpoint, latency_endpoint
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
-from prefect_ddp.tasks.data.dataset import S3ImageFolder, forked_workers, prepare, train_transform
+from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers, prepare, train_transform
 from prefect_ddp.tasks.data.device_batches import ToDevice
+from prefect_ddp.tasks.data.host_budget import HostLimits, LoaderLoad, handed_over_bytes, rank_budget
 from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps
-from prefect_ddp.tasks.data.loaders import default_loader_workers
+from prefect_ddp.tasks.data.loaders import LoaderWorkers, loader_workers
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.gang import RankContext
@@ -303,9 +304,17 @@ def run(args: argparse.Namespace, workers: int, steps: int, epochs: int, work: P
     return rows
 
 
+def flow_default(args: argparse.Namespace) -> LoaderWorkers:
+    """The loader processes the flow's recipe starts for one rank on this host at these batches, and why."""
+    cfg = TrainingConfig(batch_size=args.batch_size, image_size=args.image_size)
+    load = LoaderLoad.of(cfg, [], handed_over_bytes(loader_steps(eval_transform(args.image_size)), args.image_size),
+                         pinned=args.device == "cuda")
+    return loader_workers(rank_budget(cfg, HostLimits.of_this_host(), load))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    workers = args.workers if args.workers is not None else default_loader_workers().workers
+    workers = args.workers if args.workers is not None else flow_default(args).workers
     load = os.getloadavg()
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-input-")))
@@ -320,7 +329,7 @@ def report(args: argparse.Namespace, workers: int, load: tuple[float, float, flo
     print(f"# The flow's input pipeline against the bare DataLoader, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n")
     print(f"Machine: {machine()}; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print(f"Command: {' '.join([os.path.relpath(sys.executable), '-m', 'bench.input_pipeline', *sys.argv[1:]])}")
-    print(f"{args.model} on {args.device}, {workers} loader process(es) each ({default_loader_workers().why}), "
+    print(f"{args.model} on {args.device}, {workers} loader process(es) each ({flow_default(args).why}), "
           f"batch {args.batch_size}, {args.image_size} px crops of 500x375 JPEGs, S3 front +{args.latency_ms:g} ms; "
           f"{args.short_epochs} short or {args.long_epochs} long epochs, the first left out\n")
     print(f"The loader's transform alone (decode, crop, resize, flip to uint8), one thread: {alone_ms:.2f} ms "

@@ -20,6 +20,7 @@ from typing import Any
 
 import distributed
 import pytest
+import torch
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.data import shard_writer, validation
@@ -155,3 +156,32 @@ def test_batch_predict_decodes_on_every_cpu_and_names_what_it_cannot_read(image_
     assert unreadable[MISSING].startswith("FileNotFoundError") and unreadable["a/README.jpg"].startswith(
         "UnidentifiedImageError")
     assert len(threads) > 1
+
+
+@pytest.mark.unit
+@needs_two_cpus
+def test_batch_predict_s_threads_times_their_torch_threads_stay_within_the_cpus(image_folder):
+    """On a worker whose torch threads are its CPUs (a rank trained there: rank.limit_threads), each of
+    batch-predict's decoding threads ran its transform's operators on a team of that many: CPUs x CPUs
+    threads (96 x 96 on a 96-CPU worker). One torch thread each; the worker's own number comes back after."""
+    seen: dict[int, int] = {}  # decoding thread -> its torch threads
+    transform = eval_transform(32)
+
+    def recorded(image: Any) -> Any:
+        seen[threading.get_ident()] = torch.get_num_threads()
+        return transform(image)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(len(CPUS))
+        images, _ = scoring.fetch_images(image_folder, KEYS, recorded, 30)
+        assert len(images) == len(GOOD) and len(seen) > 1
+        assert len(seen) * max(seen.values()) <= len(CPUS)
+        assert torch.get_num_threads() == len(CPUS)  # this thread's, and a new one's
+        new_thread: list[int] = []
+        thread = threading.Thread(target=lambda: new_thread.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert new_thread == [len(CPUS)]
+    finally:
+        torch.set_num_threads(threads)

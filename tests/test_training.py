@@ -13,7 +13,8 @@ import torch
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
-from prefect_ddp.tasks.data.loaders import MAX_DEFAULT_LOADER_WORKERS, LoaderWorkers, loader_workers, rank_data
+from prefect_ddp.tasks.data.host_budget import MAX_DEFAULT_LOADER_WORKERS, HostLimits, LoaderLoad, rank_budget
+from prefect_ddp.tasks.data.loaders import LoaderWorkers, loader_workers, rank_data
 from prefect_ddp.tasks.gang.plan import thread_shares
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.data.storage import save_torch
@@ -276,23 +277,34 @@ def test_training_with_cache_gb_keeps_the_images_in_the_cache_folder(tmp_path, m
     assert len(kept) == len(job.manifest) - 1
 
 
+# Batches of the default 32 images at 224 px, as float32 tensors, of 1,000 images of 100 kB.
+LOAD = LoaderLoad.of(TrainingConfig(), [100_000] * 1000, 3 * 224 * 224 * 4, pinned=False)
+
+
+def cores_only(cfg: TrainingConfig, limits: HostLimits) -> LoaderWorkers:
+    """The loader processes `limits`' CPUs give, on a host whose other limits leave room for them all."""
+    roomy = dataclasses.replace(limits, memory_bytes=2**40, shm_bytes=2**40, open_files=2**20)
+    return loader_workers(rank_budget(cfg, roomy, LOAD))
+
+
 @pytest.mark.unit
 def test_loader_workers_default_to_the_ranks_share_of_cores_less_one():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(4)  # as limit_threads sets it: the host's cores over its workers
-        chosen = loader_workers(TrainingConfig(num_workers=None))
+        chosen = cores_only(TrainingConfig(num_workers=None), HostLimits.of_this_host())
         assert chosen.workers == 3 and "share of its host is 4 CPU(s)" in chosen.why
         assert "less one for the rank itself" in chosen.why
         torch.set_num_threads(1)
-        assert loader_workers(TrainingConfig(num_workers=None)).workers == 0
-        assert "loads its batches itself" in loader_workers(TrainingConfig(num_workers=None)).why
-        torch.set_num_threads(96)  # a 96-core host with one GPU: capped, and it says so
-        chosen = loader_workers(TrainingConfig(num_workers=None))
-        assert chosen.workers == MAX_DEFAULT_LOADER_WORKERS and "at most 32 by default" in chosen.why
-        assert loader_workers(TrainingConfig(num_workers=2)) == LoaderWorkers(2, "training.num_workers=2, as set", 96)
+        assert cores_only(TrainingConfig(num_workers=None), HostLimits.of_this_host()).workers == 0
+        assert "loads its batches itself" in cores_only(TrainingConfig(num_workers=None), HostLimits.of_this_host()).why
     finally:
         torch.set_num_threads(threads)
+    a_gpu_host = HostLimits(cpus=96, affinity=96, ranks=1, memory_bytes=2**40, shm_bytes=2**39, open_files=1024)
+    chosen = cores_only(TrainingConfig(num_workers=None), a_gpu_host)  # 96 cores and one GPU: capped, and it says so
+    assert chosen.workers == MAX_DEFAULT_LOADER_WORKERS and "at most 32 by default" in chosen.why
+    as_set = LoaderWorkers(2, "training.num_workers=2, as set", 96)
+    assert cores_only(TrainingConfig(num_workers=2), a_gpu_host) == as_set
 
 
 @pytest.mark.unit
@@ -309,11 +321,11 @@ def test_the_default_loader_workers_are_the_default():
 ])
 def test_affinity_and_the_workers_sharing_a_host_decide_the_loader_workers(cpu_sets, expected):
     """The chain a rank goes through: the gang's share (plan.thread_shares), the rank's torch threads
-    set to it (rank.limit_threads), the loader's default from them."""
+    set to it (rank.limit_threads), the loader's default from them (HostLimits.of_this_host)."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(thread_shares(cpu_sets, ["tcp://gpu-host:1"])["tcp://gpu-host:1"])
-        assert loader_workers(TrainingConfig()).workers == expected
+        assert cores_only(TrainingConfig(), HostLimits.of_this_host()).workers == expected
     finally:
         torch.set_num_threads(threads)
 
@@ -326,8 +338,10 @@ def test_a_process_pinned_to_one_cpu_loads_its_batches_itself():
         "from prefect_ddp.tasks.gang.plan import cpu_set, thread_shares\n"
         "torch.set_num_threads(thread_shares({'tcp://h:1': cpu_set()}, ['tcp://h:1'])['tcp://h:1'])\n"
         "from prefect_ddp.tasks.config import TrainingConfig\n"
+        "from prefect_ddp.tasks.data.host_budget import HostLimits, LoaderLoad, rank_budget\n"
         "from prefect_ddp.tasks.data.loaders import loader_workers\n"
-        "print(loader_workers(TrainingConfig()).why)\n"
+        "load = LoaderLoad.of(TrainingConfig(), [100_000], 3 * 224 * 224 * 4, pinned=False)\n"
+        "print(loader_workers(rank_budget(TrainingConfig(), HostLimits.of_this_host(), load)).why)\n"
     )
     why = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120).stdout
     assert "is 1 CPU(s) of the 1 its worker may run on" in why and "loads its batches itself" in why

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import distributed
+import torch
 
 from prefect_ddp.tasks.gang import cpu_set
 
@@ -48,7 +49,18 @@ def map_on_cpus(function: Callable[[Item], Result], items: Sequence[Item]) -> li
     order, as in the list comprehension; items not started by then are not run. The threads
     are this call's own and carry no context: `function` sees no Prefect run context and no
     Dask worker.
+
+    Each thread runs torch's operators on one thread: a new thread takes the process's torch
+    threads, and each that ran an operator (batch-predict's transform) started a team of that many,
+    up to 96 x 96 threads on a worker of 96 CPUs. One each keeps the threads within the CPUs.
+    Setting it sets the process's too, which is given back, as this thread had it, once they end:
+    a thread that starts its first operator meanwhile elsewhere in the process runs it on one.
     """
     size = max(1, min(cpu_threads(), len(items)))
-    with ThreadPoolExecutor(max_workers=size, thread_name_prefix="cpu-share") as threads:
-        return list(threads.map(function, items))
+    torch_threads = torch.get_num_threads()
+    try:
+        with ThreadPoolExecutor(max_workers=size, thread_name_prefix="cpu-share", initializer=torch.set_num_threads,
+                                initargs=(1,)) as threads:
+            return list(threads.map(function, items))
+    finally:
+        torch.set_num_threads(torch_threads)

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader
 
 from prefect_ddp.tasks.config import TrainingConfig
@@ -29,6 +28,7 @@ from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.device_batches import encoded_collate
 from prefect_ddp.tasks.data.epoch_ahead import EpochAhead
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
+from prefect_ddp.tasks.data.host_budget import Budget, HostLimits, LoaderLoad, handed_over_bytes, rank_budget
 from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps
 from prefect_ddp.tasks.data.loader_leftovers import remove_dead_loader_folders
 from prefect_ddp.tasks.data.manifest import Manifest
@@ -36,7 +36,7 @@ from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
 from prefect_ddp.tasks.data.shard_writer import shard_format
 from prefect_ddp.tasks.data.splitting import Split
-from prefect_ddp.tasks.gang import RankContext, cpu_set
+from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.location import Location
 
 
@@ -48,6 +48,7 @@ class ManifestImages:
     manifest: Manifest
     training: TrainingConfig
     options: dict[str, Any] = field(repr=False)  # the source's storage options: they hold its secret
+    fetch_threads: int  # images fetched at once per batch, as the rank's budget says (host_budget.rank_budget)
 
     def dataset(self, positions: list[int], transform: Callable[..., Any] | None,
                 cache: ByteCache | None = None) -> S3ImageFolder:
@@ -55,7 +56,7 @@ class ManifestImages:
         cfg, m = self.training, self.manifest
         return S3ImageFolder(
             m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions], self.options,
-            transform, fetch_threads=cfg.fetches_in_flight(), fetch_timeout_s=cfg.fetch_timeout_s,
+            transform, fetch_threads=self.fetch_threads, fetch_timeout_s=cfg.fetch_timeout_s,
             sizes=[m.sizes[i] for i in positions], cache=cache)
 
 
@@ -92,11 +93,6 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
     write-shards step wrote (below `output`); that dataset batches itself and gives every rank
     the same number of steps (prefect_ddp.tasks.data.shard_reader).
     """
-    images = ManifestImages(manifest, cfg, source.storage_options())
-    output_options = output.storage_options()
-    cache = ByteCache(int(cfg.cache_gb * 1e9)) if cfg.cache_gb else None
-    dataset = partial(images.dataset, cache=cache)
-
     # decode_on="device": the loaders hand over encoded images (no transform); the rank
     # decodes and transforms them (the recipe's batch_inputs).
     # Otherwise they decode and run the transform's uint8 steps, and the rank converts and
@@ -104,11 +100,19 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
     on_device = cfg.decode_on == "device"
     train_tf = None if on_device else loader_steps(train_transform_for(cfg, preprocessing))
     val_tf = None if on_device else loader_steps(eval_transform(cfg.image_size, preprocessing))
+    pinned = ctx.device.startswith("cuda")
+    load = LoaderLoad.of(cfg, manifest.sizes, None if val_tf is None else handed_over_bytes(val_tf, cfg.image_size),
+                         pinned)
+    budget = rank_budget(cfg, HostLimits.of_this_host(ctx.local_world_size), load)
+    chosen = loader_workers(budget)
+    workers = chosen.workers
+    images = ManifestImages(manifest, cfg, source.storage_options(), budget.fetches_in_flight)
+    output_options = output.storage_options()
+    cache = ByteCache(int(cfg.cache_gb * 1e9)) if cfg.cache_gb else None
+    dataset = partial(images.dataset, cache=cache)
     collate: dict[str, Any] = {"collate_fn": encoded_collate if on_device else collate_images}
     val_set = dataset(split.val, val_tf)
-    chosen = loader_workers(cfg)
-    workers = chosen.workers
-    loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": ctx.device.startswith("cuda")}
+    loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": pinned}
     if workers:
         require_non_daemonic(workers)
         remove_dead_loader_folders()  # of a run's loader processes killed before, on this host
@@ -135,51 +139,28 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
                     train_epochs=EpochAhead(train_loader))
 
 
-# The most loader processes a rank starts by default, however many cores it has: each holds its
-# prefetched batches in shared memory (2 x 128 images at 224 px are 154 MB), and a 96-core host with
-# one GPU would otherwise start 95 for training and 95 for validation. Set training.num_workers for more.
-MAX_DEFAULT_LOADER_WORKERS = 32
-
-
 @dataclass(frozen=True)
 class LoaderWorkers:
     """How many loader processes a rank starts, and why: the run says both (docs/running.md)."""
 
     workers: int
-    why: str
+    why: str  # how the number came about, and each limit of the host that cut it or the images fetched at once
     cpus: int  # the rank's share of its host's CPUs, which the workers' default follows
+    warnings: tuple[str, ...] = ()  # the host's limits that the run's own settings are past: rank 0 warns of each
 
 
-def loader_workers(cfg: TrainingConfig) -> LoaderWorkers:
-    """training.num_workers where it is set, else `default_loader_workers()`."""
-    if cfg.num_workers is not None:
-        return LoaderWorkers(cfg.num_workers, f"training.num_workers={cfg.num_workers}, as set",
-                             torch.get_num_threads())
-    return default_loader_workers()
+def loader_workers(budget: Budget) -> LoaderWorkers:
+    """The loader processes of a rank's `budget` (prefect_ddp.tasks.data.host_budget.rank_budget), and why:
+    training.num_workers where it is set, else one per CPU of the rank's share of its host less one, at
+    most MAX_DEFAULT_LOADER_WORKERS, within what the host's limits leave the rank.
 
-
-def default_loader_workers() -> LoaderWorkers:
-    """One loader process per CPU of this rank's share of its host, less one for the rank itself.
-
-    The share is the CPUs its worker may run on (its affinity: dask-cuda pins each GPU's worker to
-    the cores near that GPU, and the loader processes inherit it) over the workers of the cluster
-    that may run on the same CPUs; the gang sets each rank's torch threads to it
-    (prefect_ddp.tasks.gang.plan.thread_shares) before the recipe asks. A constant would starve a
-    GPU host's ranks (2 loader processes fed an H200 at a tenth of its ceiling, bench/RESULTS.md)
-    or crowd a small host's. At most MAX_DEFAULT_LOADER_WORKERS.
-
-    >>> chosen = default_loader_workers()
-    >>> chosen.workers == min(MAX_DEFAULT_LOADER_WORKERS, torch.get_num_threads() - 1)
-    True
+    >>> limits = HostLimits(cpus=4, affinity=16, ranks=4, memory_bytes=2**36, shm_bytes=2**35, open_files=1024)
+    >>> load = LoaderLoad.of(TrainingConfig(), [100_000] * 1000, 3 * 224 * 224 * 4, pinned=False)
+    >>> chosen = loader_workers(rank_budget(TrainingConfig(), limits, load))
+    >>> chosen.workers, chosen.why[:60]
+    (3, "training.num_workers empty: this rank's share of its host is")
     """
-    share = torch.get_num_threads()
-    workers = min(MAX_DEFAULT_LOADER_WORKERS, max(0, share - 1))
-    why = (f"training.num_workers empty: this rank's share of its host is {share} CPU(s) of the {len(cpu_set())} "
-           "its worker may run on (shared among the cluster's workers that may run on them), less one for "
-           "the rank itself")
-    if share - 1 > MAX_DEFAULT_LOADER_WORKERS:
-        why += f", at most {MAX_DEFAULT_LOADER_WORKERS} by default"
-    return LoaderWorkers(workers, why + ("" if workers else ": the rank loads its batches itself"), share)
+    return LoaderWorkers(budget.loader_processes, "; ".join((budget.why, *budget.cuts)), budget.cpus, budget.warnings)
 
 
 def require_non_daemonic(num_workers: int) -> None:

@@ -42,6 +42,12 @@ DEFAULT_REQUEST_ATTEMPTS = 5
 OBSTORE_READ_TIMEOUT = timedelta(seconds=60)
 OBSTORE_REQUEST_TIMEOUT = timedelta(days=1)
 CREDENTIALS_TTL = timedelta(minutes=5)  # botocore renews credentials 10-15 minutes before they expire
+# Worker threads of obstore's runtime (tokio's, TOKIO_WORKER_THREADS) in each process that reads with it,
+# where the environment names none. Tokio's default is a thread per CPU the process may run on: each
+# loader process of a 384-CPU host started 384, some 200,000 on an 8-GPU host. Its GETs wait on the
+# network, at 0.14-0.28 ms of CPU each (bench/RESULTS.md): a loader process's few hundred a second
+# leave two threads mostly idle.
+OBSTORE_RUNTIME_THREADS = 2
 # The s3fs options obstore can honour (what Location.storage_options and
 # object_read_options produce); any other keeps the reads on s3fs.
 OBSTORE_OPTIONS = {"anon", "key", "secret", "token", "endpoint_url", "client_kwargs", "config_kwargs", "max_concurrency"}
@@ -291,6 +297,7 @@ def _store(options_json: str, bucket: str, timeout: timedelta = OBSTORE_REQUEST_
         if (options_json, bucket, timeout) not in _stores:
             settings = _settings(options_json)
             assert settings is not None  # options_json comes from _obstore_options, which checked it
+            os.environ.setdefault("TOKIO_WORKER_THREADS", str(OBSTORE_RUNTIME_THREADS))  # read as the runtime starts
             client_options = {**settings["client_options"], "timeout": timeout}
             _stores[options_json, bucket, timeout] = S3Store(bucket, **{**settings, "client_options": client_options})
             _runtime_pid = os.getpid()

@@ -95,6 +95,8 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training, job.preprocessing)
     log.log(logging.INFO if ctx.is_main else logging.DEBUG, "Loader processes per loader of rank %d: %d (%s).",
             ctx.rank, data.loader_workers.workers, data.loader_workers.why)
+    for warning in data.loader_workers.warnings:  # the run's own settings past a limit of the host
+        log.log(logging.WARNING if ctx.is_main else logging.DEBUG, "Rank %d: %s", ctx.rank, warning)
     model = build_model(job.model, len(job.manifest.classes), data.source_options, job.training.image_size,
                         job.training.drop_path)
     if job.warm_start:

@@ -1,0 +1,386 @@
+"""A rank's loader processes and reads in flight, sized from its host's limits, not its cores alone
+(docs/architecture.md, "Data: loader processes from the host").
+
+The cores-only default (a loader process per CPU of the rank's share less one, at most 32; a batch's
+images all fetched at once) grew with the host's cores and nothing else. Sized that way, an 8-GPU host
+of 192 cores (384 CPUs with SMT) at batch 256 ran 512 loader processes holding ~150 GiB of float32
+batches (~37 GiB as uint8) in /dev/shm while the next epoch started during validation, and had 197,000
+GETs in flight at an epoch's start, each on a thread, far past the ~28,000 ephemeral ports a host has
+towards one endpoint address; each loader process held ~780 sockets, past the 1,024 open files many
+hosts allow a process. Here every number starts from that
+default and is cut to what the host's limits leave the rank, its share of each being the host's over
+the ranks on it; a limit that cut says so in a sentence rank 0 logs. A number the run sets
+(training.num_workers, training.fetch_threads) is kept, with a warning where it is past a limit.
+
+The host is read in one place, `HostLimits.of_this_host`; `rank_budget` is pure, so a test sizes a
+simulated host by building a `HostLimits` of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.fetch_ahead import BATCHES_AT_ONCE
+from prefect_ddp.tasks.data.object_reads import OBSTORE_RUNTIME_THREADS
+from prefect_ddp.tasks.gang import cpu_set
+
+# The most loader processes a rank starts by default, however many cores it has: a 96-core host with
+# one GPU would otherwise start 95 for training and 95 for validation. Set training.num_workers for more.
+MAX_DEFAULT_LOADER_WORKERS = 32
+# A rank's loaders, train and validation: both keep their processes for the run (persistent_workers),
+# and both fetch and hold batches at once while the next epoch starts during validation (epoch_ahead.py).
+LOADERS = 2
+# Batches each loader process has ready: DataLoader's prefetch_factor, left at its default by the loaders.
+PREFETCH_FACTOR = 2
+# The shares of the host's memory and /dev/shm the loaders may fill: the rest is the rank's own (its
+# model and optimizer, the CUDA context, checkpoints copied to memory), its Dask worker's, and, in
+# /dev/shm, NCCL's shared-memory transport between the host's GPUs.
+MEMORY_SHARE = 0.5
+SHM_SHARE = 0.5
+# A loader process's own memory, forked from a rank: ~115 MiB, and ~260 MiB with a 1M-image index, which
+# copy-on-write copies as the process touches it (measured for issue 55).
+LOADER_PROCESS_BYTES = 115 * 2**20
+INDEX_BYTES_PER_IMAGE = 150
+# Open files of a loader process besides its sockets and its batches: libraries, its pipes to the rank.
+FILES_MARGIN = 64
+# The rank process's own open files: its Dask worker's connections, the process group's, libraries.
+RANK_FILES_MARGIN = 256
+# The rank's files per loader process besides its batches: the process's index queue (2) and sentinel.
+RANK_FILES_PER_LOADER_PROCESS = 3
+# GETs a host keeps in flight to one storage endpoint (a local filesystem counts as one), all its ranks
+# together. A host's GPUs take up to ~35,000 images/s (8 x 4,337 for ResNet-50 at 224 px on an H200,
+# bench/RESULTS.md, "GPU"), which at 30-100 ms per GET is 1,000-3,500 GETs in flight (Little's law);
+# counting validation's and the next epoch's at once, twice that. 8,192 leaves that room and stays well
+# below the 28,232 ephemeral ports (Linux's default ip_local_port_range) a host has towards one address,
+# so that an on-premises S3 (MinIO) behind one IP is not starved of ports, with room left for its
+# connections in TIME_WAIT. training.fetch_threads sets the images fetched at once per batch past this
+# budget, for a store that takes more.
+CONNECTIONS_PER_ENDPOINT = 8192
+# A loader process's threads besides its reads: its own, fetch-ahead's (one per batch in flight), its
+# s3fs instance's event loop and obstore's runtime. Each read in flight takes one more, from the
+# process's read threads (object_reads' `_read_pool`), which stay once started.
+LOADER_PROCESS_THREADS = 1 + BATCHES_AT_ONCE + 1 + OBSTORE_RUNTIME_THREADS
+# Where a container's memory limit is, cgroup v2 and v1: a pod's limit is far below its node's memory.
+CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+SHARED_MEMORY = "/dev/shm"
+RAISE_OPEN_FILES = "raise the limit (ulimit -n, LimitNOFILE= of a systemd unit, docker run --ulimit nofile=) for more"
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    """The limits a rank's loaders live within, as the host gives them: `of_this_host` reads them."""
+
+    cpus: int  # the rank's share of the host's CPUs: its torch threads (the gang's plan.thread_shares)
+    affinity: int  # the CPUs its process may run on
+    ranks: int  # ranks sharing the host's memory, /dev/shm and connections
+    memory_bytes: int  # the host's memory, or its container's limit where lower
+    shm_bytes: int | None  # the size of /dev/shm; None where there is none (not Linux)
+    open_files: int  # RLIMIT_NOFILE's soft limit, per process (loader processes inherit it)
+    connections: int = CONNECTIONS_PER_ENDPOINT  # GETs in flight per storage endpoint, the whole host
+
+    @classmethod
+    def of_this_host(cls, local_ranks: int = 1) -> HostLimits:
+        """This process's host, for a rank of a gang with `local_ranks` ranks on it.
+
+        Ranks sharing the host are the gang's there, or more where the gang's plan shared the CPUs
+        among more workers (a sweep's other trials on the host): the CPUs over the rank's share.
+        """
+        affinity = len(cpu_set())
+        share = torch.get_num_threads()
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return cls(cpus=share, affinity=affinity, ranks=max(1, local_ranks, affinity // share),
+                   memory_bytes=memory_limit(), shm_bytes=shared_memory_size(),
+                   open_files=sys.maxsize if soft == resource.RLIM_INFINITY else soft)
+
+
+def memory_limit() -> int:
+    """The host's memory (psutil), or its container's cgroup limit where one is set and lower."""
+    total: int = psutil.virtual_memory().total
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (cgroup v2) where there is no limit
+            total = min(total, int(text))
+    return total
+
+
+def shared_memory_size() -> int | None:
+    """The size of /dev/shm, where DataLoader's processes hand their batches over; None where there is none."""
+    try:
+        found = os.statvfs(SHARED_MEMORY)
+    except OSError:
+        return None
+    return found.f_frsize * found.f_blocks
+
+
+@dataclass(frozen=True)
+class LoaderLoad:
+    """What the rank's loaders carry, as the limits count it."""
+
+    batch_size: int
+    image_bytes: int  # one image as a loader hands it over: its transformed tensor, or the encoded bytes
+    tensors_per_batch: int  # tensors of a batch handed over: each is a file the rank holds while it lives
+    stored_image_bytes: int  # an image as fetched, on average: fetched ahead, held until decoded
+    indexed_images: int  # the manifest's images, whose index each loader process holds a copy of
+    pinned: bool  # batches copied to pinned memory for a CUDA device
+
+    @classmethod
+    def of(cls, cfg: TrainingConfig, stored_sizes: Sequence[int], handed_over: int | None, pinned: bool) -> LoaderLoad:
+        """Batches of `cfg.batch_size` images of `stored_sizes` (the manifest's): each handed over as
+        `handed_over` bytes in one collated tensor, or, with None, encoded, a tensor per image."""
+        stored = sum(stored_sizes) // max(1, len(stored_sizes))
+        return cls(batch_size=cfg.batch_size, image_bytes=stored if handed_over is None else handed_over,
+                   tensors_per_batch=2 if handed_over is not None else cfg.batch_size + 2,
+                   stored_image_bytes=stored, indexed_images=len(stored_sizes), pinned=pinned)
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.batch_size * self.image_bytes
+
+    @property
+    def process_bytes(self) -> int:
+        """A loader process's own memory: the process, its copy of the index, the batches it fetches
+        ahead (encoded) and the one it decodes before collating it into shared memory."""
+        return (LOADER_PROCESS_BYTES + INDEX_BYTES_PER_IMAGE * self.indexed_images
+                + BATCHES_AT_ONCE * self.batch_size * self.stored_image_bytes + self.batch_bytes)
+
+
+def handed_over_bytes(transform: Callable[[torch.Tensor], torch.Tensor], side: int) -> int:
+    """Bytes of one image as `transform` hands it over, measured on a blank decoded `side`-px image
+    (uint8, CHW): so the count follows whatever the transform makes, float32 or uint8.
+
+    >>> from torchvision.transforms import v2
+    >>> handed_over_bytes(v2.ToDtype(torch.float32), 4), handed_over_bytes(v2.CenterCrop(2), 4)
+    (192, 12)
+    """
+    return int(transform(torch.zeros(3, side, side, dtype=torch.uint8)).nbytes)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The most of a number that a limit leaves, and the sentence that says so."""
+
+    most: int
+    limit: str  # the limit and its value, and what one more of the number costs against it
+    fix: str  # how to allow more, a clause
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A rank's numbers, and why: `rank_budget`'s choice. Counts are the rank's; a host's is `limits.ranks` times."""
+
+    loader_processes: int  # per loader; the rank has LOADERS of them
+    fetches_in_flight: int  # images a batch fetches at once (S3ImageFolder's fetch_threads)
+    shm_bytes: int  # batches in /dev/shm, both loaders' at once
+    pinned_bytes: int  # batches in pinned memory
+    memory_bytes: int  # the loader processes' own memory, their batches in /dev/shm and pinned memory
+    loader_open_files: int  # a loader process's: its sockets and the rest
+    rank_open_files: int  # the rank process's: its own, and its loader processes' pipes and batches
+    gets_in_flight: int  # both loaders' at once, as the next epoch starts during validation
+    threads: int  # the rank's torch threads, its loader processes' threads and a thread per read in flight
+    cpus: int  # the rank's share of its host's CPUs, which the loader processes' default follows
+    why: str  # how the cores-only default came about, or that the run set it
+    cuts: tuple[str, ...]  # one sentence per limit that cut a number below its cores-only value
+    warnings: tuple[str, ...]  # one sentence per limit a number the run set is past
+
+
+def rank_budget(cfg: TrainingConfig, limits: HostLimits, load: LoaderLoad) -> Budget:
+    """A rank's loader processes and images fetched at once per batch, within its share of `limits`.
+
+    Loader processes first (their cores-only default, cut by /dev/shm, memory, open files and, at one
+    image fetched at once, connections), then the images each batch fetches at once (the batch size,
+    cut by open files and connections), each never below what its limits leave. Numbers the run set
+    are kept; a warning names each limit they are past.
+
+    >>> host = HostLimits(cpus=8, affinity=64, ranks=8, memory_bytes=512 * 2**30, shm_bytes=64 * 2**20,
+    ...                   open_files=1024)
+    >>> load = LoaderLoad.of(TrainingConfig(batch_size=256), [110_000] * 1000, 3 * 224 * 224 * 4, pinned=True)
+    >>> budget = rank_budget(TrainingConfig(batch_size=256), host, load)
+    >>> budget.loader_processes, budget.fetches_in_flight, budget.cuts[0][:60]
+    (0, 256, 'Loader processes 0, not 7: /dev/shm holds 64 MiB for the 8 r')
+    """
+    processes, processes_why = cores_only_processes(limits)
+    bounds = process_bounds(limits, load)
+    if cfg.num_workers is None:
+        workers, cuts = cut("Loader processes", processes, bounds)
+        warnings = []
+    else:
+        workers, cuts, processes_why = cfg.num_workers, [], f"training.num_workers={cfg.num_workers}, as set"
+        warnings = past(f"training.num_workers={cfg.num_workers}", cfg.num_workers, bounds)
+    fetch_bounds = fetch_bounds_for(limits, load, workers)
+    if cfg.fetch_threads is None:
+        fetches, fetch_cuts = cut("Images fetched at once per batch", cfg.batch_size, fetch_bounds)
+        cuts += fetch_cuts
+    else:
+        fetches = cfg.fetch_threads
+        warnings += past(f"training.fetch_threads={cfg.fetch_threads}", fetches, fetch_bounds)
+    batches = live_batches(workers) * load.batch_bytes
+    shm, pinned = (batches if workers else 0), (batches if load.pinned else 0)
+    gets = reading_processes(workers) * BATCHES_AT_ONCE * fetches
+    return Budget(
+        loader_processes=workers, fetches_in_flight=fetches, shm_bytes=shm, pinned_bytes=pinned,
+        memory_bytes=LOADERS * workers * load.process_bytes + shm + pinned,
+        loader_open_files=loader_files(load, fetches) if workers else 0,
+        rank_open_files=RANK_FILES_MARGIN + (LOADERS * (workers * rank_files_per_process(load) + load.tensors_per_batch)
+                                             if workers else BATCHES_AT_ONCE * fetches),
+        gets_in_flight=gets,
+        threads=limits.cpus + load.pinned + LOADERS * workers * LOADER_PROCESS_THREADS + gets, cpus=limits.cpus,
+        why=processes_why + ("" if workers else ": the rank loads its batches itself"),
+        cuts=tuple(cuts), warnings=tuple(warnings),
+    )
+
+
+def cores_only_processes(limits: HostLimits) -> tuple[int, str]:
+    """One loader process per CPU of the rank's share of its host, less one for the rank itself, at
+    most MAX_DEFAULT_LOADER_WORKERS; and why.
+
+    The share is the CPUs its worker may run on (its affinity: dask-cuda pins each GPU's worker to the
+    cores near that GPU, and the loader processes inherit it) over the workers of the cluster that may
+    run on the same CPUs, which the gang sets as each rank's torch threads
+    (prefect_ddp.tasks.gang.plan.thread_shares). A constant would starve a GPU host's ranks (2 loader
+    processes fed an H200 at a tenth of its ceiling, bench/RESULTS.md) or crowd a small host's.
+
+    >>> cores_only_processes(HostLimits(4, 16, 4, 2**34, 2**33, 1024))[0]
+    3
+    """
+    workers = min(MAX_DEFAULT_LOADER_WORKERS, max(0, limits.cpus - 1))
+    why = (f"training.num_workers empty: this rank's share of its host is {limits.cpus} CPU(s) of the "
+           f"{limits.affinity} its worker may run on (shared among the cluster's workers that may run on them), "
+           "less one for the rank itself")
+    if limits.cpus - 1 > MAX_DEFAULT_LOADER_WORKERS:
+        why += f", at most {MAX_DEFAULT_LOADER_WORKERS} by default"
+    return workers, why
+
+
+def process_bounds(limits: HostLimits, load: LoaderLoad) -> list[Bound]:
+    """The most loader processes per loader each limit leaves the rank (0 always fits: the rank then
+    loads its batches itself, with nothing in /dev/shm)."""
+    ranks = f"for the {limits.ranks} rank(s) on this host"
+    batch = load.batch_bytes
+    bounds = []
+    if limits.shm_bytes is not None:
+        share = SHM_SHARE * limits.shm_bytes / limits.ranks
+        bounds.append(Bound(
+            most=most(share - LOADERS * batch, LOADERS * PREFETCH_FACTOR * batch),
+            limit=(f"/dev/shm holds {size(limits.shm_bytes)} {ranks}, and loaders may fill {SHM_SHARE:.0%} of it "
+                   f"({size(share)} per rank), where each loader process keeps {PREFETCH_FACTOR} batches of "
+                   f"{size(batch)} ready, train's and validation's at once"),
+            fix="give the host (a container: docker run --shm-size) a larger /dev/shm for more"))
+    pinned = 1 + load.pinned  # a batch is held in /dev/shm, then in pinned memory too
+    share = MEMORY_SHARE * limits.memory_bytes / limits.ranks
+    bounds.append(Bound(
+        most=most(share - LOADERS * batch * pinned, LOADERS * (load.process_bytes + PREFETCH_FACTOR * batch * pinned)),
+        limit=(f"the host's memory is {size(limits.memory_bytes)} {ranks}, and loaders may use {MEMORY_SHARE:.0%} "
+               f"of it ({size(share)} per rank), where each loader process takes {size(load.process_bytes)} of "
+               f"its own (its index, the batches it fetches ahead) and its ready batches {size(batch)} each"
+               + (" in /dev/shm and again in pinned memory" if load.pinned else "")),
+        fix="run fewer ranks per host, or on hosts with more memory, for more"))
+    per_process = rank_files_per_process(load)
+    # A loader process that cannot hold its own files with one image in flight cannot run at all.
+    loader_fits = limits.open_files >= loader_files(load, fetches=1)
+    bounds.append(Bound(
+        most=most(limits.open_files - RANK_FILES_MARGIN - LOADERS * load.tensors_per_batch,
+                  LOADERS * per_process) if loader_fits else 0,
+        limit=(f"a process may open {limits.open_files} files (RLIMIT_NOFILE), and the rank holds {per_process} per "
+               f"loader process (its pipes, and each ready batch's {load.tensors_per_batch} tensor(s) in /dev/shm) "
+               f"besides {RANK_FILES_MARGIN} of its own"),
+        fix=RAISE_OPEN_FILES))
+    bounds.append(Bound(
+        most=most(limits.connections // limits.ranks, LOADERS * BATCHES_AT_ONCE),
+        limit=(f"{connections_limit(limits)}, and each loader process, train's and validation's, keeps "
+               f"{BATCHES_AT_ONCE} batches in flight, at least one image of each"),
+        fix="run fewer ranks per host for more"))
+    return bounds
+
+
+def fetch_bounds_for(limits: HostLimits, load: LoaderLoad, workers: int) -> list[Bound]:
+    """The most images fetched at once per batch each limit leaves `workers` loader processes per loader
+    (or the rank itself, without any), at least one."""
+    others = loader_files(load, fetches=0) if workers else RANK_FILES_MARGIN
+    readers = reading_processes(workers)
+    reading = f"the rank's {readers} loader processes (train's and validation's)" if workers else "the rank"
+    return [
+        Bound(most=max(1, (limits.open_files - others) // BATCHES_AT_ONCE),
+              limit=(f"a process may open {limits.open_files} files (RLIMIT_NOFILE), and "
+                     f"{'each loader process' if workers else 'the rank'} holds a socket per image in flight, "
+                     f"{BATCHES_AT_ONCE} batches at a time, besides {others} other files"),
+              fix=RAISE_OPEN_FILES),
+        Bound(most=max(1, limits.connections // limits.ranks // (readers * BATCHES_AT_ONCE)),
+              limit=f"{connections_limit(limits)}, which {reading} share, {BATCHES_AT_ONCE} batches in flight each",
+              fix="training.fetch_threads sets the number for a store that takes more at once"),
+    ]
+
+
+def connections_limit(limits: HostLimits) -> str:
+    return (f"this host keeps at most {limits.connections} GETs in flight per storage endpoint "
+            f"(host_budget.CONNECTIONS_PER_ENDPOINT), {limits.connections // limits.ranks} for each of its "
+            f"{limits.ranks} rank(s)")
+
+
+def cut(what: str, cores_only: int, bounds: list[Bound]) -> tuple[int, list[str]]:
+    """The cores-only value, or the least a limit leaves; a sentence for each limit below the former."""
+    chosen = min([cores_only, *(bound.most for bound in bounds)])
+    return chosen, [f"{what} {chosen}, not {cores_only}: {bound.limit}, room for {bound.most}; {bound.fix}"
+                    for bound in bounds if bound.most < cores_only]
+
+
+def past(setting: str, value: int, bounds: list[Bound]) -> list[str]:
+    """A warning for each limit `value`, as the run set it, is past."""
+    return [f"{setting} is past a limit of this host: {bound.limit}, room for {bound.most}. Lower it, or leave it "
+            f"empty to have it sized; or {bound.fix}." for bound in bounds if value > bound.most]
+
+
+def live_batches(workers: int) -> int:
+    """Batches the rank's loaders hold at once: each process's ready ones and the one the rank takes,
+    in both loaders; the rank's own one without loader processes."""
+    return LOADERS * (workers * PREFETCH_FACTOR + 1) if workers else 1
+
+
+def reading_processes(workers: int) -> int:
+    """Processes that fetch at once: both loaders' as the next epoch starts during validation; the rank
+    alone without any."""
+    return LOADERS * workers if workers else 1
+
+
+def rank_files_per_process(load: LoaderLoad) -> int:
+    """The rank's files per loader process: its pipes, and the tensors of the batches it has ready."""
+    return RANK_FILES_PER_LOADER_PROCESS + PREFETCH_FACTOR * load.tensors_per_batch
+
+
+def loader_files(load: LoaderLoad, fetches: int) -> int:
+    """A loader process's files: a socket per image in flight, its ready batches' tensors (each a file
+    until the rank has taken it) and the rest."""
+    return BATCHES_AT_ONCE * fetches + PREFETCH_FACTOR * load.tensors_per_batch + FILES_MARGIN
+
+
+def most(room: float, each: float) -> int:
+    """How many of `each` fit in `room`, at least none.
+
+    >>> most(10, 3), most(-1, 3)
+    (3, 0)
+    """
+    return max(0, int(room // each))
+
+
+def size(count: float) -> str:
+    """Bytes in binary units, as `df -h` says them.
+
+    >>> size(64 * 2**20), size(1.5 * 2**40)
+    ('64 MiB', '1.5 TiB')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024:
+            return f"{count:.3g} {unit}"
+        count /= 1024
+    return f"{count:.3g} TiB"
