@@ -20,6 +20,7 @@ import dataclasses
 import os
 import resource
 
+import psutil
 import pytest
 import torch
 from torchvision.transforms import v2
@@ -33,8 +34,10 @@ from prefect_ddp.tasks.data.host_budget import (
     SHM_SHARE,
     Budget,
     HostLimits,
+    OPEN_FILES_WANTED,
     LoaderLoad,
     handed_over_bytes,
+    memory_limit,
     rank_budget,
 )
 from prefect_ddp.tasks.data.loaders import loader_workers
@@ -74,15 +77,34 @@ def imagenet(image_bytes: int, cfg: TrainingConfig = BATCH) -> LoaderLoad:
     return LoaderLoad.of(cfg, IMAGENET, image_bytes, pinned=True)
 
 
-def assert_within(budget: Budget, limits: HostLimits) -> None:
-    """The whole host's loaders, `limits.ranks` ranks of `budget`, within every limit of `limits`."""
-    ranks = limits.ranks
+def assert_within(budget: Budget, limits: HostLimits, load: LoaderLoad) -> None:
+    """The whole host's loaders, `limits.ranks` ranks of `budget`'s two choices (loader processes per
+    loader, images fetched at once per batch), within every limit of `limits`.
+
+    Counted here from how the loaders behave, not from the budget's own totals, so that a budget that
+    miscounts is caught: each rank has two loaders (train's and validation's, both busy while the next
+    epoch starts during validation); each loader process keeps 2 batches ready (DataLoader's
+    prefetch_factor) and 3 batches of GETs in flight (its own and 2 fetched ahead), holds ~115 MiB of
+    its own, 150 bytes per indexed image, its fetched-ahead encoded images and the batch it decodes;
+    the rank takes one batch per loader; ready batches sit in /dev/shm and again in pinned memory for
+    CUDA; every tensor handed over is a file each side holds; loaders may fill half of /dev/shm and of
+    memory (the rest is the ranks' and NCCL's).
+    """
+    ranks, workers, fetches = limits.ranks, budget.loader_processes, budget.fetches_in_flight
+    batch = load.batch_size * load.image_bytes
+    held = (2 * (2 * workers + 1) if workers else 1) * batch
+    shm = held if workers else 0
+    pinned = held if load.pinned else 0
+    own = 115 * MiB + 150 * load.indexed_images + 3 * load.batch_size * load.stored_image_bytes + batch
     assert limits.shm_bytes is not None
-    assert ranks * budget.shm_bytes <= SHM_SHARE * limits.shm_bytes
-    assert ranks * budget.memory_bytes <= MEMORY_SHARE * limits.memory_bytes
-    assert max(budget.loader_open_files, budget.rank_open_files) <= limits.open_files
-    assert ranks * budget.gets_in_flight <= limits.connections == CONNECTIONS_PER_ENDPOINT
-    assert ranks * budget.threads <= pids(limits.affinity) // 4
+    assert ranks * shm <= 0.5 * limits.shm_bytes
+    assert ranks * (2 * workers * own + shm + pinned) <= 0.5 * limits.memory_bytes
+    if workers:
+        assert 3 * fetches + 2 * load.tensors_per_batch + 64 <= limits.open_files  # a loader process's
+        assert 256 + 2 * (workers * (3 + 2 * load.tensors_per_batch) + load.tensors_per_batch) <= limits.open_files
+    else:
+        assert 256 + 3 * fetches <= limits.open_files  # the rank fetching its own batches
+    assert ranks * (2 * workers if workers else 1) * 3 * fetches <= 8192 == limits.connections
 
 
 @pytest.mark.parametrize("image_bytes", [FLOAT32, UINT8], ids=["float32", "uint8"])
@@ -90,8 +112,50 @@ def assert_within(budget: Budget, limits: HostLimits) -> None:
 def test_a_gpu_host_s_loaders_stay_within_its_limits(host, image_bytes):
     limits = HOSTS[host]
     budget = rank_budget(BATCH, limits, imagenet(image_bytes))
-    assert_within(budget, limits)
+    assert_within(budget, limits, imagenet(image_bytes))
     assert budget.fetches_in_flight >= 1 and budget.loader_processes <= limits.cpus - 1
+    # Threads are counted, not bounded by a limit of the host (pid_max, pids.max): a GPU host's stay
+    # well within Linux's smallest default pid_max.
+    assert RANKS * budget.threads <= pids(limits.affinity) // 4
+
+
+# Hosts where /dev/shm, memory or open files cut part of the way (neither nothing nor everything):
+# 16 GiB of /dev/shm for 8 ranks, 64 GiB of memory, 512 or 1,024 open files (soft limits the rank
+# could not raise),
+# each for photos handed over as uint8 and for images handed over encoded (decode_on="device").
+PARTLY = {
+    "64 cores, /dev/shm 16 GiB": dataclasses.replace(gpu_host(64, 512 * GiB, 16 * GiB, 1_048_576)),
+    "64 cores, 64 GiB of memory": gpu_host(64, 64 * GiB, 32 * GiB, 1_048_576),
+    "16 cores, 1 rank, nofile 512": HostLimits(cpus=16, affinity=16, ranks=1, memory_bytes=64 * GiB,
+                                               shm_bytes=32 * GiB, open_files=512),
+    "16 cores, 1 rank, nofile 1024": HostLimits(cpus=16, affinity=16, ranks=1, memory_bytes=64 * GiB,
+                                                shm_bytes=32 * GiB, open_files=1024),
+}
+LOADS = {
+    "uint8": imagenet(UINT8),
+    "encoded, batch 64": LoaderLoad.of(TrainingConfig(batch_size=64), IMAGENET, None, pinned=True),
+    "camera photos": LoaderLoad.of(BATCH, [5_000_000] * 100_000, UINT8, pinned=True),
+}
+
+
+@pytest.mark.parametrize("load", LOADS)
+@pytest.mark.parametrize("host", PARTLY)
+def test_a_host_whose_limits_cut_part_of_the_way_stays_within_them(host, load):
+    limits, loaded = PARTLY[host], LOADS[load]
+    cfg = BATCH.model_copy(update={"batch_size": loaded.batch_size})
+    budget = rank_budget(cfg, limits, loaded)
+    assert_within(budget, limits, loaded)
+    assert budget.fetches_in_flight >= 1
+
+
+def test_the_partly_cut_hosts_are_cut_part_of_the_way():
+    """The hosts above are cut, but not to nothing: where loader processes remain, a miscount shows."""
+    chosen = {(host, load): rank_budget(BATCH.model_copy(update={"batch_size": LOADS[load].batch_size}),
+                                        PARTLY[host], LOADS[load]).loader_processes
+              for host in PARTLY for load in LOADS}
+    assert 0 < chosen["64 cores, /dev/shm 16 GiB", "uint8"] < 7
+    assert 0 < chosen["64 cores, 64 GiB of memory", "uint8"] < 7
+    assert 0 < chosen["16 cores, 1 rank, nofile 1024", "encoded, batch 64"] < 15
 
 
 @pytest.mark.parametrize(("host", "processes", "fetches", "shm_gib", "gets"), [
@@ -145,7 +209,7 @@ def test_a_small_host_without_a_gpu_gets_what_its_cores_gave_before(cores, ranks
     budget = rank_budget(cfg, limits, load)
     assert (budget.loader_processes, budget.fetches_in_flight) == (max(0, cores // ranks - 1), batch_size)
     assert (budget.cuts, budget.warnings) == ((), ())
-    assert_within(budget, limits)
+    assert_within(budget, limits, load)
 
 
 def cut_by(limits: HostLimits, load: LoaderLoad, cfg: TrainingConfig = BATCH) -> list[str]:
@@ -208,3 +272,47 @@ def test_this_host_is_read_through_one_seam():
         found = os.statvfs("/dev/shm")
         assert limits.shm_bytes == found.f_frsize * found.f_blocks
     assert HostLimits.of_this_host(local_ranks=64).ranks == 64
+
+
+def test_a_soft_limit_of_open_files_below_the_rank_s_own_says_so_and_fetches_one_at_a_time():
+    """256 open files (macOS' soft limit, where the hard one allows no more) leave the rank none for its
+    loaders: it loads its batches itself, one GET at a time, and says which limit and how to raise it."""
+    host = HostLimits(cpus=8, affinity=8, ranks=1, memory_bytes=64 * GiB, shm_bytes=32 * GiB, open_files=256)
+    budget = rank_budget(TrainingConfig(batch_size=32), host, LoaderLoad.of(TrainingConfig(batch_size=32), IMAGENET,
+                                                                             UINT8, pinned=False))
+    assert (budget.loader_processes, budget.fetches_in_flight) == (0, 1)
+    assert all("RLIMIT_NOFILE" in cut and "ulimit -n" in cut for cut in budget.cuts) and len(budget.cuts) == 2
+
+
+def test_the_rank_raises_its_soft_limit_of_open_files_to_the_hard_one():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lower = min(soft, 256) if soft != resource.RLIM_INFINITY else 256
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lower, hard))
+    try:
+        raised = HostLimits.of_this_host().open_files
+        assert raised > lower and resource.getrlimit(resource.RLIMIT_NOFILE)[0] == raised
+        assert raised == (min(hard, OPEN_FILES_WANTED) if hard != resource.RLIM_INFINITY else OPEN_FILES_WANTED)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize(("cgroup", "files", "limit"), [
+    ("0::/system.slice/job.service\n", {"sys/fs/cgroup/system.slice/job.service/memory.max": "4294967296",
+                                         "sys/fs/cgroup/memory.max": "max"}, 4 * GiB),
+    ("0::/slurm/uid_1/job_7/step_0\n", {"sys/fs/cgroup/slurm/uid_1/job_7/memory.max": "2147483648",
+                                        "sys/fs/cgroup/slurm/uid_1/job_7/step_0/memory.max": "max"}, 2 * GiB),
+    ("12:cpu,cpuacct:/x\n4:memory:/docker/abc\n", {"sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes":
+                                                     "1073741824"}, GiB),
+    ("0::/\n", {"sys/fs/cgroup/memory.max": "536870912"}, 512 * MiB),
+    ("0::/unlimited\n", {"sys/fs/cgroup/unlimited/memory.max": "max"}, None),
+])
+def test_the_memory_limit_of_the_process_s_own_cgroup_counts(tmp_path, cgroup, files, limit):
+    """A Slurm job's, a systemd unit's or a container's limit sits below the cgroup root, on the path
+    /proc/self/cgroup names: it, or an ancestor's, bounds the loaders' memory where lower than the host's."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = memory_limit(tmp_path)
+    assert found == (psutil.virtual_memory().total if limit is None else min(limit, psutil.virtual_memory().total))

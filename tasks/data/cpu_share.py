@@ -9,6 +9,7 @@ decode and resize release the GIL, so threads of one process decode in parallel
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -53,14 +54,36 @@ def map_on_cpus(function: Callable[[Item], Result], items: Sequence[Item]) -> li
     Each thread runs torch's operators on one thread: a new thread takes the process's torch
     threads, and each that ran an operator (batch-predict's transform) started a team of that many,
     up to 96 x 96 threads on a worker of 96 CPUs. One each keeps the threads within the CPUs.
-    Setting it sets the process's too, which is given back, as this thread had it, once they end:
-    a thread that starts its first operator meanwhile elsewhere in the process runs it on one.
+    Setting it sets the default new threads take too, which is given back once the last of the
+    process's calls that overlap ends (`_OneTorchThread`): a thread that starts its first operator
+    meanwhile elsewhere in the process runs it on one.
     """
     size = max(1, min(cpu_threads(), len(items)))
-    torch_threads = torch.get_num_threads()
-    try:
-        with ThreadPoolExecutor(max_workers=size, thread_name_prefix="cpu-share", initializer=torch.set_num_threads,
-                                initargs=(1,)) as threads:
-            return list(threads.map(function, items))
-    finally:
-        torch.set_num_threads(torch_threads)
+    with _ONE_TORCH_THREAD, ThreadPoolExecutor(max_workers=size, thread_name_prefix="cpu-share",
+                                               initializer=torch.set_num_threads, initargs=(1,)) as threads:
+        return list(threads.map(function, items))
+
+
+class _OneTorchThread:
+    """Held while a `map_on_cpus` call runs: the first of overlapping calls keeps the torch threads
+    new threads take, the last gives them back, so that overlapping calls never keep each other's 1."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._kept = 0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if not self._calls:
+                self._kept = torch.get_num_threads()
+            self._calls += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._calls -= 1
+            if not self._calls:
+                torch.set_num_threads(self._kept)
+
+
+_ONE_TORCH_THREAD = _OneTorchThread()

@@ -96,23 +96,65 @@ class HostLimits:
         """
         affinity = len(cpu_set())
         share = torch.get_num_threads()
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft = raise_open_files()
         return cls(cpus=share, affinity=affinity, ranks=max(1, local_ranks, affinity // share),
                    memory_bytes=memory_limit(), shm_bytes=shared_memory_size(),
                    open_files=sys.maxsize if soft == resource.RLIM_INFINITY else soft)
 
 
-def memory_limit() -> int:
-    """The host's memory (psutil), or its container's cgroup limit where one is set and lower."""
-    total: int = psutil.virtual_memory().total
-    for path in CGROUP_MEMORY_LIMITS:
+# The open files a rank raises its soft limit to where the hard limit is unlimited: Linux's default
+# fs.nr_open, past which setrlimit fails.
+OPEN_FILES_WANTED = 1_048_576
+
+
+def raise_open_files() -> int:
+    """This process's RLIMIT_NOFILE soft limit, first raised as far as its hard limit allows, as any
+    process may: a soft limit of 256 or 1,024 (common defaults) would leave a rank's loaders a socket
+    or two. Its loader processes, forked later, inherit it. Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
         try:
-            text = Path(path).read_text().strip()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):  # the system allows less (fs.nr_open): keep what there is
+            return soft
+        return wanted
+    return soft
+
+
+def memory_limit(root: Path = Path("/")) -> int:
+    """The host's memory (psutil), or the least of the cgroup limits over this process where lower:
+    its own cgroup's and its ancestors' (a Slurm job's or a systemd unit's, below the root), and the
+    root's (a container's own namespace), cgroup v2 and v1. `root`: where /proc and /sys are (tests)."""
+    total: int = psutil.virtual_memory().total
+    for path in cgroup_memory_files(root):
+        try:
+            text = path.read_text().strip()
         except OSError:
             continue
         if text.isdigit():  # "max" (cgroup v2) where there is no limit
             total = min(total, int(text))
     return total
+
+
+def cgroup_memory_files(root: Path) -> list[Path]:
+    """The memory limit files of this process's cgroups and their ancestors, from /proc/self/cgroup:
+    v2's "0::/path" (memory.max below /sys/fs/cgroup), v1's "N:...memory...:/path"."""
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    files = [root / path.lstrip("/") for path in CGROUP_MEMORY_LIMITS]
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        folder, name = (("sys/fs/cgroup", "memory.max") if controllers == "" else
+                        ("sys/fs/cgroup/memory", "memory.limit_in_bytes") if "memory" in controllers.split(",")
+                        else (None, None))
+        if folder is None or name is None:
+            continue
+        parts = [part for part in path.split("/") if part]
+        files += [root / folder / Path(*parts[:depth]) / name for depth in range(1, len(parts) + 1)]
+    return files
 
 
 def shared_memory_size() -> int | None:

@@ -93,8 +93,11 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     download_weights(job.model, partial(ctx.progress, "download"))
     ctx.progress("data")
     data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training, job.preprocessing)
-    log.log(logging.INFO if ctx.is_main else logging.DEBUG, "Loader processes per loader of rank %d: %d (%s).",
-            ctx.rank, data.loader_workers.workers, data.loader_workers.why)
+    # A limit of the host that leaves the rank loading its own batches is a warning: the run goes on slowly.
+    starved = data.loader_workers.workers == 0 and data.loader_workers.cpus > 1 and job.training.num_workers is None
+    log.log((logging.WARNING if starved else logging.INFO) if ctx.is_main else logging.DEBUG,
+            "Loader processes per loader of rank %d: %d (%s).", ctx.rank, data.loader_workers.workers,
+            data.loader_workers.why)
     for warning in data.loader_workers.warnings:  # the run's own settings past a limit of the host
         log.log(logging.WARNING if ctx.is_main else logging.DEBUG, "Rank %d: %s", ctx.rank, warning)
     model = build_model(job.model, len(job.manifest.classes), data.source_options, job.training.image_size,
