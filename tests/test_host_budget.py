@@ -316,3 +316,21 @@ def test_the_memory_limit_of_the_process_s_own_cgroup_counts(tmp_path, cgroup, f
         (tmp_path / name).write_text(text)
     found = memory_limit(tmp_path)
     assert found == (psutil.virtual_memory().total if limit is None else min(limit, psutil.virtual_memory().total))
+
+
+def test_loader_processes_set_past_the_host_s_gets_in_flight_are_warned_of():
+    """200 loader processes per loader on each of 8 ranks keep, at one image each, 9,600 GETs in flight."""
+    cfg = BATCH.model_copy(update={"num_workers": 200})
+    budget = rank_budget(cfg, HOSTS["192 cores with SMT, /dev/shm half of memory, nofile 1048576"], imagenet(UINT8))
+    assert budget.loader_processes == 200 and budget.fetches_in_flight == 1
+    assert any("GETs in flight per storage endpoint" in warning for warning in budget.warnings)
+
+
+def test_ranks_on_this_host_count_the_workers_sharing_its_cpus():
+    """A rank whose share is one CPU of the 2+ its worker may run on shares the host with as many ranks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert HostLimits.of_this_host(local_ranks=1).ranks == len(cpu_set())
+    finally:
+        torch.set_num_threads(threads)

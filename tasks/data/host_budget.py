@@ -329,11 +329,9 @@ def process_bounds(limits: HostLimits, load: LoaderLoad) -> list[Bound]:
                + (" in /dev/shm and again in pinned memory" if load.pinned else "")),
         fix="run fewer ranks per host, or on hosts with more memory, for more"))
     per_process = rank_files_per_process(load)
-    # A loader process that cannot hold its own files with one image in flight cannot run at all.
-    loader_fits = limits.open_files >= loader_files(load, fetches=1)
+    # (Where the rank's files leave room for a loader process, its own, fewer, fit too.)
     bounds.append(Bound(
-        most=most(limits.open_files - RANK_FILES_MARGIN - LOADERS * load.tensors_per_batch,
-                  LOADERS * per_process) if loader_fits else 0,
+        most=most(limits.open_files - RANK_FILES_MARGIN - LOADERS * load.tensors_per_batch, LOADERS * per_process),
         limit=(f"a process may open {limits.open_files} files (RLIMIT_NOFILE), and the rank holds {per_process} per "
                f"loader process (its pipes, and each ready batch's {load.tensors_per_batch} tensor(s) in /dev/shm) "
                f"besides {RANK_FILES_MARGIN} of its own"),
