@@ -113,7 +113,7 @@ def prepare(data: bytes | None, label: int, position: int, transform: Callable[.
     """
     if transform is None:
         return EncodedImage(encoded_tensor(data), position), label
-    image = decoded(data, needed_side(transform), as_tensor=isinstance(transform, SizedTransform))
+    image = decoded(data, needed_side(transform), as_tensor=takes_tensor(transform))
     if image is None:
         return None, unreadable_label(position)
     return transform(image), label
@@ -129,7 +129,7 @@ def blank_image(transform: Callable[..., Any] | None) -> torch.Tensor:
     if transform is None:
         raise ValueError("blank_image got transform=None: a loader that hands over encoded images (no "
                          "transform) has no unreadable image to stand in for; a stand-in needs a transform.")
-    black = (torch.zeros(3, BLANK_SIDE, BLANK_SIDE, dtype=torch.uint8) if isinstance(transform, SizedTransform)
+    black = (torch.zeros(3, BLANK_SIDE, BLANK_SIDE, dtype=torch.uint8) if takes_tensor(transform)
              else Image.new("RGB", (BLANK_SIDE, BLANK_SIDE)))
     blank: torch.Tensor = transform(black)
     return blank
@@ -168,6 +168,12 @@ class SizedTransform(v2.Compose):
     def __init__(self, transforms: list[Callable[..., Any]], decode_side: int) -> None:
         super().__init__(transforms)
         self.decode_side = decode_side
+
+
+def takes_tensor(transform: Callable[..., Any]) -> bool:
+    """Whether `transform` is given a decoded image as a uint8 tensor (`decoded_tensor`): the project's
+    own (`SizedTransform`, made of torchvision's v2 steps); a user's is given the PIL image it was written for."""
+    return isinstance(transform, SizedTransform)
 
 
 def needed_side(transform: Callable[..., Any] | None) -> int | None:

@@ -72,6 +72,7 @@ class JpegHeader(NamedTuple):
     app1: bool
 
 
+JPEG_MAGIC = b"\xff\xd8\xff"  # the start-of-image marker and the first segment's marker byte
 APP1, START_OF_SCAN = 0xE1, 0xDA
 # Start-of-frame markers: every SOFn but DHT (C4), JPG (C8) and DAC (CC), which share the range.
 START_OF_FRAME = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -86,7 +87,7 @@ def jpeg_header(data: bytes | memoryview) -> JpegHeader | None:
     >>> jpeg_header(buffer.getvalue())
     JpegHeader(size=(40, 30), components=3, app1=False)
     """
-    if data[:3] != b"\xff\xd8\xff":
+    if data[:3] != JPEG_MAGIC:
         return None
     size, components, app1, at = None, 0, False, 2  # past the start-of-image marker (FF D8)
     while at + 4 <= len(data) and data[at] == 0xFF:

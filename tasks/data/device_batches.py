@@ -43,10 +43,8 @@ from prefect_ddp.tasks.data.dataset import (
     decoded,
     unreadable_label,
 )
-from prefect_ddp.tasks.data.decoding import exif_orientation, jpeg_header, upright
-from prefect_ddp.tasks.data.loader_steps import device_steps
-
-JPEG_MAGIC = b"\xff\xd8\xff"
+from prefect_ddp.tasks.data.decoding import JPEG_MAGIC, exif_orientation, jpeg_header, upright
+from prefect_ddp.tasks.data.loader_steps import BATCH_STEPS, ERASING_STEPS, device_steps
 
 
 class EncodedBatch(NamedTuple):
@@ -121,8 +119,6 @@ def decode_other(device: torch.device, data: torch.Tensor) -> torch.Tensor | Non
 SIZING_STEPS = (v2.RandomResizedCrop, v2.Resize, v2.CenterCrop)
 FLIP_STEPS = (v2.RandomHorizontalFlip,)
 AUGMENT_STEPS = (v2.TrivialAugmentWide,)
-BATCH_STEPS = (v2.ToDtype, v2.Normalize)
-ERASING_STEPS = (v2.RandomErasing,)
 STEP_GROUPS = (SIZING_STEPS, FLIP_STEPS, AUGMENT_STEPS, BATCH_STEPS, ERASING_STEPS)
 
 

@@ -26,8 +26,11 @@ from torchvision.transforms import v2
 from prefect_ddp.tasks.data.dataset import SizedTransform
 
 # The steps that run on the rank's device on a loader's uint8 batch: the float conversion and the
-# normalisation, and RandomErasing, which erases the normalised image. Once one comes, all that follow must.
-DEVICE_STEPS = (v2.ToDtype, v2.Normalize, v2.RandomErasing)
+# normalisation, on the whole batch, and RandomErasing, which erases the normalised image, image by
+# image. Once one comes, all that follow must. (The device decode path groups its steps by them too.)
+BATCH_STEPS = (v2.ToDtype, v2.Normalize)
+ERASING_STEPS = (v2.RandomErasing,)
+DEVICE_STEPS = BATCH_STEPS + ERASING_STEPS
 
 
 class LoaderSteps(SizedTransform):
@@ -42,8 +45,12 @@ class LoaderSteps(SizedTransform):
     def forward(self, *inputs: Any) -> Any:
         image: torch.Tensor = inputs[0].unsqueeze(0)
         for step in self.transforms:
-            image = resized_crop(step, image) if isinstance(step, v2.RandomResizedCrop) else step(
-                image.contiguous(memory_format=torch.channels_last) if isinstance(step, v2.Resize) else image)
+            if isinstance(step, v2.RandomResizedCrop):
+                image = resized_crop(step, image)
+            elif isinstance(step, v2.Resize):  # a turned image is not channels-last: its resize would not be
+                image = step(image.contiguous(memory_format=torch.channels_last))
+            else:
+                image = step(image)
         return image[0]
 
 
