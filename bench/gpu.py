@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,7 +49,7 @@ from bench.data_path import (
     read_ours,
     write_files,
 )
-from bench.s3_endpoints import latency_endpoint
+from bench.s3_endpoints import latency_endpoint, leave_to_front
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
 from prefect_ddp.tasks.data.dataset import forked_workers, train_transform
 from prefect_ddp.tasks.data.device_batches import ToDevice, encoded_collate
@@ -68,6 +68,7 @@ Batch = TypeVar("Batch")
 class Row:
     name: str
     images_per_s: float
+    front_ms: float | None = None  # the S3 front's CPU per image fed (warm-up steps included)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,8 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--steps", type=int, default=30, help="Timed steps per row, after warm-up steps.")
     parser.add_argument("--per-class", type=int, default=512, help="Photo-sized JPEGs per class (3 classes).")
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2),
-                        help="DataLoader workers (default: the machine's cores less two).")
+    parser.add_argument("--front-cpus", type=int, nargs="*", default=None,
+                        help="CPUs the S3 front runs on, and this process with its loaders on the others "
+                             "(default: all share all).")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="DataLoader workers (default: the CPUs this process may use, less two).")
     parser.add_argument("--latency-ms", type=float, default=30.0, help="The S3 front's wait before each response.")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -106,16 +110,17 @@ def timed(name: str, batches: Iterable, inputs: ToDevice, step: Callable, steps:
     `batches` must not run out (`synthetic_batches`, or a loader through `epochs`)."""
     started = time.perf_counter()
     done = 0
-    for done, (images, labels) in enumerate(batches, start=1):
-        if done == WARMUP_STEPS + 1:
-            synchronize(inputs.device)
-            started = time.perf_counter()
-        step(*inputs(images, labels))
-        if done == WARMUP_STEPS + steps:
-            break
-    else:
-        raise ValueError(f"{name}: the batches ran out after {done} of {WARMUP_STEPS + steps}; "
-                         "pass a loader through epochs(), which starts it again as training does.")
+    with closing(inputs.batches(batches)) as on_device:  # as the flow's passes take them (device decode ahead)
+        for done, (images, labels) in enumerate(on_device, start=1):
+            if done == WARMUP_STEPS + 1:
+                synchronize(inputs.device)
+                started = time.perf_counter()
+            step(images, labels)
+            if done == WARMUP_STEPS + steps:
+                break
+        else:
+            raise ValueError(f"{name}: the batches ran out after {done} of {WARMUP_STEPS + steps}; "
+                             "pass a loader through epochs(), which starts it again as training does.")
     synchronize(inputs.device)
     return Row(name, steps * batch_size / (time.perf_counter() - started))
 
@@ -159,6 +164,9 @@ def s3_loader(source: Source, args: argparse.Namespace, on_device: bool) -> Data
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.front_cpus:
+        leave_to_front(args.front_cpus)
+    args.workers = max(1, len(os.sched_getaffinity(0)) - 2) if args.workers is None else args.workers
     device = torch.device(args.device)
     cfg = TrainingConfig(image_size=IMAGE_SIZE, batch_size=args.batch_size)
     model = build_model(ModelConfig(backbone=args.model), CLASSES).to(device).to(memory_format=torch.channels_last)
@@ -167,17 +175,27 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-gpu-")))
         write_files(work / "images" / "photo", photo_dataset(args.per_class))
         front = stack.enter_context(latency_endpoint(work, BUCKET, work / "images", args.latency_ms))
+        if args.front_cpus:
+            front.process.cpu_affinity(args.front_cpus)
         source = Source(work / "images" / "photo", "photo", train_transform(IMAGE_SIZE), front.url)
         on_cpu = f"S3 (+{args.latency_ms:g} ms), decoded by {args.workers} loader workers"
         on_device = f"S3 (+{args.latency_ms:g} ms), decoded on the device"
+        fed = (WARMUP_STEPS + args.steps) * args.batch_size
+
+        def from_s3(row: Callable[[], Row]) -> Row:
+            spent = front.cpu_s()
+            timed_row = row()
+            timed_row.front_ms = 1000 * (front.cpu_s() - spent) / fed
+            return timed_row
+
         rows = [
             timed("synthetic tensors on the device", synthetic_batches(device, args.batch_size),
                   ToDevice(device, channels_last=True), step, args.steps, args.batch_size),
-            timed(on_cpu, epochs(s3_loader(source, args, on_device=False), on_cpu),
-                  ToDevice(device, channels_last=True), step, args.steps, args.batch_size),
-            timed(on_device, epochs(s3_loader(source, args, on_device=True), on_device),
-                  ToDevice(device, channels_last=True, transform=train_transform(IMAGE_SIZE)),
-                  step, args.steps, args.batch_size),
+            from_s3(lambda: timed(on_cpu, epochs(s3_loader(source, args, on_device=False), on_cpu),
+                                  ToDevice(device, channels_last=True), step, args.steps, args.batch_size)),
+            from_s3(lambda: timed(on_device, epochs(s3_loader(source, args, on_device=True), on_device),
+                                  ToDevice(device, channels_last=True, transform=train_transform(IMAGE_SIZE)),
+                                  step, args.steps, args.batch_size)),
         ]
     report(args, rows)
 
@@ -192,9 +210,13 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
     print(f"S3 rows: an epoch is {per_epoch} batches ({CLASSES * args.per_class} images), so their "
           f"{WARMUP_STEPS} warm-up and {args.steps} timed steps span "
           f"{-(-(WARMUP_STEPS + args.steps) // per_epoch)} epochs\n")
-    print("| feed | images/s | ratio to synthetic (target >= 0.9) |\n|---|---:|---:|")
+    front = f"on CPUs {args.front_cpus}, this process and its loaders on the others" if args.front_cpus else (
+        "on the same CPUs as this process and its loaders")
+    print(f"{args.workers} loader workers; the S3 front runs {front}\n")
+    print("| feed | images/s | ratio to synthetic (target >= 0.9) | S3 front CPU ms/image |\n|---|---:|---:|---:|")
     for row in rows:
-        print(f"| {row.name} | {row.images_per_s:,.1f} | {row.images_per_s / rows[0].images_per_s:.2f}x |")
+        spent = "-" if row.front_ms is None else f"{row.front_ms:.2f}"
+        print(f"| {row.name} | {row.images_per_s:,.1f} | {row.images_per_s / rows[0].images_per_s:.2f}x | {spent} |")
 
 
 if __name__ == "__main__":

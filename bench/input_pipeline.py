@@ -16,8 +16,8 @@ processes) is left out of both. Each feed also says what its loader processes sp
 (all its epochs, train and validation, from the children's rusage once the loaders are reaped),
 against the loader's transform alone on one thread of this process over the same images (target:
 the loader end to end at most 1.2x the transform), images/s per loader process, and the S3 front's
-CPU per image (it runs beside them here; on a GPU host, pin it off the ranks' cores with
-`--front-cpus`). On the CPU (`--device cpu`, the default here) the model costs almost
+CPU per image (it runs beside them here; `--front-cpus` pins it off the cores the rank and its
+loaders use, as bench.gpu_check does on a GPU host). On the CPU (`--device cpu`, the default here) the model costs almost
 nothing (one linear layer on each image's channel means), so all that is measured is the input: the
 target is the flow at 0.9x of the bare loader or more. With `--device cuda` both train `--model`
 (ResNet-50 at 224 px, batch 128, the recipe's bf16 autocast and channels-last) and a third row feeds it
@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from bench.data_path import BUCKET, listing_manifest, machine, photo_dataset, s3_options, write_files
-from bench.s3_endpoints import S3Endpoint, latency_endpoint
+from bench.s3_endpoints import S3Endpoint, latency_endpoint, leave_to_front
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
@@ -133,7 +133,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="Loader processes of both (default: the flow's own default on this host).")
     parser.add_argument("--latency-ms", type=float, default=30.0, help="The S3 front's wait before each response.")
     parser.add_argument("--front-cpus", type=int, nargs="*", default=None,
-                        help="CPUs the S3 front runs on (default: any); on a GPU host, cores the ranks do not use.")
+                        help="CPUs the S3 front runs on, and this process with its loaders on the others "
+                             "(default: all share all); on a GPU host, cores the ranks then do not use.")
     args = parser.parse_args(argv)
     on_gpu = args.device == "cuda"
     args.model = args.model or ("resnet50" if on_gpu else CHEAP)
@@ -182,8 +183,8 @@ def rate_over_epochs(epochs: Iterable[Iterable[tuple[torch.Tensor, torch.Tensor]
     for number, batches in enumerate(epochs):
         synchronize(inputs.device)
         started, count = time.perf_counter(), 0
-        for images, labels in batches:
-            step(*inputs(images, labels))
+        for images, labels in inputs.batches(batches):
+            step(images, labels)
             count += len(labels)
         synchronize(inputs.device)
         if number:
@@ -291,7 +292,7 @@ def run(args: argparse.Namespace, workers: int, steps: int, epochs: int, work: P
     rows = [Row("synthetic tensors on the GPU", steps, synthetic_rate(args, steps, epochs))] if args.device == "cuda" else []
     with latency_endpoint(work, BUCKET, folder, args.latency_ms) as front:
         if args.front_cpus:
-            front.process.cpu_affinity(args.front_cpus)
+            front.process.cpu_affinity(args.front_cpus)  # this process left them (main, leave_to_front)
         manifest = listing_manifest(folder / "photo", f"s3://{BUCKET}/photo")
         train = stratified_split(manifest, VAL_FRACTION, 0).train
         before = Spent.now(front)
@@ -314,6 +315,8 @@ def flow_default(args: argparse.Namespace) -> LoaderWorkers:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.front_cpus:
+        leave_to_front(args.front_cpus)
     workers = args.workers if args.workers is not None else flow_default(args).workers
     load = os.getloadavg()
     with ExitStack() as stack:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import boto3
 import psutil
+import torch
 
 from bench.s3_front import STATS_PATH, request_kind
 from prefect_ddp.deployments.local_services import (
@@ -49,6 +50,21 @@ class S3Endpoint:
     def cpu_s(self) -> float:
         times = self.process.cpu_times()
         return times.user + times.system
+
+
+def leave_to_front(cpus: list[int]) -> None:
+    """Run this process, with the ranks and loader processes it starts after this, on the CPUs it
+    may use but `cpus`, which the S3 front is then given (`front.process.cpu_affinity(cpus)`): on a
+    GPU host the front would otherwise serve every GET from the cores that feed the GPU, and the
+    benchmark would charge its own server to the flow. Call it before the flow sizes its loaders
+    (they follow this process's CPU affinity)."""
+    allowed = os.sched_getaffinity(0)
+    rest = allowed - set(cpus)
+    if not set(cpus) <= allowed or not rest:
+        raise ValueError(f"--front-cpus {cpus}: give CPUs this process may run on ({sorted(allowed)}), "
+                         "leaving it at least one.")
+    os.sched_setaffinity(0, rest)
+    torch.set_num_threads(len(rest))  # as a gang sets a rank's threads to its share, which its loaders follow
 
 
 def child_running(marker: str) -> psutil.Process:

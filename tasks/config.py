@@ -238,11 +238,14 @@ class TrainingConfig(_Strict):
         default=True, description="On CUDA ranks, lay out the model and images channels-last (faster "
         "convolutions on tensor cores).",
     )
-    decode_on: Literal["loader", "device"] = Field(
-        default="loader", description="Where images are decoded and augmented: in the DataLoader's CPU "
-        "processes (on uint8: the rank converts and normalises each batch on its device), or in batches on "
-        "the rank's device (on a GPU, torchvision's nvjpeg decoder: "
-        "for when the CPUs cannot keep the GPU fed). Non-JPEG images decode on the CPU either way.",
+    decode_on: Literal["auto", "loader", "device"] = Field(
+        default="auto", description="Where images are decoded and augmented: in the DataLoader's CPU "
+        "processes (loader; on uint8: the rank converts and normalises each batch on its device), or in "
+        "batches on the rank's device, a batch ahead (device; on a GPU, torchvision's nvjpeg decoder: for "
+        "when the CPUs cannot keep the GPU fed). auto: each GPU rank times its model's step, its loaders' "
+        "decode and its device's on a few of the run's images before the first epoch, takes the one that "
+        "trains more images a second and logs why; ranks without a GPU decode in the loaders. Non-JPEG "
+        "images decode on the CPU either way.",
     )
     num_workers: int | None = Field(
         default=None, ge=0, le=MAX_NUM_WORKERS,

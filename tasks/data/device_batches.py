@@ -23,13 +23,18 @@ the loader leaves out those it decodes itself (prefect_ddp.tasks.data.dataset): 
 labelled with its position, which the encoded batch carries for that. What a decoder
 accepts without an error is trained on as it decodes.
 
+A pass takes its batches through `ToDevice.batches`, which decodes encoded ones a batch
+ahead, on a thread and CUDA stream of their own, while the rank trains on the one before
+(prefect_ddp.tasks.data.device_ahead).
+
 The same code runs on a CPU device (decoding in the rank's process), which is how the
 tests here exercise it; it only pays off on a GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -43,6 +48,7 @@ from prefect_ddp.tasks.data.dataset import (
     decoded,
     unreadable_label,
 )
+from prefect_ddp.tasks.data.device_ahead import batches_ahead
 from prefect_ddp.tasks.data.decoding import JPEG_MAGIC, exif_orientation, jpeg_header, upright
 from prefect_ddp.tasks.data.loader_steps import BATCH_STEPS, ERASING_STEPS, device_steps
 
@@ -80,13 +86,22 @@ def decode_jpegs(device: torch.device, jpegs: list[torch.Tensor]) -> list[torch.
         return [image for jpeg in jpegs for image in decode_jpegs(device, [jpeg])]
 
 
-def decode_on(device: torch.device, images: list[torch.Tensor]) -> list[torch.Tensor | None]:
+def decode_on(device: torch.device, images: list[torch.Tensor], fall_back: bool = True) -> list[torch.Tensor | None]:
     """Upright uint8 CHW RGB tensors on `device`: JPEGs in one batched decode there, the rest on
-    the CPU; None for an image that does not decode."""
+    the CPU; None for an image that does not decode.
+
+    A JPEG the device's decoder refuses is decoded on the CPU, as the loader would decode it
+    (`fall_back`), so an image trains whichever feed the rank takes (decode_on="auto" may take
+    either, tasks/training/feed_choice.py); without `fall_back` it is None, for a caller that
+    asks what the device itself decodes."""
     is_jpeg = [bytes(data[:3].tolist()) == JPEG_MAGIC for data in images]
     jpegs = iter(decode_jpegs(device, [data for data, jpeg in zip(images, is_jpeg) if jpeg]))
-    return [upright_or_none(next(jpegs), jpeg_orientation(data)) if jpeg else decode_other(device, data)
-            for data, jpeg in zip(images, is_jpeg)]
+    decoded = [upright_or_none(next(jpegs), jpeg_orientation(data)) if jpeg else decode_other(device, data)
+               for data, jpeg in zip(images, is_jpeg)]
+    if not fall_back:
+        return decoded
+    return [decode_other(device, data) if image is None and jpeg else image
+            for image, data, jpeg in zip(decoded, images, is_jpeg)]
 
 
 def jpeg_orientation(data: torch.Tensor) -> int:
@@ -269,6 +284,25 @@ class ToDevice:
         if finishing is None:
             return moved, labels
         return finished_on_device(moved, finishing).contiguous(memory_format=self.memory_format), labels
+
+    def batches(self, loader_batches: Iterable[Any]) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
+        """Each of a loader's batches on the device, finished; encoded ones decoded a batch ahead
+        on a thread and stream of their own (prefect_ddp.tasks.data.device_ahead). Close it when
+        the pass ends early (`contextlib.closing`): that ends the thread.
+
+        >>> to_device = ToDevice(torch.device("cpu"))
+        >>> [labels.tolist() for _, labels in to_device.batches([(torch.zeros(1, 3, 2, 2), torch.tensor([7]))])]
+        [[7]]
+        """
+        batches = iter(loader_batches)
+        first = next(batches, None)
+        if first is None:
+            return
+        following = itertools.chain([first], batches)
+        if isinstance(first[0], EncodedBatch):
+            yield from batches_ahead(following, self, self.device)
+        else:
+            yield from (self(images, labels) for images, labels in following)
 
     def decoded(self, images: EncodedBatch, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """An encoded batch decoded, transformed and stacked on the device (module docstring)."""

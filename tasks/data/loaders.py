@@ -17,7 +17,7 @@ import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 from torch.utils.data import DataLoader
 
@@ -38,6 +38,9 @@ from prefect_ddp.tasks.data.shard_writer import shard_format
 from prefect_ddp.tasks.data.splitting import Split
 from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.location import Location
+
+
+Feed = Literal["loader", "device"]  # where a rank's images decode: its loader processes or its device
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class RankData:
 
 
 def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Manifest, split: Split,
-              cfg: TrainingConfig, preprocessing: Preprocessing) -> RankData:
+              cfg: TrainingConfig, preprocessing: Preprocessing, decode_on: Feed | None = None) -> RankData:
     """What rank `ctx` reads with: train batches from a PositionedSampler (or tar shards), val
     sharded rank::world_size, unpadded; built once per rank, its storage options with it.
 
@@ -91,13 +94,15 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
     some images twice; a plain stride covers every val image exactly once. With
     training.images_per_shard the train set is read from the shards that the flow's
     write-shards step wrote (below `output`); that dataset batches itself and gives every rank
-    the same number of steps (prefect_ddp.tasks.data.shard_reader).
+    the same number of steps (prefect_ddp.tasks.data.shard_reader). `decode_on`: where images
+    decode, as training.decode_on="auto" chose it (tasks/training/feed_choice.py); None: as the
+    config says, the loaders for "auto" until then.
     """
     # decode_on="device": the loaders hand over encoded images (no transform); the rank
     # decodes and transforms them (the recipe's batch_inputs).
     # Otherwise they decode and run the transform's uint8 steps, and the rank converts and
     # normalises the batch on its device (prefect_ddp.tasks.data.loader_steps).
-    on_device = cfg.decode_on == "device"
+    on_device = (decode_on or cfg.decode_on) == "device"
     train_tf = None if on_device else loader_steps(train_transform_for(cfg, preprocessing))
     val_tf = None if on_device else loader_steps(eval_transform(cfg.image_size, preprocessing))
     pinned = ctx.device.startswith("cuda")

@@ -11,7 +11,7 @@ is no process group and the wrappers do nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from typing import Any
 
 import torch
@@ -78,38 +78,38 @@ def train_one_epoch(
     sums = sums if sums is not None else PassSums()
     clock = clock or StepClock(inputs.device)
     clock.start()
-    for step, (images, labels) in enumerate(loader if batches is None else batches, start=1):
-        images, labels = inputs(images, labels)
-        images, targets = knobs.mixed(images, labels)
-        clock.mark("data")
-        group = Accumulation.of(step, len(loader), knobs.accumulate_steps)
-        # DDP all-reduces the gradients in the backward of a group's last batch only (its `no_sync` before).
-        with model.no_sync() if isinstance(model, DistributedDataParallel) and not group.last else nullcontext():
-            with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = model(images)
-                loss_sum, readable = readable_loss(logits, labels, targets, knobs.label_smoothing)
-            clock.mark("forward")
-            if group.first:
-                optimizer.zero_grad(set_to_none=True)
-            loss = loss_sum / readable.clamp(min=1)
-            scaler.scale(loss / group.size if group.size > 1 else loss).backward()
-        clock.after_backward()
-        if group.last:
-            knobs.clip(model.parameters(), optimizer, scaler)
-            if warmup:
-                warmup.before_step(optimizer, group.size)
-            scaler.step(optimizer)
-            scaler.update()
-            if average is not None:
-                average.update_parameters(getattr(model, "module", model))  # DDP's wrapped model, or the model
-            clock.mark("optimizer")
-        sums.add(loader, logits, labels, loss_sum, readable)
-        if group.last:  # positions and boundaries fall between optimizer steps only
-            if on_step:
-                on_step(step, len(loader))
-        elif on_batch:
-            on_batch(step, len(loader))
-        clock.mark("other")
+    with closing(inputs.batches(loader if batches is None else batches)) as on_device:
+        for step, (images, labels) in enumerate(on_device, start=1):
+            images, targets = knobs.mixed(images, labels)
+            clock.mark("data")
+            group = Accumulation.of(step, len(loader), knobs.accumulate_steps)
+            # DDP all-reduces the gradients in the backward of a group's last batch only (its `no_sync` before).
+            with model.no_sync() if isinstance(model, DistributedDataParallel) and not group.last else nullcontext():
+                with torch.autocast(inputs.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    logits = model(images)
+                    loss_sum, readable = readable_loss(logits, labels, targets, knobs.label_smoothing)
+                clock.mark("forward")
+                if group.first:
+                    optimizer.zero_grad(set_to_none=True)
+                loss = loss_sum / readable.clamp(min=1)
+                scaler.scale(loss / group.size if group.size > 1 else loss).backward()
+            clock.after_backward()
+            if group.last:
+                knobs.clip(model.parameters(), optimizer, scaler)
+                if warmup:
+                    warmup.before_step(optimizer, group.size)
+                scaler.step(optimizer)
+                scaler.update()
+                if average is not None:
+                    average.update_parameters(getattr(model, "module", model))  # DDP's wrapped model, or the model
+                clock.mark("optimizer")
+            sums.add(loader, logits, labels, loss_sum, readable)
+            if group.last:  # positions and boundaries fall between optimizer steps only
+                if on_step:
+                    on_step(step, len(loader))
+            elif on_batch:
+                on_batch(step, len(loader))
+            clock.mark("other")
     clock.mark("data")  # the wait for the loader to say the pass is over
     if warmup:
         warmup.end_epoch(optimizer)
@@ -126,10 +126,10 @@ def evaluate(model: nn.Module, loader: DataLoader, inputs: ToDevice,
     """
     model.eval()
     sums = PassSums()
-    for done, (images, labels) in enumerate(loader, start=1):
-        images, labels = inputs(images, labels)
-        logits = model(images)
-        sums.add(loader, logits, labels, *readable_loss(logits, labels))
-        if on_batch:
-            on_batch(done, len(loader))
+    with closing(inputs.batches(loader)) as on_device:
+        for done, (images, labels) in enumerate(on_device, start=1):
+            logits = model(images)
+            sums.add(loader, logits, labels, *readable_loss(logits, labels))
+            if on_batch:
+                on_batch(done, len(loader))
     return sums

@@ -19,11 +19,12 @@ from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.dataset import eval_transform, train_transform_for
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.data.loader_steps import loader_steps
-from prefect_ddp.tasks.data.loaders import RankData, rank_data
+from prefect_ddp.tasks.data.loaders import Feed, RankData, rank_data
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.training.checkpoints import TrainingState
 from prefect_ddp.tasks.training.decode_cost import PROBE_IMAGES, DecodeProbe
+from prefect_ddp.tasks.training.feed_choice import FEED_PROBE_IMAGES, choose_feed, measure_feed
 from prefect_ddp.tasks.training.job import TrainJob
 from prefect_ddp.tasks.training.model import build_model, download_weights, load_warm_start
 from prefect_ddp.tasks.training.optimization import (
@@ -113,6 +114,9 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler,
                           weights_average(model, job.training.ema_decay))
+    if job.training.decode_on == "auto" and chosen_feed(ctx, job, data, model, train_inputs, amp_dtype, log) == "device":
+        data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training, job.preprocessing,
+                         decode_on="device")
     advice = input_advice(job.training, from_object_store="://" in job.manifest.root,
                           loader_processes=data.loader_workers.workers)
     warm_epochs = warmup_epochs(job.training, ctx.world_size)
@@ -129,6 +133,40 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
                      StepKnobs.of(job.training, len(job.manifest.classes)))
 
 
+def chosen_feed(ctx: RankContext, job: TrainJob, data: RankData, model: nn.Module, inputs: ToDevice,
+                amp_dtype: torch.dtype | None, log: Any) -> Feed:
+    """Where this rank decodes under training.decode_on="auto", measured on its host and said in
+    the log (tasks/training/feed_choice.py). `data` are its loaders as built for the loader feed."""
+    def said(feed: Feed, why: str) -> Feed:
+        place = "on the rank's device, a batch ahead" if feed == "device" else "in the loader processes"
+        log.log(logging.INFO if ctx.is_main else logging.DEBUG,
+                "Rank %d decodes its training images %s (training.decode_on='auto'): %s", ctx.rank, place, why)
+        return feed
+
+    if inputs.device.type != "cuda":
+        return said("loader", f"it runs on {inputs.device.type}, where decoding on the device would take the "
+                              "rank's own core instead of its loaders'.")
+    images = fetched(data, job.split.train[:FEED_PROBE_IMAGES], log)
+    cfg = job.training
+    measured = measure_feed(model, inputs, train_transform_for(cfg, job.preprocessing), images, cfg.batch_size,
+                            cfg.image_size, amp_dtype, data.loader_workers.workers, resized=not data.decodes_originals)
+    if measured is None:
+        return said("loader", f"none of the {len(images)} images fetched to time the decode decoded.")
+    choice = choose_feed(measured)
+    return said(choice.decode_on, choice.why)
+
+
+def fetched(data: RankData, positions: list[int], log: Any) -> list[bytes]:
+    """The training images at `positions`, as stored; those the storage does not give are left out
+    (the loaders meet the storage's trouble and say so; a measure goes without them)."""
+    try:
+        images = data.images.dataset(positions, None).fetch(range(len(positions)))
+    except OSError as exc:
+        log.debug("Could not fetch images to time their decoding: %s", exc)
+        return []
+    return [image for image in images if image]
+
+
 def decode_probe(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> DecodeProbe | None:
     """Rank 0's measure of what decoding this run's training images costs, taken when an epoch is
     input-bound (tasks/training/decode_cost.py); None on other ranks and where the run does
@@ -137,13 +175,5 @@ def decode_probe(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> D
     if not ctx.is_main or not data.decodes_originals:
         return None
     positions = job.split.train[:PROBE_IMAGES]
-
-    def fetch() -> list[bytes]:
-        try:
-            images = data.images.dataset(positions, None).fetch(range(len(positions)))
-        except OSError as exc:  # the loaders meet the storage's trouble and say so; the verdict goes without
-            log.debug("Could not fetch images to time their decoding: %s", exc)
-            return []
-        return [image for image in images if image]
-
-    return DecodeProbe(fetch, cfg.image_size, loader_steps(train_transform_for(cfg, job.preprocessing)))
+    return DecodeProbe(partial(fetched, data, positions, log), cfg.image_size,
+                       loader_steps(train_transform_for(cfg, job.preprocessing)))
