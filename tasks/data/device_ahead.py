@@ -45,7 +45,8 @@ class _Failed:
         self.error = error
 
 
-def batches_ahead(batches: Iterable[Any], finish: Callable[[Any, Any], Batch], device: torch.device) -> Generator[Batch, None, None]:
+def batches_ahead(batches: Iterable[Any], finish: Callable[[Any, Any], Batch],
+                  device: torch.device) -> Generator[Batch, None, None]:
     """`finish(images, labels)` of each of `batches`, run one batch ahead on a thread (module docstring).
 
     >>> list(batches_ahead([(1, 2), (3, 4)], lambda x, y: (x * 10, y), torch.device("cpu")))
