@@ -120,6 +120,33 @@ def test_a_pass_that_fails_ends_the_thread_even_while_its_traceback_is_kept():
     assert batches.taken == taken <= 3
 
 
+@pytest.mark.unit
+def test_a_failed_pass_leaves_without_waiting_for_the_batch_the_loader_is_still_fetching():
+    fetched = threading.Event()  # the storage's answer for the second batch, given only at the end
+
+    def slow_after_the_first():
+        yield torch.tensor([0]), torch.tensor([0])
+        fetched.wait(DEADLINE_S)
+        yield torch.tensor([1]), torch.tensor([1])
+
+    try:
+        with pytest.raises(ConnectionError):
+            with closing(batches_ahead(slow_after_the_first(), finish_on_thread([]), torch.device("cpu"))) as on_device:
+                for _ in on_device:
+                    raise ConnectionError("a peer left the gang")
+        assert not fetched.is_set()  # the pass left while the thread still waited on the loader
+    finally:
+        fetched.set()  # as EpochAhead.close ends the wait, terminating the loader's processes
+    wait_for(lambda: not ahead_threads(), "the thread to end once the loader answers")
+
+
+@pytest.mark.unit
+def test_a_pass_that_ran_to_its_end_leaves_no_thread_reading_the_loader():
+    for _ in batches_ahead(CountedBatches(3), finish_on_thread([]), torch.device("cpu")):
+        pass
+    assert not ahead_threads()  # joined before the next epoch's iter() may reset the loader
+
+
 @pytest.mark.gpu
 def test_a_batch_finished_on_the_side_stream_is_whole_on_the_current_stream():
     device = torch.device("cuda")

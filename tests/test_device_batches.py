@@ -25,6 +25,7 @@ from prefect_ddp.tasks.data.dataset import (
     train_transform,
     unreadable_label,
 )
+from prefect_ddp.tasks.data import device_batches
 from prefect_ddp.tasks.data.decoding import open_rgb
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.device_batches import (
@@ -129,6 +130,21 @@ def test_a_batch_makes_the_tensors_the_transform_makes_image_by_image(make_trans
     torch.manual_seed(8)  # another seed draws other crops: the batch follows torch's generator
     other, _ = ToDevice(torch.device("cpu"), transform=transform)(images, labels)
     assert torch.equal(other, expected) == (make_transform is eval_transform)
+
+
+@pytest.mark.unit
+def test_a_batch_decoded_in_chunks_makes_the_same_tensors(monkeypatch):
+    transform = train_transform(24)
+    photos = [photo_bytes(w, h, seed) for seed, (w, h) in enumerate(PHOTO_SIZES)]
+    images, labels = encoded(photos + [b"\xff\xd8\xff broken"])
+    torch.manual_seed(5)
+    whole, whole_labels = ToDevice(torch.device("cpu"), transform=transform)(images, labels)
+    monkeypatch.setattr(device_batches, "DECODE_PIXELS", 64 * 48)  # about one image a chunk
+    # Each image holds over half the budget, so one a chunk; the broken one (no header: no pixels) joins the last.
+    assert [len(chunk) for chunk in device_batches.pixel_chunks(images.data)] == [1] * 7 + [2]
+    torch.manual_seed(5)
+    chunked, chunked_labels = ToDevice(torch.device("cpu"), transform=transform)(images, labels)
+    assert torch.equal(chunked, whole) and torch.equal(chunked_labels, whole_labels)
 
 
 @pytest.mark.unit

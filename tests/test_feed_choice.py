@@ -3,18 +3,31 @@ measuring leaves the run as it was (prefect_ddp.tasks.training.feed_choice)."""
 
 from __future__ import annotations
 
+import io
 import logging
 from dataclasses import replace
 
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 
+from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data import device_batches
 from prefect_ddp.tasks.data.dataset import train_transform
+from prefect_ddp.tasks.data.decoding import stored_resized
 from prefect_ddp.tasks.data.device_batches import EncodedBatch, ToDevice, decode_on
 from prefect_ddp.tasks.data.loaders import rank_data
-from prefect_ddp.tasks.training.feed_choice import DEVICE_MARGIN, FeedMeasures, choose_feed, measure_feed
-from prefect_ddp.tasks.training.rank_setup import set_up_rank
+from prefect_ddp.tasks.training.feed_choice import (
+    DEVICE_MARGIN,
+    TIMED_STEPS,
+    FeedMeasures,
+    choose_feed,
+    device_decode_seconds,
+    measure_feed,
+    model_step_seconds,
+)
+from prefect_ddp.tasks.training.rank_setup import as_the_loaders_read, set_up_rank
 from tests.test_device_batches import PHOTO_SIZES, photo_bytes
 from tests.test_training import CTX, local_job
 from tests.test_uint8_batches import IMAGES
@@ -99,7 +112,7 @@ def test_measuring_leaves_the_model_and_the_random_draws_as_they_were():
     transform = train_transform(16)
     photos = [photo_bytes(w, h, seed) for seed, (w, h) in enumerate(PHOTO_SIZES)]
     measured = measure_feed(model, ToDevice(torch.device("cpu"), transform=transform), transform, photos,
-                            batch_size=4, image_size=16, amp_dtype=None, loader_processes=2, resized=False)
+                            batch_size=4, image_size=16, amp_dtype=None, loader_processes=2)
     assert measured is not None and measured.loader_processes == 2
     assert measured.step_s > 0 and measured.loader_s > 0 and measured.device_s is not None and measured.device_s > 0
     after = model.state_dict()
@@ -109,11 +122,49 @@ def test_measuring_leaves_the_model_and_the_random_draws_as_they_were():
 
 
 @pytest.mark.unit
+def test_measuring_keeps_the_gradients_a_model_holds():
+    model = TinyNet()
+    model(torch.zeros(2, 3, 8, 8)).sum().backward()
+    held = {name: param.grad.clone() for name, param in model.named_parameters()}
+    model_step_seconds(model, ToDevice(torch.device("cpu")), batch_size=2, image_size=8, amp_dtype=None)
+    assert all(torch.equal(param.grad, held[name]) for name, param in model.named_parameters())
+
+
+@pytest.mark.unit
+def test_the_device_is_timed_on_the_images_it_decodes_not_one_by_one_behind_a_refused_one(monkeypatch):
+    calls: list[int] = []
+    real = device_batches.decode_jpegs
+
+    def counted(device, jpegs):
+        calls.append(len(jpegs))
+        return real(device, jpegs)
+
+    monkeypatch.setattr(device_batches, "decode_jpegs", counted)
+    photos = [photo_bytes(w, h, seed) for seed, (w, h) in enumerate(PHOTO_SIZES[:7])] + [b"\xff\xd8\xff broken"]
+    inputs = ToDevice(torch.device("cpu"), transform=train_transform(16))
+    assert device_decode_seconds(inputs, photos, batch_size=32) is not None
+    # The first look decodes the 8 and finds the broken one (its batched call fails, then one by one);
+    # the timed batches hold the 7 others only, so every one of them decodes in one call.
+    assert calls.count(32) == 1 + TIMED_STEPS and sum(1 for count in calls if count == 1) <= len(photos)
+    assert device_decode_seconds(inputs, [b"\xff\xd8\xff broken"], batch_size=4) is None
+
+
+@pytest.mark.unit
+def test_shards_stored_resized_are_timed_as_the_loaders_read_them():
+    photo = photo_bytes(160, 120, seed=3)
+    cfg = TrainingConfig(image_size=16, images_per_shard=10, shard_side=40, shard_quality=70)
+    read = as_the_loaders_read(cfg, [photo])[0]
+    assert read == stored_resized(photo, 40, 70).data and Image.open(io.BytesIO(read)).size == (53, 40)
+    assert as_the_loaders_read(TrainingConfig(image_size=16), [photo]) == [photo]  # no shards: as stored
+    assert as_the_loaders_read(cfg.model_copy(update={"shard_side": 0}), [photo]) == [photo]  # stored as they were
+
+
+@pytest.mark.unit
 def test_nothing_decodable_measures_nothing():
     transform = train_transform(16)
     assert measure_feed(TinyNet(), ToDevice(torch.device("cpu"), transform=transform), transform,
                         [b"\xff\xd8\xff not a JPEG"], batch_size=2, image_size=16, amp_dtype=None,
-                        loader_processes=1, resized=False) is None
+                        loader_processes=1) is None
 
 
 def test_a_cpu_rank_decodes_in_its_loaders_and_says_why(tmp_path, caplog):

@@ -1,5 +1,5 @@
 """The next encoded batch decoded on the device while the rank trains on this one
-(docs/architecture.md, "Data: decoding on the device").
+(docs/architecture.md, "Data: decode on device").
 
 Decoding on the device (training.decode_on="device", or "auto" where it chose so) leaves the
 rank's own thread work per batch: reading each JPEG's header for its orientation, drawing
@@ -10,17 +10,19 @@ on a CUDA stream of its own: the rank's thread takes each batch finished, and it
 waits for that batch's work on the side stream (an event), never the host.
 
 Order is kept (one thread, a queue of one), so every rank trains its batches in the sampler's
-order. The thread ends with the pass: when the loop is done, breaks off or fails (a gang that
-regroups; the pass closes the iterator, `contextlib.closing`), the thread is told to stop and
-joined before the loader's iterator is given back, so a loader reset for the next epoch never
-races a thread still reading it. An error in the
+order. The thread ends with the pass. A pass that ran to the end joins it after its last batch,
+so the next epoch's `iter()` never resets a loader a thread still reads. One that breaks off or
+fails (the run stops, the gang regroups; the pass closes the iterator, `contextlib.closing`)
+tells it to stop and waits for it at most `_LEAVE_S`, not for the batch the loader may still
+be fetching: the rank then closes its train loader (EpochAhead.close terminates its processes),
+which ends that wait, and the next formation reads through loaders of its own. An error in the
 thread (a loader process that died, a batch that does not decode) is raised in the rank's
 thread, where the pass would have met it.
 
 One thing differs from decoding between steps: the crops' and flips' draws come from torch's
-CPU generator on that thread, while the step's own draws (MixUp, CutMix) come from it on the
-rank's thread, so with those knobs on, a seed gives the same images but may pair them with
-other mixes.
+CPU generator on that thread while the rank's thread draws from it too (MixUp, CutMix; dropout
+on a CPU device), so with those on, a seed does not repeat a run on the device feed exactly:
+the draws interleave in another order each time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 Batch = tuple[torch.Tensor, torch.Tensor]
 _DONE: Any = object()  # what the thread puts after the last batch
 _POLL_S = 0.1  # how often a thread waiting to hand over a batch checks whether it should stop
+_LEAVE_S = 1.0  # how long a pass that ends early waits for the thread (module docstring)
 
 
 class _Failed:
@@ -63,10 +66,13 @@ def batches_ahead(batches: Iterable[Any], finish: Callable[[Any, Any], Batch],
             if isinstance(item, _Failed):
                 raise item.error
             yield _on_current_stream(item, side)
+        thread.join()  # it handed over its last batch and ends: the loader's iterator is free
     finally:
         stop.set()
         _drain(handed)
-        thread.join()
+        # A pass that ends early does not wait for a batch the loader has yet to deliver: the rank's
+        # leaving (EpochAhead.close) terminates the loader's processes, which ends the thread's wait.
+        thread.join(timeout=_LEAVE_S)
 
 
 def _finish_all(batches: Iterator[Any], finish: Callable[[Any, Any], Batch], side: torch.cuda.Stream | None,

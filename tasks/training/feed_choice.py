@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prefect_ddp.tasks.data.dataset import SizedTransform, decode_side, encoded_tensor
-from prefect_ddp.tasks.data.decoding import stored_resized
+from prefect_ddp.tasks.data.dataset import SizedTransform, encoded_tensor
 from prefect_ddp.tasks.data.device_batches import EncodedBatch, ToDevice, decode_on
 from prefect_ddp.tasks.data.loader_steps import loader_steps
 from prefect_ddp.tasks.data.loaders import Feed
@@ -98,20 +97,18 @@ def choose_feed(measured: FeedMeasures) -> FeedChoice:
 
 
 def measure_feed(model: nn.Module, inputs: ToDevice, transform: SizedTransform, images: list[bytes], batch_size: int,
-                 image_size: int, amp_dtype: torch.dtype | None, loader_processes: int,
-                 resized: bool) -> FeedMeasures | None:
-    """The rank's measures (module docstring) on the run's `images` (bytes as stored), with its train
-    `transform`; None where none of them decodes. `resized`: the loaders read copies stored resized
-    (shards), so they are timed on those."""
+                 image_size: int, amp_dtype: torch.dtype | None, loader_processes: int) -> FeedMeasures | None:
+    """The rank's measures (module docstring) with its train `transform`, on the run's `images` as its
+    loaders read them (the stored copies where they read shards stored resized); None where none of
+    them decodes."""
     device = inputs.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run draws as without it
         step_s = model_step_seconds(model, inputs, batch_size, image_size, amp_dtype)
         cost = probe_decode(images, image_size, loader_steps(transform))
         if cost is None:
             return None
-        stored = [stored_resized(data, decode_side(image_size)).data or data for data in images] if resized else images
-        device_s = device_decode_seconds(inputs, stored, batch_size)
-    return FeedMeasures(step_s, cost.resized_s if resized else cost.original_s, device_s, loader_processes)
+        device_s = device_decode_seconds(inputs, images, batch_size)
+    return FeedMeasures(step_s, cost.original_s, device_s, loader_processes)
 
 
 def model_step_seconds(model: nn.Module, inputs: ToDevice, batch_size: int, image_size: int,
@@ -122,6 +119,7 @@ def model_step_seconds(model: nn.Module, inputs: ToDevice, batch_size: int, imag
     may step, and it is a small share of a step (bench/RESULTS.md, "GPU")."""
     device = inputs.device
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    grads = {param: None if param.grad is None else param.grad.clone() for param in model.parameters()}
     was_training = model.training
     images = torch.randn(batch_size, 3, image_size, image_size, device=device).contiguous(
         memory_format=inputs.memory_format)
@@ -136,7 +134,8 @@ def model_step_seconds(model: nn.Module, inputs: ToDevice, batch_size: int, imag
     try:
         seconds = timed(step, device)
     finally:
-        model.zero_grad(set_to_none=True)
+        for param, grad in grads.items():
+            param.grad = grad
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 buffer.copy_(buffers[name])
@@ -145,14 +144,17 @@ def model_step_seconds(model: nn.Module, inputs: ToDevice, batch_size: int, imag
 
 
 def device_decode_seconds(inputs: ToDevice, images: list[bytes], batch_size: int) -> float | None:
-    """Seconds per image of decoding and transforming a batch of `images` (repeated to `batch_size`)
-    on the rank's device; None where the device decodes none of them (a torchvision built without
-    its GPU decoder: the decode would then fall back to the rank's own thread, image by image)."""
+    """Seconds per image of decoding and transforming a batch of `images` (those the device decodes,
+    repeated to `batch_size`) on the rank's device; None where it decodes none of them (a torchvision
+    built without its GPU decoder). One the device refuses is left out rather than timed: it would
+    fail the batched call and have every image of the batch decoded again one by one."""
     device = inputs.device
     tensors = [encoded_tensor(data) for data in images if data]
-    if not tensors or all(image is None for image in decode_on(device, tensors, fall_back=False)):
+    decoded = decode_on(device, tensors, fall_back=False) if tensors else []
+    readable = [data for data, image in zip(tensors, decoded) if image is not None]
+    if not readable:
         return None
-    batch = EncodedBatch([tensors[number % len(tensors)] for number in range(batch_size)], torch.arange(batch_size))
+    batch = EncodedBatch([readable[number % len(readable)] for number in range(batch_size)], torch.arange(batch_size))
     labels = torch.zeros(batch_size, dtype=torch.long)
     return timed(lambda: inputs(batch, labels), device) / batch_size
 

@@ -17,10 +17,12 @@ from torch import nn
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.dataset import eval_transform, train_transform_for
+from prefect_ddp.tasks.data.decoding import stored_resized
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.data.loader_steps import loader_steps
 from prefect_ddp.tasks.data.loaders import Feed, RankData, rank_data
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
+from prefect_ddp.tasks.data.shard_writer import shard_format
 from prefect_ddp.tasks.gang import RankContext
 from prefect_ddp.tasks.training.checkpoints import TrainingState
 from prefect_ddp.tasks.training.decode_cost import PROBE_IMAGES, DecodeProbe
@@ -146,14 +148,29 @@ def chosen_feed(ctx: RankContext, job: TrainJob, data: RankData, model: nn.Modul
     if inputs.device.type != "cuda":
         return said("loader", f"it runs on {inputs.device.type}, where decoding on the device would take the "
                               "rank's own core instead of its loaders'.")
-    images = fetched(data, job.split.train[:FEED_PROBE_IMAGES], log)
     cfg = job.training
-    measured = measure_feed(model, inputs, train_transform_for(cfg, job.preprocessing), images, cfg.batch_size,
-                            cfg.image_size, amp_dtype, data.loader_workers.workers, resized=not data.decodes_originals)
+    images = as_the_loaders_read(cfg, fetched(data, job.split.train[:FEED_PROBE_IMAGES], log))
+    try:
+        measured = measure_feed(model, inputs, train_transform_for(cfg, job.preprocessing), images, cfg.batch_size,
+                                cfg.image_size, amp_dtype, data.loader_workers.workers)
+    except Exception as exc:  # the measure is the run's own extra: its failure leaves the feed that needs none
+        torch.cuda.empty_cache()
+        log.warning("Rank %d could not time its feeds (%s: %s); it decodes in its loader processes.",
+                    ctx.rank, type(exc).__name__, exc)
+        return "loader"
     if measured is None:
         return said("loader", f"none of the {len(images)} images fetched to time the decode decoded.")
     choice = choose_feed(measured)
     return said(choice.decode_on, choice.why)
+
+
+def as_the_loaders_read(cfg: TrainingConfig, images: list[bytes]) -> list[bytes]:
+    """`images` as stored, or as the shards store them where the loaders read shards stored resized
+    (training.images_per_shard, shard_side, shard_quality)."""
+    fmt = shard_format(cfg)
+    if not fmt.images_per_shard or not fmt.side:
+        return images
+    return [stored_resized(data, fmt.side, fmt.quality).data or data for data in images]
 
 
 def fetched(data: RankData, positions: list[int], log: Any) -> list[bytes]:
