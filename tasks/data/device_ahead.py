@@ -30,7 +30,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -78,9 +78,8 @@ def batches_ahead(batches: Iterable[Any], finish: Callable[[Any, Any], Batch],
 def _finish_all(batches: Iterator[Any], finish: Callable[[Any, Any], Batch], side: torch.cuda.Stream | None,
                 handed: queue.Queue[Any], stop: threading.Event) -> None:
     """The thread: each batch finished on the side stream, handed over with the event that ends its work."""
-    stream: AbstractContextManager[Any] = nullcontext() if side is None else torch.cuda.stream(side)
     try:
-        with stream:
+        with _on_side(side):
             while not stop.is_set():
                 batch = next(batches, _DONE)
                 if batch is _DONE:
@@ -92,6 +91,18 @@ def _finish_all(batches: Iterator[Any], finish: Callable[[Any, Any], Batch], sid
         _hand_over(handed, _DONE, stop)
     except BaseException as error:  # raised on the rank's thread, where the pass meets it
         _hand_over(handed, _Failed(error), stop)
+
+
+@contextmanager
+def _on_side(side: torch.cuda.Stream | None) -> Iterator[None]:
+    """The thread's work queued on `side` and its device: a new thread's current CUDA device is the
+    first, whatever the rank's, and torchvision's decoder makes the thread's current stream wait for
+    its own (so the batch's event covers the decode too)."""
+    if side is None:
+        yield
+        return
+    with torch.cuda.device(side.device), torch.cuda.stream(side):
+        yield
 
 
 def _hand_over(handed: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
