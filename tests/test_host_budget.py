@@ -438,7 +438,8 @@ def test_settings_past_a_limit_on_threads_are_kept_with_a_warning():
     """The whole batch fetched at once, 32 loader processes per loader: 100,000 threads on the 384-CPU
     host, past even 32,768; both kept as set, each warned of with the limit and its fix, nothing cut."""
     cfg = BATCH.model_copy(update={"num_workers": 32, "fetch_threads": 256})
-    for host in ("192 cores with SMT, pids.max 32768, nofile 1048576", "192 cores with SMT, nproc 4096, nofile 1048576"):
+    for host in ("192 cores with SMT, pids.max 32768, nofile 1048576",
+                 "192 cores with SMT, nproc 4096, nofile 1048576"):
         budget = rank_budget(cfg, THREADED[host], imagenet(UINT8))
         assert (budget.loader_processes, budget.fetches_in_flight, budget.cuts) == (32, 256, ())
         limit = THREADED[host].threads

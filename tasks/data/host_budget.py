@@ -98,12 +98,12 @@ class HostLimits:
 
     cpus: int  # the rank's share of the host's CPUs: its torch threads (the gang's plan.thread_shares)
     affinity: int  # the CPUs its process may run on
-    ranks: int  # ranks sharing the host's memory, /dev/shm and connections
+    ranks: int  # ranks sharing the host's memory, /dev/shm, connections and threads
     memory_bytes: int  # the host's memory, or its container's limit where lower
     shm_bytes: int | None  # the size of /dev/shm; None where there is none (not Linux)
     open_files: int  # RLIMIT_NOFILE's soft limit, per process (loader processes inherit it)
     connections: int = CONNECTIONS_PER_ENDPOINT  # GETs in flight per storage endpoint, the whole host
-    threads: ThreadsLeft | None = None  # the tightest limit's threads left, the whole host; None: nothing read limits them
+    threads: ThreadsLeft | None = None  # the host's tightest limit on threads; None: none limits them, or none was read
 
     @classmethod
     def of_this_host(cls, local_ranks: int = 1) -> HostLimits:
@@ -457,7 +457,8 @@ def fetch_bounds_for(limits: HostLimits, load: LoaderLoad, workers: int) -> list
     ]
     if (left := limits.threads) is not None:
         running = rank_threads(limits, load, workers, fetches=0)
-        who = f"the rank and its {readers} loader processes (train's and validation's) run" if workers else "the rank runs"
+        who = (f"the rank and its {readers} loader processes (train's and validation's) run" if workers
+               else "the rank runs")
         bounds.append(Bound(
             most=max(1, most(threads_share(left, limits.ranks) - running, readers * BATCHES_AT_ONCE)),
             limit=(f"{threads_limit(left, limits.ranks)}, where {who} {running} besides a read thread per image in "
