@@ -252,13 +252,14 @@ class TrainingConfig(_Strict):
         description="DataLoader worker processes per rank (0: load inline). Empty "
         "(the default): one per CPU the rank has (the CPUs its worker may run on, shared among the "
         "workers that may run on them) less one for the rank itself, at most 32: what a GPU rank needs "
-        "to keep fed; fewer where the host's /dev/shm, memory or open-file limit holds fewer. The run's "
+        "to keep fed; fewer where the host's /dev/shm, memory, open-file or thread limit holds fewer. The run's "
         "log says what it chose and why, and warns when a number set here is past such a limit.",
     )
     fetch_threads: int | None = Field(
         default=None, ge=1, le=4096, description="Images fetched concurrently per batch. Empty: the batch "
         "size, so a batch costs one storage round trip rather than several; fewer where the host's ranks "
-        "would keep more than 8,192 GETs in flight to the storage or a process more files open than it may.",
+        "would keep more than 8,192 GETs in flight to the storage, a process more files open than it may, or "
+        "the host more threads (one per GET) than its limits on them leave.",
     )
     cache_gb: float = Field(
         default=0, ge=0, le=100_000,

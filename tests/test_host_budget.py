@@ -10,8 +10,10 @@ pinned for CUDA:
 - 192 cores with SMT (384 CPUs), 2 TiB;
 
 each with /dev/shm half of its memory or Docker's default 64 MiB, and RLIMIT_NOFILE 1,024 (a
-common soft limit) or 1,048,576. Their CPUs per rank come from the gang's plan (`thread_shares`)
-for 8 workers that may all run on every CPU. Counts are per rank; a host's is 8 times as many.
+common soft limit) or 1,048,576; and each with a limit on threads (a cgroup's pids.max of 4,915 or
+32,768, or RLIMIT_NPROC 4,096) or none. Their CPUs per rank come from the gang's plan
+(`thread_shares`) for 8 workers that may all run on every CPU. Counts are per rank; a host's is 8
+times as many.
 """
 
 from __future__ import annotations
@@ -35,10 +37,15 @@ from prefect_ddp.tasks.data.host_budget import (
     Budget,
     HostLimits,
     OPEN_FILES_WANTED,
+    RAISE_NPROC,
+    RAISE_PIDS,
+    THREADS_SHARE,
     LoaderLoad,
+    ThreadsLeft,
     handed_over_bytes,
     memory_limit,
     rank_budget,
+    threads_left,
 )
 from prefect_ddp.tasks.data.loaders import loader_workers
 from prefect_ddp.tasks.gang.plan import cpu_set, thread_shares
@@ -88,7 +95,10 @@ def assert_within(budget: Budget, limits: HostLimits, load: LoaderLoad) -> None:
     its own, 150 bytes per indexed image, its fetched-ahead encoded images and the batch it decodes;
     the rank takes one batch per loader; ready batches sit in /dev/shm and again in pinned memory for
     CUDA; every tensor handed over is a file each side holds; loaders may fill half of /dev/shm and of
-    memory (the rest is the ranks' and NCCL's).
+    memory (the rest is the ranks' and NCCL's). Threads: each rank's torch threads (its CPU share) and
+    pin thread; each loader process's own, its fetch-ahead's 3 batches' threads, s3fs' event loop and
+    obstore's 2 runtime threads; a read thread per GET in flight; the ranks may take half of what the
+    host's tightest limit on threads leaves (the rest is their workers', CUDA's, NCCL's, the host's).
     """
     ranks, workers, fetches = limits.ranks, budget.loader_processes, budget.fetches_in_flight
     batch = load.batch_size * load.image_bytes
@@ -105,6 +115,10 @@ def assert_within(budget: Budget, limits: HostLimits, load: LoaderLoad) -> None:
     else:
         assert 256 + 3 * fetches <= limits.open_files  # the rank fetching its own batches
     assert ranks * (2 * workers if workers else 1) * 3 * fetches <= 8192 == limits.connections
+    threads = limits.cpus + load.pinned + 2 * workers * (1 + 3 + 1 + 2) + (2 * workers if workers else 1) * 3 * fetches
+    assert budget.threads == threads
+    if limits.threads is not None:
+        assert ranks * threads <= 0.5 * limits.threads.count
 
 
 @pytest.mark.parametrize("image_bytes", [FLOAT32, UINT8], ids=["float32", "uint8"])
@@ -114,8 +128,8 @@ def test_a_gpu_host_s_loaders_stay_within_its_limits(host, image_bytes):
     budget = rank_budget(BATCH, limits, imagenet(image_bytes))
     assert_within(budget, limits, imagenet(image_bytes))
     assert budget.fetches_in_flight >= 1 and budget.loader_processes <= limits.cpus - 1
-    # Threads are counted, not bounded by a limit of the host (pid_max, pids.max): a GPU host's stay
-    # well within Linux's smallest default pid_max.
+    # These hosts have no limit on threads (HostLimits.threads is None): their threads stay well within
+    # Linux's smallest default pid_max anyway.
     assert RANKS * budget.threads <= pids(limits.affinity) // 4
 
 
@@ -271,6 +285,9 @@ def test_this_host_is_read_through_one_seam():
     if os.path.isdir("/dev/shm"):
         found = os.statvfs("/dev/shm")
         assert limits.shm_bytes == found.f_frsize * found.f_blocks
+    if os.path.isfile("/proc/sys/kernel/pid_max"):  # Linux: the host's own limit on threads, at least
+        with open("/proc/sys/kernel/pid_max") as pid_max:
+            assert limits.threads is not None and 0 < limits.threads.count <= int(pid_max.read())
     assert HostLimits.of_this_host(local_ranks=64).ranks == 64
 
 
@@ -334,3 +351,155 @@ def test_ranks_on_this_host_count_the_workers_sharing_its_cpus():
         assert HostLimits.of_this_host(local_ranks=1).ranks == len(cpu_set())
     finally:
         torch.set_num_threads(threads)
+
+
+# Limits on threads, as `threads_left` reads them (what each allows, less what it counts now): a systemd
+# service's pids.max (DefaultTasksMax, 15% of a pid_max of 32,768: 4,915), a pod's or a container's of
+# 32,768, and RLIMIT_NPROC 4,096 (RHEL's soft limit for users' logins), each with 400 threads running
+# already (the Dask workers, their nannies, the host's services).
+RUNNING = 400
+SERVICE = "/sys/fs/cgroup/system.slice/dask-worker.service"
+THREAD_LIMITS = {
+    "pids.max 4915": ThreadsLeft(4915 - RUNNING, f"the cgroup {SERVICE} allows 4915 threads (pids.max) and runs "
+                                                 f"{RUNNING}", RAISE_PIDS),
+    "pids.max 32768": ThreadsLeft(32768 - RUNNING, f"the cgroup {SERVICE} allows 32768 threads (pids.max) and runs "
+                                                   f"{RUNNING}", RAISE_PIDS),
+    "nproc 4096": ThreadsLeft(4096 - RUNNING, f"user 1000 may run 4096 threads (RLIMIT_NPROC) and runs {RUNNING}",
+                              RAISE_NPROC),
+}
+THREADED = {
+    f"{name}, {limit}, nofile {files}": dataclasses.replace(gpu_host(cores, memory, memory // 2, files),
+                                                            threads=THREAD_LIMITS[limit])
+    for name, cores, memory in (("64 cores", 64, 512 * GiB), ("192 cores with SMT", 384, 2 * TiB))
+    for limit in THREAD_LIMITS
+    for files in (1024, 1_048_576)
+}
+
+
+@pytest.mark.parametrize("image_bytes", [FLOAT32, UINT8], ids=["float32", "uint8"])
+@pytest.mark.parametrize("host", THREADED)
+def test_a_gpu_host_s_threads_stay_within_its_share_of_the_host_s_limit_on_them(host, image_bytes):
+    limits = THREADED[host]
+    budget = rank_budget(BATCH, limits, imagenet(image_bytes))
+    assert_within(budget, limits, imagenet(image_bytes))
+    assert budget.fetches_in_flight >= 1 and budget.loader_processes >= 1
+
+
+def test_the_thread_limited_hosts_are_past_their_share_without_the_bound_and_only_the_smaller_ones_are():
+    """What the other limits alone leave is past the share of 4,915 and of 4,096 threads on every host, so
+    that a budget that left threads unbounded fails the test above; within 32,768 it is not."""
+    for host, limits in THREADED.items():
+        assert limits.threads is not None
+        unbounded = rank_budget(BATCH, dataclasses.replace(limits, threads=None), imagenet(UINT8))
+        past = RANKS * unbounded.threads > THREADS_SHARE * limits.threads.count
+        assert past == ("32768" not in host), host
+
+
+@pytest.mark.parametrize(("host", "processes", "fetches", "threads", "gets"), [
+    ("64 cores, pids.max 4915, nofile 1048576", 112, 4, 2200, 1344),
+    ("64 cores, nproc 4096, nofile 1048576", 112, 2, 1528, 672),
+    ("192 cores with SMT, pids.max 4915, nofile 1048576", 176, 1, 2152, 528),
+    ("192 cores with SMT, nproc 4096, nofile 1048576", 144, 1, 1832, 432),
+    ("64 cores, pids.max 32768, nofile 1048576", 112, 24, 8920, 8064),
+    ("192 cores with SMT, pids.max 32768, nofile 1048576", 512, 5, 11656, 7680),
+])
+def test_what_the_budget_decides_within_each_limit_on_threads(host, processes, fetches, threads, gets):
+    """The numbers docs/architecture.md quotes, for the whole host: images fetched at once are cut first,
+    then loader processes where even one image at a time is past the share; within 32,768 threads they
+    are the numbers of the host without a limit on threads."""
+    limits = THREADED[host]
+    budget = rank_budget(BATCH, limits, imagenet(UINT8))
+    assert (RANKS * LOADERS * budget.loader_processes, budget.fetches_in_flight, RANKS * budget.threads,
+            RANKS * budget.gets_in_flight) == (processes, fetches, threads, gets)
+    if "32768" in host:
+        unbounded = rank_budget(BATCH, dataclasses.replace(limits, threads=None), imagenet(UINT8))
+        assert (budget.loader_processes, budget.fetches_in_flight) == (unbounded.loader_processes,
+                                                                       unbounded.fetches_in_flight)
+
+
+def test_a_limit_on_threads_that_cuts_a_number_says_which_its_value_and_the_fix():
+    service = THREADED["192 cores with SMT, pids.max 4915, nofile 1048576"]
+    processes, *fetches = [sentence for sentence in cut_by(service, imagenet(UINT8)) if "pids.max" in sentence]
+    assert processes.startswith(f"Loader processes 11, not 32: the cgroup {SERVICE} allows 4915 threads (pids.max) "
+                                "and runs 400, which leaves 4515 threads, of which the ranks may start 50% (282 for "
+                                "each of the host's 8 rank(s)), where the rank runs 49 of its own")
+    assert processes.endswith("room for 11; raise the cgroup's pids.max (TasksMax= of a systemd unit, docker run "
+                              "--pids-limit, a Kubernetes pod's podPidsLimit) for more")
+    assert [sentence[:40] for sentence in fetches] == ["Images fetched at once per batch 1, not "]
+    # Fetches alone: on 64 cores 14 loader processes at one image each fit 282 threads per rank.
+    user = THREADED["64 cores, nproc 4096, nofile 1048576"]
+    [nproc] = [sentence for sentence in cut_by(user, imagenet(UINT8)) if "RLIMIT_NPROC" in sentence]
+    assert nproc.startswith("Images fetched at once per batch 2, not 256: user 1000 may run 4096 threads "
+                            "(RLIMIT_NPROC) and runs 400, which leaves 3696 threads")
+    assert "ulimit -u" in nproc and "LimitNPROC=" in nproc
+
+
+def test_settings_past_a_limit_on_threads_are_kept_with_a_warning():
+    """The whole batch fetched at once, 32 loader processes per loader: 100,000 threads on the 384-CPU
+    host, past even 32,768; both kept as set, each warned of with the limit and its fix, nothing cut."""
+    cfg = BATCH.model_copy(update={"num_workers": 32, "fetch_threads": 256})
+    for host in ("192 cores with SMT, pids.max 32768, nofile 1048576",
+                 "192 cores with SMT, nproc 4096, nofile 1048576"):
+        budget = rank_budget(cfg, THREADED[host], imagenet(UINT8))
+        assert (budget.loader_processes, budget.fetches_in_flight, budget.cuts) == (32, 256, ())
+        limit = THREADED[host].threads
+        assert limit is not None
+        threads = [warning for warning in budget.warnings if limit.limit in warning]
+        assert [warning.split(" is past")[0] for warning in threads] == ["training.num_workers=32"] * (
+            "nproc" in host) + ["training.fetch_threads=256"]
+        assert all(warning.endswith(f"Lower it, or leave it empty to have it sized; or {limit.fix}.")
+                   for warning in threads)
+
+
+CGROUP_V2 = "0::/system.slice/dask-worker.service\n"
+V2 = "sys/fs/cgroup/system.slice/dask-worker.service"
+HOST_THREADS = {"proc/loadavg": "0.52 0.58 0.59 3/900 4242\n", "proc/sys/kernel/threads-max": "4126409\n",
+                "proc/sys/kernel/pid_max": "4194304\n"}
+
+
+@pytest.mark.parametrize(("files", "uid", "nproc", "left"), [
+    # cgroup v2: the process's own cgroup, and an ancestor (a pod's limit over its container's "max").
+    ({"proc/self/cgroup": CGROUP_V2, f"{V2}/pids.max": "4915\n", f"{V2}/pids.current": "400\n"}, 1000, None,
+     (4515, f"the cgroup /{V2} allows 4915 threads (pids.max) and runs 400")),
+    ({"proc/self/cgroup": "0::/kubepods/pod7/ctr\n", "sys/fs/cgroup/kubepods/pod7/pids.max": "1024",
+      "sys/fs/cgroup/kubepods/pod7/pids.current": "1000", "sys/fs/cgroup/kubepods/pod7/ctr/pids.max": "max",
+      "sys/fs/cgroup/kubepods/pod7/ctr/pids.current": "990"}, 1000, None,
+     (24, "the cgroup /sys/fs/cgroup/kubepods/pod7 allows 1024 threads (pids.max) and runs 1000")),
+    # cgroup v1: below the pids hierarchy, and Docker's own cgroup mounted at its root.
+    ({"proc/self/cgroup": "12:memory:/docker/abc\n8:pids:/docker/abc\n",
+      "sys/fs/cgroup/pids/docker/abc/pids.max": "32768", "sys/fs/cgroup/pids/docker/abc/pids.current": "100"},
+     1000, None, (32668, "the cgroup /sys/fs/cgroup/pids/docker/abc allows 32768 threads (pids.max) and runs 100")),
+    ({"proc/self/cgroup": "8:pids:/docker/abc\n", "sys/fs/cgroup/pids/pids.max": "2048",
+      "sys/fs/cgroup/pids/pids.current": "48"}, 1000, None,
+     (2000, "the cgroup /sys/fs/cgroup/pids allows 2048 threads (pids.max) and runs 48")),
+    # No limit: "max", a pids.current missing, no cgroup files at all.
+    ({"proc/self/cgroup": CGROUP_V2, f"{V2}/pids.max": "max", f"{V2}/pids.current": "400"}, 1000, None, None),
+    ({"proc/self/cgroup": CGROUP_V2, f"{V2}/pids.max": "4915"}, 1000, None, None),
+    ({}, 1000, None, None),
+    # RLIMIT_NPROC less the threads of the processes whose real uid is the user's; root is exempt.
+    ({"proc/101/status": "Name:\tpython\nUid:\t1000\t1000\t1000\t1000\nThreads:\t300\n",
+      "proc/102/status": "Name:\tsshd\nUid:\t0\t0\t0\t0\nThreads:\t50\n",
+      "proc/103/status": "Name:\tsu\nUid:\t0\t1000\t0\t1000\nThreads:\t1\n"}, 1000, 4096,
+     (3796, "user 1000 may run 4096 threads (RLIMIT_NPROC) and runs 300")),
+    ({"proc/102/status": "Name:\tsshd\nUid:\t0\t0\t0\t0\nThreads:\t50\n"}, 0, 4096, None),
+    # The host's: the least of threads-max and pid_max, less its threads; and the least of all limits.
+    ({**HOST_THREADS, "proc/sys/kernel/pid_max": "32768\n"}, 1000, None,
+     (31868, "the host may run 32768 threads (kernel.pid_max) and runs 900")),
+    ({**HOST_THREADS, "proc/self/cgroup": CGROUP_V2, f"{V2}/pids.max": "4915", f"{V2}/pids.current": "400"},
+     1000, 4096, (4096, "user 1000 may run 4096 threads (RLIMIT_NPROC) and runs 0")),
+])
+def test_the_threads_left_are_read_from_the_process_s_cgroup_its_user_and_the_host(tmp_path, monkeypatch, files, uid,
+                                                                                    nproc, left):
+    """The cgroup's pids.max less pids.current, on the path /proc/self/cgroup names, v2 and v1, "max"
+    meaning none; RLIMIT_NPROC's soft limit less the user's threads; the host's threads-max or pid_max
+    less its threads (/proc/loadavg): the least of them."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    rlimit = resource.getrlimit
+    soft = resource.RLIM_INFINITY if nproc is None else nproc
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, soft) if which == resource.RLIMIT_NPROC
+                        else rlimit(which))
+    monkeypatch.setattr(os, "getuid", lambda: uid)
+    found = threads_left(tmp_path)
+    assert (None if found is None else (found.count, found.limit)) == left

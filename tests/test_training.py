@@ -283,7 +283,7 @@ LOAD = LoaderLoad.of(TrainingConfig(), [100_000] * 1000, 3 * 224 * 224 * 4, pinn
 
 def cores_only(cfg: TrainingConfig, limits: HostLimits) -> LoaderWorkers:
     """The loader processes `limits`' CPUs give, on a host whose other limits leave room for them all."""
-    roomy = dataclasses.replace(limits, memory_bytes=2**40, shm_bytes=2**40, open_files=2**20)
+    roomy = dataclasses.replace(limits, memory_bytes=2**40, shm_bytes=2**40, open_files=2**20, threads=None)
     return loader_workers(rank_budget(cfg, roomy, LOAD))
 
 

@@ -6,8 +6,9 @@ images all fetched at once) grew with the host's cores and nothing else. Sized t
 of 192 cores (384 CPUs with SMT) at batch 256 ran 512 loader processes holding ~150 GiB of float32
 batches (~37 GiB as uint8) in /dev/shm while the next epoch started during validation, and had 197,000
 GETs in flight at an epoch's start, each on a thread, far past the ~28,000 ephemeral ports a host has
-towards one endpoint address; each loader process held ~780 sockets, past the 1,024 open files many
-hosts allow a process. Here every number starts from that
+towards one endpoint address and the 4,915 threads a systemd service may run by default; each loader
+process held ~780 sockets, past the 1,024 open files many hosts allow a process. Here every number
+starts from that
 default and is cut to what the host's limits leave the rank, its share of each being the host's over
 the ranks on it; a limit that cut says so in a sentence rank 0 logs. A number the run sets
 (training.num_workers, training.fetch_threads) is kept, with a warning where it is past a limit.
@@ -69,10 +70,26 @@ CONNECTIONS_PER_ENDPOINT = 8192
 # s3fs instance's event loop and obstore's runtime. Each read in flight takes one more, from the
 # process's read threads (object_reads' `_read_pool`), which stay once started.
 LOADER_PROCESS_THREADS = 1 + BATCHES_AT_ONCE + 1 + OBSTORE_RUNTIME_THREADS
-# Where a container's memory limit is, cgroup v2 and v1: a pod's limit is far below its node's memory.
-CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+# The share of the threads the host still allows that its ranks' counted threads (Budget.threads: torch's,
+# the loader processes', a read thread per GET) may take. The rest is for threads not counted there (the
+# Dask worker's and its nanny's, the process group's, CUDA's and NCCL's, those libraries start on first
+# use), and for what the rest of the host starts after the rank read its limits: the reading is a
+# snapshot, and a sweep's next trial or another user's job starts threads of its own.
+THREADS_SHARE = 0.5
 SHARED_MEMORY = "/dev/shm"
 RAISE_OPEN_FILES = "raise the limit (ulimit -n, LimitNOFILE= of a systemd unit, docker run --ulimit nofile=) for more"
+RAISE_PIDS = ("raise the cgroup's pids.max (TasksMax= of a systemd unit, docker run --pids-limit, a Kubernetes "
+              "pod's podPidsLimit) for more")
+RAISE_NPROC = "raise the limit (ulimit -u, LimitNPROC= of a systemd unit, nproc in limits.conf) for more"
+
+
+@dataclass(frozen=True)
+class ThreadsLeft:
+    """The threads one limit of the host still allows new work, and which limit: `threads_left` reads them."""
+
+    count: int
+    limit: str  # the limit, its value and what it counts now
+    fix: str  # how to allow more, a clause
 
 
 @dataclass(frozen=True)
@@ -81,11 +98,12 @@ class HostLimits:
 
     cpus: int  # the rank's share of the host's CPUs: its torch threads (the gang's plan.thread_shares)
     affinity: int  # the CPUs its process may run on
-    ranks: int  # ranks sharing the host's memory, /dev/shm and connections
+    ranks: int  # ranks sharing the host's memory, /dev/shm, connections and threads
     memory_bytes: int  # the host's memory, or its container's limit where lower
     shm_bytes: int | None  # the size of /dev/shm; None where there is none (not Linux)
     open_files: int  # RLIMIT_NOFILE's soft limit, per process (loader processes inherit it)
     connections: int = CONNECTIONS_PER_ENDPOINT  # GETs in flight per storage endpoint, the whole host
+    threads: ThreadsLeft | None = None  # the host's tightest limit on threads; None: none limits them, or none was read
 
     @classmethod
     def of_this_host(cls, local_ranks: int = 1) -> HostLimits:
@@ -99,7 +117,7 @@ class HostLimits:
         soft = raise_open_files()
         return cls(cpus=share, affinity=affinity, ranks=max(1, local_ranks, affinity // share),
                    memory_bytes=memory_limit(), shm_bytes=shared_memory_size(),
-                   open_files=sys.maxsize if soft == resource.RLIM_INFINITY else soft)
+                   open_files=sys.maxsize if soft == resource.RLIM_INFINITY else soft, threads=threads_left())
 
 
 # The open files a rank raises its soft limit to where the hard limit is unlimited: Linux's default
@@ -127,34 +145,103 @@ def memory_limit(root: Path = Path("/")) -> int:
     its own cgroup's and its ancestors' (a Slurm job's or a systemd unit's, below the root), and the
     root's (a container's own namespace), cgroup v2 and v1. `root`: where /proc and /sys are (tests)."""
     total: int = psutil.virtual_memory().total
-    for path in cgroup_memory_files(root):
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # "max" (cgroup v2) where there is no limit
-            total = min(total, int(text))
-    return total
+    files = cgroup_files(root, "memory", "memory.max", "memory.limit_in_bytes")
+    return min([total, *(limit for limit in map(read_number, files) if limit is not None)])
 
 
-def cgroup_memory_files(root: Path) -> list[Path]:
-    """The memory limit files of this process's cgroups and their ancestors, from /proc/self/cgroup:
-    v2's "0::/path" (memory.max below /sys/fs/cgroup), v1's "N:...memory...:/path"."""
+def cgroup_files(root: Path, controller: str, v2_name: str, v1_name: str) -> list[Path]:
+    """The files of `controller` in this process's cgroups, their ancestors and the root (a container's
+    own, in its cgroup namespace, or where Docker mounts its cgroup), from /proc/self/cgroup: v2's
+    "0::/path" (`v2_name` below /sys/fs/cgroup), v1's "N:...controller...:/path" (`v1_name` below
+    /sys/fs/cgroup/controller)."""
     try:
         lines = (root / "proc/self/cgroup").read_text().splitlines()
     except OSError:
         lines = []
-    files = [root / path.lstrip("/") for path in CGROUP_MEMORY_LIMITS]
+    files = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        folder, name = (("sys/fs/cgroup", "memory.max") if controllers == "" else
-                        ("sys/fs/cgroup/memory", "memory.limit_in_bytes") if "memory" in controllers.split(",")
+        folder, name = (("sys/fs/cgroup", v2_name) if controllers == "" else
+                        (f"sys/fs/cgroup/{controller}", v1_name) if controller in controllers.split(",")
                         else (None, None))
         if folder is None or name is None:
             continue
         parts = [part for part in path.split("/") if part]
-        files += [root / folder / Path(*parts[:depth]) / name for depth in range(1, len(parts) + 1)]
+        files += [root / folder / Path(*parts[:depth]) / name for depth in range(len(parts) + 1)]
     return files
+
+
+def read_number(path: Path) -> int | None:
+    """The number a file of the kernel's holds; None where it is unreadable or not a number ("max":
+    cgroup v2's where there is no limit)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def threads_left(root: Path = Path("/")) -> ThreadsLeft | None:
+    """The least of the threads this host's limits on them still allow new work; None where nothing
+    read limits them. `threading.Thread.start` fails past any of them ("can't start new thread"), in a
+    loader process deep in a batch. Each is a limit less what it counts now: the cgroup's (a systemd
+    unit's TasksMax=, a container's or a pod's pid limit), RLIMIT_NPROC's soft limit (per real user,
+    from which the kernel exempts root), and the host's. A few files and a read per process of the
+    host, once per rank. `root`: where /proc and /sys are (tests)."""
+    soft, uid = resource.getrlimit(resource.RLIMIT_NPROC)[0], os.getuid()
+    user = None if uid == 0 or soft == resource.RLIM_INFINITY else user_threads_left(root, uid, soft)
+    found = [*cgroup_threads_left(root), *(left for left in (user, host_threads_left(root)) if left is not None)]
+    return min(found, key=lambda left: left.count, default=None)
+
+
+def cgroup_threads_left(root: Path) -> list[ThreadsLeft]:
+    """pids.max less pids.current (threads, the kernel's tasks) of this process's cgroup and each
+    ancestor that has them, cgroup v2 and v1; none where they say "max"."""
+    found = []
+    for limit in cgroup_files(root, "pids", "pids.max", "pids.max"):
+        most_threads, current = read_number(limit), read_number(limit.with_name("pids.current"))
+        if most_threads is not None and current is not None:
+            found.append(ThreadsLeft(max(0, most_threads - current),
+                                     f"the cgroup {Path('/') / limit.parent.relative_to(root)} allows {most_threads} "
+                                     f"threads (pids.max) and runs {current}", RAISE_PIDS))
+    return found
+
+
+def user_threads_left(root: Path, uid: int, soft: int) -> ThreadsLeft | None:
+    """RLIMIT_NPROC's `soft` limit less the threads user `uid` runs, counted from each process's
+    /proc/PID/status (its real uid, which the kernel counts by, and its threads): a read per process.
+    None where /proc cannot be listed (not Linux: macOS' RLIMIT_NPROC counts processes, not threads)."""
+    try:
+        processes = [entry.path for entry in os.scandir(root / "proc") if entry.name.isdigit()]
+    except OSError:
+        return None
+    running = 0
+    for process in processes:
+        try:
+            status = dict(line.split(":", 1) for line in Path(process, "status").read_text().splitlines())
+        except (OSError, ValueError):  # ended since it was listed
+            continue
+        if int(status["Uid"].split()[0]) == uid:
+            running += int(status["Threads"])
+    return ThreadsLeft(max(0, soft - running),
+                       f"user {uid} may run {soft} threads (RLIMIT_NPROC) and runs {running}", RAISE_NPROC)
+
+
+def host_threads_left(root: Path) -> ThreadsLeft | None:
+    """The least of kernel.threads-max and kernel.pid_max (each thread takes a pid) less the threads
+    the host runs (the total of /proc/loadavg's "running/total"); None where they cannot be read."""
+    try:
+        running = int((root / "proc/loadavg").read_text().split()[3].split("/")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    limits = {name: limit for name in ("threads-max", "pid_max")
+              if (limit := read_number(root / "proc/sys/kernel" / name)) is not None}
+    if not limits:
+        return None
+    name = min(limits, key=limits.__getitem__)
+    return ThreadsLeft(max(0, limits[name] - running),
+                       f"the host may run {limits[name]} threads (kernel.{name}) and runs {running}",
+                       f"raise kernel.{name} (sysctl -w kernel.{name}=) for more")
 
 
 def shared_memory_size() -> int | None:
@@ -241,9 +328,9 @@ def rank_budget(cfg: TrainingConfig, limits: HostLimits, load: LoaderLoad) -> Bu
     """A rank's loader processes and images fetched at once per batch, within its share of `limits`.
 
     Loader processes first (their cores-only default, cut by /dev/shm, memory, open files and, at one
-    image fetched at once, connections), then the images each batch fetches at once (the batch size,
-    cut by open files and connections), each never below what its limits leave. Numbers the run set
-    are kept; a warning names each limit they are past.
+    image fetched at once, connections and threads), then the images each batch fetches at once (the
+    batch size, cut by open files, connections and threads), each never below what its limits leave.
+    Numbers the run set are kept; a warning names each limit they are past.
 
     >>> host = HostLimits(cpus=8, affinity=64, ranks=8, memory_bytes=512 * 2**30, shm_bytes=64 * 2**20,
     ...                   open_files=1024)
@@ -269,7 +356,7 @@ def rank_budget(cfg: TrainingConfig, limits: HostLimits, load: LoaderLoad) -> Bu
         warnings += past(f"training.fetch_threads={cfg.fetch_threads}", fetches, fetch_bounds)
     batches = live_batches(workers) * load.batch_bytes
     shm, pinned = (batches if workers else 0), (batches if load.pinned else 0)
-    gets = reading_processes(workers) * BATCHES_AT_ONCE * fetches
+    gets = reads_in_flight(workers, fetches)
     return Budget(
         loader_processes=workers, fetches_in_flight=fetches, shm_bytes=shm, pinned_bytes=pinned,
         memory_bytes=LOADERS * workers * load.process_bytes + shm + pinned,
@@ -277,7 +364,7 @@ def rank_budget(cfg: TrainingConfig, limits: HostLimits, load: LoaderLoad) -> Bu
         rank_open_files=RANK_FILES_MARGIN + (LOADERS * (workers * rank_files_per_process(load) + load.tensors_per_batch)
                                              if workers else BATCHES_AT_ONCE * fetches),
         gets_in_flight=gets,
-        threads=limits.cpus + load.pinned + LOADERS * workers * LOADER_PROCESS_THREADS + gets, cpus=limits.cpus,
+        threads=rank_threads(limits, load, workers, fetches), cpus=limits.cpus,
         why=processes_why + ("" if workers else ": the rank loads its batches itself"),
         cuts=tuple(cuts), warnings=tuple(warnings),
     )
@@ -341,6 +428,14 @@ def process_bounds(limits: HostLimits, load: LoaderLoad) -> list[Bound]:
         limit=(f"{connections_limit(limits)}, and each loader process, train's and validation's, keeps "
                f"{BATCHES_AT_ONCE} batches in flight, at least one image of each"),
         fix="run fewer ranks per host for more"))
+    if (left := limits.threads) is not None:
+        own = rank_threads(limits, load, workers=0, fetches=0)
+        bounds.append(Bound(
+            most=most(threads_share(left, limits.ranks) - own, LOADERS * (LOADER_PROCESS_THREADS + BATCHES_AT_ONCE)),
+            limit=(f"{threads_limit(left, limits.ranks)}, where the rank runs {own} of its own and each loader "
+                   f"process, train's and validation's, {LOADER_PROCESS_THREADS} besides a read thread per image in "
+                   f"flight, {BATCHES_AT_ONCE} batches at a time, at least one image of each"),
+            fix=left.fix))
     return bounds
 
 
@@ -350,7 +445,7 @@ def fetch_bounds_for(limits: HostLimits, load: LoaderLoad, workers: int) -> list
     others = loader_files(load, fetches=0) if workers else RANK_FILES_MARGIN
     readers = reading_processes(workers)
     reading = f"the rank's {readers} loader processes (train's and validation's)" if workers else "the rank"
-    return [
+    bounds = [
         Bound(most=max(1, (limits.open_files - others) // BATCHES_AT_ONCE),
               limit=(f"a process may open {limits.open_files} files (RLIMIT_NOFILE), and "
                      f"{'each loader process' if workers else 'the rank'} holds a socket per image in flight, "
@@ -360,12 +455,40 @@ def fetch_bounds_for(limits: HostLimits, load: LoaderLoad, workers: int) -> list
               limit=f"{connections_limit(limits)}, which {reading} share, {BATCHES_AT_ONCE} batches in flight each",
               fix="training.fetch_threads sets the number for a store that takes more at once"),
     ]
+    if (left := limits.threads) is not None:
+        running = rank_threads(limits, load, workers, fetches=0)
+        who = (f"the rank and its {readers} loader processes (train's and validation's) run" if workers
+               else "the rank runs")
+        bounds.append(Bound(
+            most=max(1, most(threads_share(left, limits.ranks) - running, readers * BATCHES_AT_ONCE)),
+            limit=(f"{threads_limit(left, limits.ranks)}, where {who} {running} besides a read thread per image in "
+                   f"flight, {BATCHES_AT_ONCE} batches at a time{' each' if workers else ''}"),
+            fix=left.fix))
+    return bounds
 
 
 def connections_limit(limits: HostLimits) -> str:
     return (f"this host keeps at most {limits.connections} GETs in flight per storage endpoint "
             f"(host_budget.CONNECTIONS_PER_ENDPOINT), {limits.connections // limits.ranks} for each of its "
             f"{limits.ranks} rank(s)")
+
+
+def rank_threads(limits: HostLimits, load: LoaderLoad, workers: int, fetches: int) -> int:
+    """The rank's threads with `workers` loader processes per loader fetching `fetches` images of each
+    batch at once: its torch threads, its pin thread for CUDA, each loader process's own and a read
+    thread per GET in flight."""
+    return limits.cpus + load.pinned + LOADERS * workers * LOADER_PROCESS_THREADS + reads_in_flight(workers, fetches)
+
+
+def threads_share(left: ThreadsLeft, ranks: int) -> float:
+    """The threads a rank may run: THREADS_SHARE of what the host's tightest limit leaves, over its `ranks`."""
+    return THREADS_SHARE * left.count / ranks
+
+
+def threads_limit(left: ThreadsLeft, ranks: int) -> str:
+    """The limit on threads that binds, and each rank's share of it, as the sentences on it say it."""
+    return (f"{left.limit}, which leaves {left.count} threads, of which the ranks may start {THREADS_SHARE:.0%} "
+            f"({int(threads_share(left, ranks))} for each of the host's {ranks} rank(s))")
 
 
 def cut(what: str, cores_only: int, bounds: list[Bound]) -> tuple[int, list[str]]:
@@ -391,6 +514,12 @@ def reading_processes(workers: int) -> int:
     """Processes that fetch at once: both loaders' as the next epoch starts during validation; the rank
     alone without any."""
     return LOADERS * workers if workers else 1
+
+
+def reads_in_flight(workers: int, fetches: int) -> int:
+    """The rank's GETs in flight with `workers` loader processes per loader fetching `fetches` images of
+    each batch at once: both loaders' processes (or the rank), each with BATCHES_AT_ONCE batches in flight."""
+    return reading_processes(workers) * BATCHES_AT_ONCE * fetches
 
 
 def rank_files_per_process(load: LoaderLoad) -> int:
