@@ -166,9 +166,14 @@ def test_batch_predict_s_threads_times_their_torch_threads_stay_within_the_cpus(
     threads (96 x 96 on a 96-CPU worker). One torch thread each; the worker's own number comes back after."""
     seen: dict[int, int] = {}  # decoding thread -> its torch threads
     transform = eval_transform(32)
+    # The first two threads wait for each other: on a busy machine one thread could otherwise take every image.
+    two_met = threading.Barrier(2, timeout=60)
 
     def recorded(image: Any) -> Any:
+        first_call = threading.get_ident() not in seen
         seen[threading.get_ident()] = torch.get_num_threads()
+        if first_call and len(seen) <= 2:
+            two_met.wait()
         return transform(image)
 
     threads = torch.get_num_threads()
