@@ -22,6 +22,7 @@ nothing (one linear layer on each image's channel means), so all that is measure
 target is the flow at 0.9x of the bare loader or more. With `--device cuda` both train `--model`
 (ResNet-50 at 224 px, batch 128, the recipe's bf16 autocast and channels-last) and a third row feeds it
 synthetic tensors already on the GPU, the ceiling (targets: 0.9x in the best mode, 0.8x by default).
+The report ends with what the flow's rank said of the feed `training.decode_on="auto"` chose, and why.
 
     .venv/bin/python -m bench.input_pipeline                                   # here: the CPU check
     .venv/bin/python -m bench.input_pipeline --long-steps 0 --short-epochs 3    # a quick check of the code
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import resource
 import sys
@@ -93,6 +95,7 @@ class Row:
     images_per_s: float
     loader_ms: float | None = None  # loader processes' CPU per image they prepared
     front_ms: float | None = None  # the S3 front's CPU per image
+    chosen: str = ""  # the flow's: what its rank said of the feed it chose (training.decode_on="auto")
 
 
 @dataclass
@@ -249,9 +252,10 @@ def recipe_model(name: str) -> Iterator[None]:
 
 
 def flow_rate(args: argparse.Namespace, manifest: Manifest, endpoint: str, output: Path, workers: int | None,
-              epochs: int) -> tuple[float, int]:
+              epochs: int) -> tuple[float, int, str]:
     """Images/s of the recipe's training passes, epochs 2.. of `epochs`, from its own epoch
-    records; and the images its loaders prepared in all (train and validation, every epoch)."""
+    records; the images its loaders prepared in all (train and validation, every epoch); and what
+    its rank said of the feed it chose."""
     source = DataLocation(url=manifest.root, endpoint_url=endpoint, region_name=MOTO_REGION, **MOTO_CREDENTIALS)
     job = TrainJob(
         source=source, output=DataLocation(url=str(output)), manifest=manifest,
@@ -263,11 +267,33 @@ def flow_rate(args: argparse.Namespace, manifest: Manifest, endpoint: str, outpu
     device = "cuda:0" if args.device == "cuda" else "cpu"
     ctx = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo", device=device,
                       worker_address="local", master_addr="127.0.0.1", master_port=0)
-    with recipe_model(args.model):
+    with recipe_model(args.model), feed_said() as said:
         history = train_classifier(ctx, job).history
     later = history[1:]
     rate = sum(h["train_samples"] for h in later) / sum(h["train_samples"] / h["images_per_s"] for h in later)
-    return rate, epochs * len(job.split.train) + epochs * len(job.split.val)
+    return rate, epochs * len(job.split.train) + epochs * len(job.split.val), " ".join(said) or "not said"
+
+
+@contextmanager
+def feed_said() -> Iterator[list[str]]:
+    """What the recipe's rank says of its feed (training.decode_on="auto": where it decodes and why,
+    tasks/training/feed_choice.py), collected from its log while the block runs."""
+    said: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "decode_on='auto'" in record.getMessage():
+                said.append(record.getMessage())
+
+    logger, handler = logging.getLogger("prefect_ddp"), Collect(logging.DEBUG)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def photo_files(per_class: int) -> dict[str, bytes]:
@@ -300,8 +326,8 @@ def run(args: argparse.Namespace, workers: int, steps: int, epochs: int, work: P
         after_bare = Spent.now(front)
         rows.append(Row("bare DataLoader", steps, bare,
                         *after_bare.per_image_ms(before, epochs * (len(train) // args.batch_size) * args.batch_size)))
-        rate, prepared = flow_rate(args, manifest, front.url, work / f"run-{steps}", args.workers, epochs)
-        rows.append(Row("the flow's recipe", steps, rate, *Spent.now(front).per_image_ms(after_bare, prepared)))
+        rate, prepared, chosen = flow_rate(args, manifest, front.url, work / f"run-{steps}", args.workers, epochs)
+        rows.append(Row("the flow's recipe", steps, rate, *Spent.now(front).per_image_ms(after_bare, prepared), chosen))
     return rows
 
 
@@ -351,6 +377,9 @@ def report(args: argparse.Namespace, workers: int, load: tuple[float, float, flo
                      f"{row.loader_ms:.2f} | {row.loader_ms / alone_ms:.2f}x | {row.front_ms:.2f}")
             print(f"| {steps} | {feed} | {row.images_per_s:,.1f} | {per_process} | {row.images_per_s / bare:.2f}x "
                   f"| {of_ceiling} | {spent} |")
+    for row in rows:
+        if row.chosen:
+            print(f"\nThe flow's feed at {row.steps} steps per epoch: {row.chosen}")
 
 
 if __name__ == "__main__":
