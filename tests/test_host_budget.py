@@ -322,6 +322,10 @@ def test_the_rank_raises_its_soft_limit_of_open_files_to_the_hard_one():
                                                      "1073741824"}, GiB),
     ("0::/\n", {"sys/fs/cgroup/memory.max": "536870912"}, 512 * MiB),
     ("0::/unlimited\n", {"sys/fs/cgroup/unlimited/memory.max": "max"}, None),
+    # The root's limit, whatever /proc/self/cgroup says (nothing; no memory line), and a blank line in it.
+    ("", {"sys/fs/cgroup/memory/memory.limit_in_bytes": "2147483648"}, 2 * GiB),
+    ("12:cpu:/x\n", {"sys/fs/cgroup/memory.max": "2147483648"}, 2 * GiB),
+    ("0::/a\n\n", {"sys/fs/cgroup/a/memory.max": "1073741824"}, GiB),
 ])
 def test_the_memory_limit_of_the_process_s_own_cgroup_counts(tmp_path, cgroup, files, limit):
     """A Slurm job's, a systemd unit's or a container's limit sits below the cgroup root, on the path
@@ -482,6 +486,17 @@ HOST_THREADS = {"proc/loadavg": "0.52 0.58 0.59 3/900 4242\n", "proc/sys/kernel/
       "proc/103/status": "Name:\tsu\nUid:\t0\t1000\t0\t1000\nThreads:\t1\n"}, 1000, 4096,
      (3796, "user 1000 may run 4096 threads (RLIMIT_NPROC) and runs 300")),
     ({"proc/102/status": "Name:\tsshd\nUid:\t0\t0\t0\t0\nThreads:\t50\n"}, 0, 4096, None),
+    # Root in a rootless container (uid 0 mapped from another) is not exempt.
+    ({"proc/self/uid_map": "         0     100000      65536\n",
+      "proc/102/status": "Name:\tsshd\nUid:\t0\t0\t0\t0\nThreads:\t50\n"}, 0, 4096,
+     (4046, "user 0 may run 4096 threads (RLIMIT_NPROC) and runs 50")),
+    # A name in no encoding counts; a status unlike one (no Uid, threads not a number) is passed over.
+    ({"proc/101/status": b"Name:\tloader\xe9\nUid:\t1000\t1000\t1000\t1000\nThreads:\t201\n",
+      "proc/104/status": "Name:\todd\nThreads:\t7\n",
+      "proc/105/status": "Name:\todd\nUid:\t1000\t1000\t1000\t1000\nThreads:\t?\n"}, 1000, 4096,
+     (3895, "user 1000 may run 4096 threads (RLIMIT_NPROC) and runs 201")),
+    ({"proc/self/cgroup": CGROUP_V2 + "\n", f"{V2}/pids.max": "4915\n", f"{V2}/pids.current": "400\n"}, 1000, None,
+     (4515, f"the cgroup /{V2} allows 4915 threads (pids.max) and runs 400")),
     # The host's: the least of threads-max and pid_max, less its threads; and the least of all limits.
     ({**HOST_THREADS, "proc/sys/kernel/pid_max": "32768\n"}, 1000, None,
      (31868, "the host may run 32768 threads (kernel.pid_max) and runs 900")),
@@ -495,7 +510,7 @@ def test_the_threads_left_are_read_from_the_process_s_cgroup_its_user_and_the_ho
     less its threads (/proc/loadavg): the least of them."""
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
     rlimit = resource.getrlimit
     soft = resource.RLIM_INFINITY if nproc is None else nproc
     monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, soft) if which == resource.RLIMIT_NPROC
@@ -503,3 +518,17 @@ def test_the_threads_left_are_read_from_the_process_s_cgroup_its_user_and_the_ho
     monkeypatch.setattr(os, "getuid", lambda: uid)
     found = threads_left(tmp_path)
     assert (None if found is None else (found.count, found.limit)) == left
+
+
+def test_a_limit_on_threads_that_leaves_no_room_at_all_is_warned_of():
+    """10 threads left for 8 ranks: none has room even for its own; each loads its own batches, one image at
+    a time, and warns that it runs past its share rather than saying there is room for one."""
+    left = ThreadsLeft(10, "the cgroup /x allows 500 threads (pids.max) and runs 490", RAISE_PIDS)
+    host = HostLimits(cpus=8, affinity=64, ranks=8, memory_bytes=64 * GiB, shm_bytes=32 * GiB, open_files=2**20,
+                      threads=left)
+    budget = rank_budget(BATCH, host, imagenet(UINT8))
+    assert (budget.loader_processes, budget.fetches_in_flight) == (0, 1)
+    assert len(budget.warnings) == 1 and budget.warnings[0].startswith(f"This rank runs {budget.threads} threads")
+    assert "(0 for each of the host's 8 rank(s))" in budget.warnings[0] and RAISE_PIDS in budget.warnings[0]
+    roomy = rank_budget(BATCH, dataclasses.replace(host, threads=ThreadsLeft(10_000_000, "plenty", RAISE_PIDS)), imagenet(UINT8))
+    assert roomy.warnings == ()

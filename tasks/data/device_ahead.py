@@ -15,7 +15,8 @@ so the next epoch's `iter()` never resets a loader a thread still reads. One tha
 fails (the run stops, the gang regroups; the pass closes the iterator, `contextlib.closing`)
 tells it to stop and waits for it at most `_LEAVE_S`, not for the batch the loader may still
 be fetching: the rank then closes its train loader (EpochAhead.close terminates its processes),
-which ends that wait, and the next formation reads through loaders of its own. An error in the
+which ends that wait, and the next formation reads through loaders of its own. (A validation pass
+broken off leaves its thread to the val loader's next batch, at most training.fetch_timeout_s.) An error in the
 thread (a loader process that died, a batch that does not decode) is raised in the rank's
 thread, where the pass would have met it.
 

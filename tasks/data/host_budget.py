@@ -158,8 +158,11 @@ def cgroup_files(root: Path, controller: str, v2_name: str, v1_name: str) -> lis
         lines = (root / "proc/self/cgroup").read_text().splitlines()
     except OSError:
         lines = []
-    files = []
+    # The root's, read whatever /proc/self/cgroup says: a container's own limits are there.
+    files = [root / "sys/fs/cgroup" / v2_name, root / "sys/fs/cgroup" / controller / v1_name]
     for line in lines:
+        if line.count(":") < 2:  # not "hierarchy:controllers:path" (a blank line)
+            continue
         _, controllers, path = line.split(":", 2)
         folder, name = (("sys/fs/cgroup", v2_name) if controllers == "" else
                         (f"sys/fs/cgroup/{controller}", v1_name) if controller in controllers.split(",")
@@ -168,7 +171,7 @@ def cgroup_files(root: Path, controller: str, v2_name: str, v1_name: str) -> lis
             continue
         parts = [part for part in path.split("/") if part]
         files += [root / folder / Path(*parts[:depth]) / name for depth in range(len(parts) + 1)]
-    return files
+    return list(dict.fromkeys(files))
 
 
 def read_number(path: Path) -> int | None:
@@ -189,9 +192,21 @@ def threads_left(root: Path = Path("/")) -> ThreadsLeft | None:
     from which the kernel exempts root), and the host's. A few files and a read per process of the
     host, once per rank. `root`: where /proc and /sys are (tests)."""
     soft, uid = resource.getrlimit(resource.RLIMIT_NPROC)[0], os.getuid()
-    user = None if uid == 0 or soft == resource.RLIM_INFINITY else user_threads_left(root, uid, soft)
+    exempt = uid == 0 and initial_root(root)
+    user = None if exempt or soft == resource.RLIM_INFINITY else user_threads_left(root, uid, soft)
     found = [*cgroup_threads_left(root), *(left for left in (user, host_threads_left(root)) if left is not None)]
     return min(found, key=lambda left: left.count, default=None)
+
+
+def initial_root(root: Path) -> bool:
+    """Whether this process's uid 0 is the host's root, whom the kernel exempts from RLIMIT_NPROC: its
+    user namespace maps uid 0 to 0 (/proc/self/uid_map). Root in a rootless container is not; where the
+    map cannot be read, the process is taken to be in the host's namespace."""
+    try:
+        first = (root / "proc/self/uid_map").read_text().split()
+    except OSError:
+        return True
+    return first[:2] == ["0", "0"]
 
 
 def cgroup_threads_left(root: Path) -> list[ThreadsLeft]:
@@ -217,12 +232,13 @@ def user_threads_left(root: Path, uid: int, soft: int) -> ThreadsLeft | None:
         return None
     running = 0
     for process in processes:
-        try:
-            status = dict(line.split(":", 1) for line in Path(process, "status").read_text().splitlines())
-        except (OSError, ValueError):  # ended since it was listed
+        try:  # bytes: a process's name is the kernel's, in no encoding
+            status = dict(line.split(b":", 1) for line in Path(process, "status").read_bytes().splitlines()
+                          if b":" in line)
+            if int(status[b"Uid"].split()[0]) == uid:
+                running += int(status[b"Threads"])
+        except (OSError, KeyError, ValueError, IndexError):  # ended since it was listed, or unlike a status
             continue
-        if int(status["Uid"].split()[0]) == uid:
-            running += int(status["Threads"])
     return ThreadsLeft(max(0, soft - running),
                        f"user {uid} may run {soft} threads (RLIMIT_NPROC) and runs {running}", RAISE_NPROC)
 
@@ -354,6 +370,11 @@ def rank_budget(cfg: TrainingConfig, limits: HostLimits, load: LoaderLoad) -> Bu
     else:
         fetches = cfg.fetch_threads
         warnings += past(f"training.fetch_threads={cfg.fetch_threads}", fetches, fetch_bounds)
+    threads = rank_threads(limits, load, workers, fetches)
+    if limits.threads is not None and not warnings and threads > threads_share(limits.threads, limits.ranks):
+        warnings.append(f"This rank runs {threads} threads at the fewest loader processes and images at once it "
+                        f"takes, past its share: {threads_limit(limits.threads, limits.ranks)}. Starting more may "
+                        f"fail (\"can't start new thread\"); {limits.threads.fix}.")
     batches = live_batches(workers) * load.batch_bytes
     shm, pinned = (batches if workers else 0), (batches if load.pinned else 0)
     gets = reads_in_flight(workers, fetches)
@@ -364,7 +385,7 @@ def rank_budget(cfg: TrainingConfig, limits: HostLimits, load: LoaderLoad) -> Bu
         rank_open_files=RANK_FILES_MARGIN + (LOADERS * (workers * rank_files_per_process(load) + load.tensors_per_batch)
                                              if workers else BATCHES_AT_ONCE * fetches),
         gets_in_flight=gets,
-        threads=rank_threads(limits, load, workers, fetches), cpus=limits.cpus,
+        threads=threads, cpus=limits.cpus,
         why=processes_why + ("" if workers else ": the rank loads its batches itself"),
         cuts=tuple(cuts), warnings=tuple(warnings),
     )

@@ -96,29 +96,25 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     download_weights(job.model, partial(ctx.progress, "download"))
     ctx.progress("data")
     data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training, job.preprocessing)
-    # A limit of the host that leaves the rank loading its own batches is a warning: the run goes on slowly.
-    starved = data.loader_workers.workers == 0 and data.loader_workers.cpus > 1 and job.training.num_workers is None
-    log.log((logging.WARNING if starved else logging.INFO) if ctx.is_main else logging.DEBUG,
-            "Loader processes per loader of rank %d: %d (%s).", ctx.rank, data.loader_workers.workers,
-            data.loader_workers.why)
-    for warning in data.loader_workers.warnings:  # the run's own settings past a limit of the host
-        log.log(logging.WARNING if ctx.is_main else logging.DEBUG, "Rank %d: %s", ctx.rank, warning)
     model = build_model(job.model, len(job.manifest.classes), data.source_options, job.training.image_size,
                         job.training.drop_path)
     if job.warm_start:
         load_warm_start(model, job.warm_start)
     if (reason := frozen_random_backbone(job.model, job.warm_start is not None)) and ctx.is_main:
         log.warning(reason)
-    synced = job.training.sync_batchnorm and sync_batchnorm(model, device, ctx.world_size, log)
     # Module.to's documented forms take a device or a memory_format, not both in one call.
     model = model.to(device).to(memory_format=train_inputs.memory_format)
+    # Measured before SyncBatchNorm: its training-mode forward runs collectives, and a rank whose
+    # measure failed would leave the others waiting in them.
+    if job.training.decode_on == "auto" and chosen_feed(ctx, job, data, model, train_inputs, amp_dtype, log) == "device":
+        data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training, job.preprocessing,
+                         decode_on="device")
+    say_loader_processes(ctx, job, data, log)
+    synced = job.training.sync_batchnorm and sync_batchnorm(model, device, ctx.world_size, log)
     optimizer = build_optimizer(model, job.training, ctx.world_size)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler,
                           weights_average(model, job.training.ema_decay))
-    if job.training.decode_on == "auto" and chosen_feed(ctx, job, data, model, train_inputs, amp_dtype, log) == "device":
-        data = rank_data(ctx, job.source, job.output, job.manifest, job.split, job.training, job.preprocessing,
-                         decode_on="device")
     advice = input_advice(job.training, from_object_store="://" in job.manifest.root,
                           loader_processes=data.loader_workers.workers)
     warm_epochs = warmup_epochs(job.training, ctx.world_size)
@@ -133,6 +129,18 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
                      decode_probe(ctx, job, data, log),
                      job.training.batch_size, warmup, frozen, recipe,
                      StepKnobs.of(job.training, len(job.manifest.classes)))
+
+
+def say_loader_processes(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> None:
+    """The loader processes the rank's feed starts, and why; a limit of the host that leaves the rank
+    loading its own batches is a warning (the run goes on slowly), as is each of the run's own
+    settings past a limit of the host."""
+    chosen = data.loader_workers
+    starved = chosen.workers == 0 and chosen.cpus > 1 and job.training.num_workers is None
+    log.log((logging.WARNING if starved else logging.INFO) if ctx.is_main else logging.DEBUG,
+            "Loader processes per loader of rank %d: %d (%s).", ctx.rank, chosen.workers, chosen.why)
+    for warning in chosen.warnings:
+        log.log(logging.WARNING if ctx.is_main else logging.DEBUG, "Rank %d: %s", ctx.rank, warning)
 
 
 def chosen_feed(ctx: RankContext, job: TrainJob, data: RankData, model: nn.Module, inputs: ToDevice,
