@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -78,18 +79,30 @@ def probe_decode(images: list[bytes], image_size: int, transform: Callable) -> D
     """The cost of `transform` on `images` (bytes as the run reads them) and on pre-resized copies; None
     when none of them decodes. One thread: a loader worker decodes on one core."""
     side = decode_side(image_size)
-    readable = [data for data in images if prepare(data, 0, 0, transform)[0] is not None]
+    readable = decodable(images, transform)
     if not readable:
         return None
     resized = [stored_resized(data, side).data or data for data in readable]
+    with one_torch_thread():
+        original_s, resized_s = (seconds_per_image(batch, transform) for batch in (readable, resized))
+    return DecodeCost(megapixels=sum(megapixels(data) for data in readable) / len(readable),
+                      original_s=original_s, resized_s=resized_s, side=side)
+
+
+def decodable(images: list[bytes], transform: Callable) -> list[bytes]:
+    """Those of `images` that decode, as the loader would take them."""
+    return [data for data in images if prepare(data, 0, 0, transform)[0] is not None]
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread while the block runs, as in a loader process (forked workers run one)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        original_s, resized_s = (seconds_per_image(batch, transform) for batch in (readable, resized))
+        yield
     finally:
         torch.set_num_threads(threads)
-    return DecodeCost(megapixels=sum(megapixels(data) for data in readable) / len(readable),
-                      original_s=original_s, resized_s=resized_s, side=side)
 
 
 def seconds_per_image(images: list[bytes], transform: Callable) -> float:

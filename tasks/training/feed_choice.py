@@ -7,7 +7,7 @@ photo 25-60 ms; bench/RESULTS.md) and how fast the model takes images (ResNet-50
 about 4,300 a second, a small model on a small GPU a few hundred). So before its first epoch
 each CUDA rank measures the three on its own host (`measure_feed`): the model's training step
 on a synthetic batch, the loaders' decode and augment of a few of the run's own images on one
-core (`prefect_ddp.tasks.training.decode_cost.probe_decode`), and the same images decoded and
+core (as `prefect_ddp.tasks.training.decode_cost.probe_decode` times them), and the same images decoded and
 transformed as a batch on the device (`ToDevice`). `choose_feed` then takes the feed that
 trains more images a second, and says why. A rank without CUDA decodes in its loaders: on a
 CPU device, decoding would take the rank's own core instead of its loaders'.
@@ -38,7 +38,7 @@ from prefect_ddp.tasks.data.dataset import SizedTransform, encoded_tensor
 from prefect_ddp.tasks.data.device_batches import EncodedBatch, ToDevice, decode_on
 from prefect_ddp.tasks.data.loader_steps import loader_steps
 from prefect_ddp.tasks.data.loaders import Feed
-from prefect_ddp.tasks.training.decode_cost import probe_decode
+from prefect_ddp.tasks.training.decode_cost import decodable, one_torch_thread, seconds_per_image
 
 # The device must train this many times the loaders' images a second to be chosen (module docstring).
 DEVICE_MARGIN = 1.1
@@ -104,11 +104,14 @@ def measure_feed(model: nn.Module, inputs: ToDevice, transform: SizedTransform, 
     device = inputs.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run draws as without it
         step_s = model_step_seconds(model, inputs, batch_size, image_size, amp_dtype)
-        cost = probe_decode(images, image_size, loader_steps(transform))
-        if cost is None:
+        loader_transform = loader_steps(transform)
+        readable = decodable(images, loader_transform)
+        if not readable:
             return None
+        with one_torch_thread():
+            loader_s = seconds_per_image(readable, loader_transform)
         device_s = device_decode_seconds(inputs, images, batch_size)
-    return FeedMeasures(step_s, cost.original_s, device_s, loader_processes)
+    return FeedMeasures(step_s, loader_s, device_s, loader_processes)
 
 
 def model_step_seconds(model: nn.Module, inputs: ToDevice, batch_size: int, image_size: int,
