@@ -14,8 +14,10 @@ DataLoader reached 0.80x (bench/RESULTS.md). Both feeds here read the same photo
 Epochs of `--short-steps` and of `--long-steps` steps; the first epoch of each (forking the loader
 processes) is left out of both. Each feed also says what its loader processes spent: CPU per image
 (all its epochs, train and validation, from the children's rusage once the loaders are reaped),
-against the loader's transform alone on one thread of this process over the same images (target:
-the loader end to end at most 1.2x the transform), images/s per loader process, and the S3 front's
+against the loaders' transforms alone on one thread of this process over the same images, measured
+just before and after that feed ran, so under the same load, and weighted as the feed used them
+(the flow's validation images take the eval transform) (target: the loader end to end at most 1.2x
+the transform), images/s per loader process, and the S3 front's
 CPU per image (it runs beside them here; `--front-cpus` pins it off the cores the rank and its
 loaders use, as bench.gpu_check does on a GPU host). On the CPU (`--device cpu`, the default here) the model costs almost
 nothing (one linear layer on each image's channel means), so all that is measured is the input: the
@@ -95,6 +97,7 @@ class Row:
     images_per_s: float
     loader_ms: float | None = None  # loader processes' CPU per image they prepared
     front_ms: float | None = None  # the S3 front's CPU per image
+    alone_ms: float | None = None  # the same images' transforms alone, one thread, CPU per image
     chosen: str = ""  # the flow's: what its rank said of the feed it chose (training.decode_on="auto")
 
 
@@ -225,11 +228,33 @@ def bare_rate(args: argparse.Namespace, manifest: Manifest, positions: list[int]
     return rate
 
 
-def transform_ms(folder: Path, image_size: int, count: int = 128) -> float:
-    """The loader's transform alone (decode, crop, resize, flip to uint8) on one thread of this
-    process, CPU ms per image, over the first `count` images of `folder`."""
+@dataclass(frozen=True)
+class Alone:
+    """The loaders' transforms alone, CPU ms per image on one thread: the train loader's (decode,
+    crop, resize, flip to uint8) and the validation loader's (decode, resize, centre crop)."""
+
+    train_ms: float
+    eval_ms: float
+
+    @classmethod
+    def measure(cls, folder: Path, image_size: int) -> Alone:
+        return cls(transform_ms(folder, loader_steps(train_transform(image_size))),
+                   transform_ms(folder, loader_steps(eval_transform(image_size))))
+
+    def beside(self, other: Alone) -> Alone:
+        """The mean of two measures, one taken just before a feed ran and one just after."""
+        return Alone((self.train_ms + other.train_ms) / 2, (self.eval_ms + other.eval_ms) / 2)
+
+    def weighted(self, train: int, val: int) -> float:
+        """Per image, over `train` images through the train transform and `val` through the eval one."""
+        return (train * self.train_ms + val * self.eval_ms) / (train + val)
+
+
+def transform_ms(folder: Path, steps: Callable[..., torch.Tensor], count: int = 128) -> float:
+    """A loader's `steps` alone on one thread of this process, CPU ms per image, over the first
+    `count` images of `folder`."""
     images = [path.read_bytes() for path in sorted(folder.rglob("*.jpg"))[:count]]
-    steps, threads = loader_steps(train_transform(image_size)), torch.get_num_threads()
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         prepare(images[0], 0, 0, steps)  # the first call loads what the decoders need
@@ -252,9 +277,9 @@ def recipe_model(name: str) -> Iterator[None]:
 
 
 def flow_rate(args: argparse.Namespace, manifest: Manifest, endpoint: str, output: Path, workers: int | None,
-              epochs: int) -> tuple[float, int, str]:
+              epochs: int) -> tuple[float, tuple[int, int], str]:
     """Images/s of the recipe's training passes, epochs 2.. of `epochs`, from its own epoch
-    records; the images its loaders prepared in all (train and validation, every epoch); and what
+    records; the images its loaders prepared in all (train, validation; every epoch); and what
     its rank said of the feed it chose."""
     source = DataLocation(url=manifest.root, endpoint_url=endpoint, region_name=MOTO_REGION, **MOTO_CREDENTIALS)
     job = TrainJob(
@@ -271,7 +296,7 @@ def flow_rate(args: argparse.Namespace, manifest: Manifest, endpoint: str, outpu
         history = train_classifier(ctx, job).history
     later = history[1:]
     rate = sum(h["train_samples"] for h in later) / sum(h["train_samples"] / h["images_per_s"] for h in later)
-    return rate, epochs * len(job.split.train) + epochs * len(job.split.val), " ".join(said) or "not said"
+    return rate, (epochs * len(job.split.train), epochs * len(job.split.val)), " ".join(said) or "not said"
 
 
 @contextmanager
@@ -321,13 +346,20 @@ def run(args: argparse.Namespace, workers: int, steps: int, epochs: int, work: P
             front.process.cpu_affinity(args.front_cpus)  # this process left them (main, leave_to_front)
         manifest = listing_manifest(folder / "photo", f"s3://{BUCKET}/photo")
         train = stratified_split(manifest, VAL_FRACTION, 0).train
+        alone_before = Alone.measure(folder, args.image_size)
         before = Spent.now(front)
         bare = bare_rate(args, manifest, train, front.url, workers, epochs)
         after_bare = Spent.now(front)
+        alone_between = Alone.measure(folder, args.image_size)
         rows.append(Row("bare DataLoader", steps, bare,
-                        *after_bare.per_image_ms(before, epochs * (len(train) // args.batch_size) * args.batch_size)))
-        rate, prepared, chosen = flow_rate(args, manifest, front.url, work / f"run-{steps}", args.workers, epochs)
-        rows.append(Row("the flow's recipe", steps, rate, *Spent.now(front).per_image_ms(after_bare, prepared), chosen))
+                        *after_bare.per_image_ms(before, epochs * (len(train) // args.batch_size) * args.batch_size),
+                        alone_ms=alone_before.beside(alone_between).train_ms))
+        rate, (trained, validated), chosen = flow_rate(args, manifest, front.url, work / f"run-{steps}", args.workers,
+                                                       epochs)
+        spent = Spent.now(front).per_image_ms(after_bare, trained + validated)
+        alone_after = Alone.measure(folder, args.image_size)
+        rows.append(Row("the flow's recipe", steps, rate, *spent,
+                        alone_ms=alone_between.beside(alone_after).weighted(trained, validated), chosen=chosen))
     return rows
 
 
@@ -349,20 +381,18 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-input-")))
         rows = [row for steps, epochs in ((args.short_steps, args.short_epochs), (args.long_steps, args.long_epochs))
                 if steps for row in run(args, workers, steps, epochs, work)]
-        alone = transform_ms(work, args.image_size)
-    report(args, workers, load, rows, alone)
+    report(args, workers, load, rows)
 
 
-def report(args: argparse.Namespace, workers: int, load: tuple[float, float, float], rows: list[Row],
-           alone_ms: float) -> None:
+def report(args: argparse.Namespace, workers: int, load: tuple[float, float, float], rows: list[Row]) -> None:
     print(f"# The flow's input pipeline against the bare DataLoader, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n")
     print(f"Machine: {machine()}; load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}")
     print(f"Command: {' '.join([os.path.relpath(sys.executable), '-m', 'bench.input_pipeline', *sys.argv[1:]])}")
     print(f"{args.model} on {args.device}, {workers} loader process(es) each ({flow_default(args).why}), "
           f"batch {args.batch_size}, {args.image_size} px crops of 500x375 JPEGs, S3 front +{args.latency_ms:g} ms; "
           f"{args.short_epochs} short or {args.long_epochs} long epochs, the first left out\n")
-    print(f"The loader's transform alone (decode, crop, resize, flip to uint8), one thread: {alone_ms:.2f} ms "
-          "of CPU per image.\n")
+    print("Loader CPU per image against the loaders' transforms alone on one thread, measured just before and "
+          "after each feed ran (the flow's weighted by its train and validation images).\n")
     print("| steps per epoch | feed | images/s | per loader process | of the bare loader | of the GPU's ceiling "
           "| loader CPU ms/image | of the transform alone | S3 front CPU ms/image |\n"
           "|---:|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -373,8 +403,8 @@ def report(args: argparse.Namespace, workers: int, load: tuple[float, float, flo
         for feed, row in same.items():
             of_ceiling = f"{row.images_per_s / ceiling.images_per_s:.2f}x" if ceiling else "-"
             per_process = f"{row.images_per_s / workers:,.1f}" if row.loader_ms is not None and workers else "-"
-            spent = ("- | - | -" if row.loader_ms is None or row.front_ms is None else
-                     f"{row.loader_ms:.2f} | {row.loader_ms / alone_ms:.2f}x | {row.front_ms:.2f}")
+            spent = ("- | - | -" if row.loader_ms is None or row.front_ms is None or row.alone_ms is None else
+                     f"{row.loader_ms:.2f} | {row.loader_ms / row.alone_ms:.2f}x | {row.front_ms:.2f}")
             print(f"| {steps} | {feed} | {row.images_per_s:,.1f} | {per_process} | {row.images_per_s / bare:.2f}x "
                   f"| {of_ceiling} | {spent} |")
     for row in rows:

@@ -15,8 +15,8 @@ bytes into batches of 32 224-px training samples as its users get them, on one t
   ToDtype(float32, scale=True), Normalize(ImageNet), collated by `default_collate` (a
   `torch.stack` of the float32 images): a float32 NCHW batch, normalised;
 - new: the project's loader path now: `prepare(data, label, position, loader_steps(train_transform(224)))`
-  per image (prefect_ddp.tasks.data.dataset; `decoded_tensor`: torchvision's `decode_jpeg` where
-  PIL would decode at full size, `open_rgb` where libjpeg's reduced-size decode applies) and
+  per image (prefect_ddp.tasks.data.dataset; `decoded_tensor`: libjpeg-turbo through simplejpeg
+  at the scale PIL's `draft` picks, PIL's pixels) and
   `collate_images` (prefect_ddp.tasks.data.loader_steps): a uint8 NCHW (channels-last) batch,
   converted and normalised later on the rank's device. Switched off, saying why, where that API is missing;
 - torchvision: torchvision's reference recipe (references/classification/presets.py,

@@ -21,7 +21,7 @@ from prefect_ddp.tasks.data.dataset import (
     prepare,
     train_transform,
 )
-from prefect_ddp.tasks.data.decoding import decoded_tensor, jpeg_header, open_rgb
+from prefect_ddp.tasks.data.decoding import decoded_tensor, draft_scale, jpeg_header, libjpeg_decoded, open_rgb
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.data.loader_steps import collate_images, device_steps, loader_steps
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
@@ -65,6 +65,12 @@ IMAGES = {
     "4:4:4": photo(120, 90, 13, subsampling=0),
     "png": png(120, 90),
     "reduced": photo(400, 300, 14),
+    # Reduced-size decodes (at 1/2, 1/4 and 1/8 for the sides below) of every kind, odd sides rounded up.
+    "reduced 4:4:4": photo(401, 299, 16, subsampling=0),
+    "reduced 4:2:2": photo(403, 301, 17, subsampling=1),
+    "reduced grey": photo(401, 303, 18, mode="L"),
+    "reduced progressive": photo(402, 298, 19, progressive=True),
+    "reduced exif 6": photo(400, 300, 20, orientation=6),
 }
 # Cut short and padded with zeros, no end marker: libjpeg warns, torchvision refuses, PIL (and so
 # decode-check) decodes it, the missing rows grey. The loaders must decide as decode-check did.
@@ -81,7 +87,7 @@ def todays(data: bytes, transform: v2.Compose) -> torch.Tensor:
 @pytest.mark.parametrize("name", IMAGES)
 def test_decoded_tensor_has_open_rgbs_pixels(name):
     data = IMAGES[name]
-    for side in (None, 32, 96):
+    for side in (None, 32, 37, 64, 96):
         expected = torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
         assert torch.equal(decoded_tensor(data, side), expected), (name, side)
 
@@ -103,6 +109,18 @@ def test_which_decoder_takes_an_image_is_read_from_its_header():
     assert jpeg_header(IMAGES["progressive"]).size == (120, 90)
     assert jpeg_header(IMAGES["png"]) is None and jpeg_header(b"\xff\xd8\xff") is None
     assert jpeg_header(b"\xff\xd8\xff\xff" + IMAGES["exif 1"][3:]) is None  # fill bytes: left to PIL
+
+
+@pytest.mark.unit
+def test_libjpeg_takes_every_colour_and_grey_jpeg_at_the_scale_pil_picks_and_leaves_the_rest_to_pil():
+    for name in [name for name in IMAGES if name not in ("cmyk", "png", "padded")]:
+        size = jpeg_header(IMAGES[name]).size
+        for side in (None, 32, 64, 96):
+            scale = draft_scale(size, side)
+            image = libjpeg_decoded(IMAGES[name], size, scale)
+            assert image is not None and image.shape == (3, -(-size[1] // scale), -(-size[0] // scale)), (name, side)
+    assert {draft_scale((400, 300), side) for side in (None, 32, 64, 96, 200)} == {1, 2, 4, 8}
+    assert libjpeg_decoded(IMAGES["padded"], (120, 90), 1) is None  # libjpeg's warning: open_rgb decides
 
 
 @pytest.mark.unit

@@ -3,8 +3,8 @@
 Training, validation, decode-check, batch-predict, shard writing and the byte cache all
 decode through `open_rgb` (docs/architecture.md, "Data: pre-resized shards"), so an image
 turns out the same wherever it is read. The loaders take it as a tensor (`decoded_tensor`):
-the same pixels, a JPEG that needs no reduced-size decode decoded straight into one by
-torchvision (docs/architecture.md, "Data: uint8 batches"). `stored_resized` is the copy of an image that shards
+the same pixels, a colour or grey JPEG decoded straight into one by libjpeg-turbo's own API
+(simplejpeg), at the scale PIL's `draft` would pick (docs/architecture.md, "Data: uint8 batches"). `stored_resized` is the copy of an image that shards
 and the byte cache keep in place of a camera original: resized to the side training needs and
 stored as a JPEG, so that later epochs decode a small image instead of the original.
 """
@@ -16,9 +16,9 @@ import time
 from typing import NamedTuple
 
 import numpy as np
+import simplejpeg
 import torch
 from PIL import ExifTags, Image, ImageOps
-from torchvision.io import ImageReadMode, decode_jpeg
 
 JPEG_MAX_SIDE = 65500  # libjpeg's largest width or height
 RESIZED_QUALITY = 90  # of the JPEGs resized copies are stored as, unless told (training.shard_quality)
@@ -104,22 +104,29 @@ def jpeg_header(data: bytes | memoryview) -> JpegHeader | None:
     return None
 
 
-def reduces(size: tuple[int, int], side: int | None) -> bool:
-    """Whether `open_rgb` decodes an image of `size` at a reduced size for `side`: where PIL's
-    `draft` finds a scale of 1/2 or less that keeps both sides at least `side`."""
-    return bool(side) and min(size[0] // side, size[1] // side) >= 2  # type: ignore[operator]
+def draft_scale(size: tuple[int, int], side: int | None) -> int:
+    """The reduction PIL's `draft` picks for an image of `size` (width, height) decoded for `side`
+    (`open_rgb`): the largest of 8, 4 and 2 that keeps both sides at least `side`, else 1.
+
+    >>> draft_scale((4032, 3024), 334), draft_scale((500, 375), 334), draft_scale((500, 375), 96)
+    (8, 1, 2)
+    """
+    most = min(size[0] // side, size[1] // side) if side else 1
+    return next((scale for scale in (8, 4, 2) if most >= scale), 1)
 
 
 def decoded_tensor(data: bytes, side: int | None = None) -> torch.Tensor:
     """`open_rgb`'s pixels as a uint8 CHW tensor (a view of HWC memory, as both decoders write it).
 
-    A colour or grey JPEG that `open_rgb` would decode at full size is decoded by torchvision's
-    `decode_jpeg` straight into the tensor, its EXIF orientation applied: the same libjpeg-turbo
-    decode, without PIL's four bytes a pixel and the copy to a tensor (bench/RESULTS.md, "The
-    train path per image"). Others (a JPEG for a reduced-size decode, CMYK, PNG, 16-bit, one
-    past PIL's decompression-bomb limit) go through `open_rgb`, and so does a JPEG torchvision
-    refuses (its data cut short and padded, which libjpeg only warns of): `open_rgb`, decode-check's
-    decoder, decides whether it decodes, so training and decode-check agree. Raises as `open_rgb` does.
+    A colour or grey JPEG is decoded by libjpeg-turbo through its own API (simplejpeg) straight
+    into the tensor, at the scale PIL's `draft` picks (`draft_scale`), its EXIF orientation
+    applied: the same libjpeg-turbo decode with the same settings (the slow exact DCT, smooth
+    upsampling), without PIL's four bytes a pixel and the copy to a tensor (bench/RESULTS.md,
+    "The train path per image"; tests/test_uint8_batches.py compares every kind of JPEG). Others
+    (CMYK, PNG, 16-bit, one past PIL's decompression-bomb limit) go through `open_rgb`, and so
+    does a JPEG libjpeg complains of (its data cut short and padded, which PIL passes over):
+    `open_rgb`, decode-check's decoder, decides whether it decodes, so training and decode-check
+    agree. Raises as `open_rgb` does.
 
     >>> buffer = io.BytesIO()
     >>> Image.new("RGB", (40, 30), (255, 0, 0)).save(buffer, "JPEG")
@@ -128,16 +135,27 @@ def decoded_tensor(data: bytes, side: int | None = None) -> torch.Tensor:
     ((3, 30, 40), torch.uint8, True)
     """
     header = jpeg_header(data)
-    if header and header.size and header.components in (1, 3) and not reduces(header.size, side) \
-            and within_pil_limit(header.size):
-        try:
-            image: torch.Tensor = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                                              mode=ImageReadMode.RGB)
-        except RuntimeError:  # libjpeg's complaints torchvision raises and PIL passes over: open_rgb decides
-            pass
-        else:
+    if header and header.size and header.components in (1, 3) and within_pil_limit(header.size):
+        image = libjpeg_decoded(data, header.size, draft_scale(header.size, side))
+        if image is not None:
             return upright(image, exif_orientation(data)) if header.app1 else image
     return torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
+
+
+def libjpeg_decoded(data: bytes, size: tuple[int, int], scale: int) -> torch.Tensor | None:
+    """A JPEG of `size` (width, height) decoded at 1/`scale` to RGB as a CHW view of HWC memory;
+    None where libjpeg complains (simplejpeg raises its warnings too) or picks another scale
+    (libjpeg-turbo scales by any n/8: the smallest that keeps the sides asked for, here no
+    smaller than 1/`scale`), so that `open_rgb` decides."""
+    width, height = -(-size[0] // scale), -(-size[1] // scale)  # libjpeg rounds a scaled side up
+    try:
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=height, min_width=width,
+                                        min_factor=scale)
+    except ValueError:
+        return None
+    if pixels.shape != (height, width, 3):
+        return None
+    return torch.from_numpy(pixels).permute(2, 0, 1)
 
 
 def within_pil_limit(size: tuple[int, int]) -> bool:
