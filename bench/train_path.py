@@ -19,6 +19,9 @@ bytes into batches of 32 224-px training samples as its users get them, on one t
   at the scale PIL's `draft` picks, PIL's pixels) and
   `collate_images` (prefect_ddp.tasks.data.loader_steps): a uint8 NCHW (channels-last) batch,
   converted and normalised later on the rank's device. Switched off, saying why, where that API is missing;
+- new, decoded as at 092522c: the same loader steps and collation on the decoder the uint8 path
+  first had, frozen here (torchvision's `decode_jpeg` where PIL decodes at full size, `open_rgb`
+  where PIL's reduced-size decode applies): what the decoder alone changes;
 - torchvision: torchvision's reference recipe (references/classification/presets.py,
   `ClassificationPresetTrain` as its train.py builds it by default: crop 224, PIL backend,
   v1 transforms): `pil_loader` (PIL open and convert("RGB"), a full decode), RandomResizedCrop(224)
@@ -76,6 +79,7 @@ import torchvision
 from PIL import Image, features
 from torch.utils.data import default_collate
 from torchvision import transforms as v1
+from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import InterpolationMode, v2
 
 from bench.outside import install_beside
@@ -136,6 +140,31 @@ def new_variant() -> Variant | str:
         return collate_images([prepare(data, label, position, steps)
                                for position, (data, label) in enumerate(zip(datas, labels))])
     return new
+
+
+def first_decoder(data: bytes, side: int) -> torch.Tensor:
+    """`decoded_tensor` as the uint8 path first had it (092522c), for a plain colour JPEG: torchvision's
+    full decode where PIL's `draft` would not reduce, else PIL's reduced-size decode."""
+    with Image.open(BytesIO(data)) as header:
+        width, height = header.size
+    if min(width // side, height // side) < 2:
+        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    return torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
+
+
+def first_decoder_variant() -> Variant | str:
+    """The new loader steps on the uint8 path's first decoder, or why it cannot run."""
+    try:
+        from prefect_ddp.tasks.data.dataset import train_transform  # noqa: PLC0415
+        from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps  # noqa: PLC0415
+    except ImportError as error:
+        return f"the new loader path is not in this checkout ({error})"
+    steps = loader_steps(train_transform(SIDE))
+
+    def first_decoded(datas: list[bytes], labels: list[int]) -> Batch:
+        return collate_images([(steps(first_decoder(data, steps.decode_side)), label)
+                               for data, label in zip(datas, labels)])
+    return first_decoded
 
 
 # --- torchvision's reference recipe -------------------------------------------------------------
@@ -347,7 +376,7 @@ def targets(measured: Measured, names: list[str], sets: list[str], off: dict[str
     if "500x375" in sets:
         r = ratio_to_today(measured, "new", "500x375")
         lines.append(f"- new <= 0.5x today on 500x375: {r:.2f}x: {'held' if r <= 0.5 else 'NOT held'}")
-    peers = [n for n in names if n not in ("today", "new") and n not in off]
+    peers = [n for n in names if n not in ("today", "new", "new, decoded as at 092522c") and n not in off]
     for s in sets:
         mine = statistics.median(measured.cpu_ms[("new", s)])
         verdicts = [f"{p} {statistics.median(measured.cpu_ms[(p, s)]):.2f}"
@@ -396,7 +425,7 @@ def cpu_model() -> str:
 def versions() -> str:
     found = [f"torch {torch.__version__}", f"torchvision {torchvision.__version__}",
              f"Pillow {PIL.__version__} (libjpeg-turbo {features.version('libjpeg_turbo')})"]
-    for module, label in (("nvidia.dali", "DALI"), ("litdata", "LitData")):
+    for module, label in (("simplejpeg", "simplejpeg"), ("nvidia.dali", "DALI"), ("litdata", "LitData")):
         if module in sys.modules:
             found.append(f"{label} {getattr(sys.modules[module], '__version__', '?')}")
     return ", ".join(found)
@@ -429,7 +458,8 @@ def main() -> None:
           + "; ".join(f"{n}: {len(d)} images, {sum(map(len, d)) / len(d) / 1e3:.0f} KB each" for n, d in sets.items()),
           flush=True)
 
-    candidates: dict[str, Variant | str] = {"today": today, "new": new_variant(), "torchvision": reference,
+    candidates: dict[str, Variant | str] = {"today": today, "new": new_variant(),
+                                           "new, decoded as at 092522c": first_decoder_variant(), "torchvision": reference,
                                            **dali_variants(), "litdata": litdata_variant()}
     off = {name: why for name, why in candidates.items() if isinstance(why, str)}
     variants = {name: v for name, v in candidates.items() if not isinstance(v, str)}

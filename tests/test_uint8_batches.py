@@ -1,10 +1,15 @@
-"""uint8 batches: the loaders decode (torchvision's decode_jpeg where PIL's would decode at full
-size), crop and flip on uint8; the rank converts and normalises. The pixels are today's.
+"""uint8 batches: the loaders decode (libjpeg-turbo through simplejpeg, at the scale PIL's draft
+picks), crop and flip on uint8; the rank converts and normalises. The pixels are today's, and the
+loaders refuse what decode-check (`open_rgb`) refuses.
 
 Unit tier (no processes) but for the last test, which runs a real loader process.
 """
 
 import io
+import random
+import struct
+import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -16,13 +21,14 @@ from torchvision.transforms import v2
 from prefect_ddp.tasks.data.dataset import (
     S3ImageFolder,
     blank_image,
+    decoded,
     eval_transform,
     forked_workers,
     prepare,
     train_transform,
 )
 from prefect_ddp.tasks.data.decoding import decoded_tensor, draft_scale, jpeg_header, libjpeg_decoded, open_rgb
-from prefect_ddp.tasks.data.device_batches import ToDevice
+from prefect_ddp.tasks.data.device_batches import ToDevice, decode_on
 from prefect_ddp.tasks.data.loader_steps import collate_images, device_steps, loader_steps
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 
@@ -72,7 +78,7 @@ IMAGES = {
     "reduced progressive": photo(402, 298, 19, progressive=True),
     "reduced exif 6": photo(400, 300, 20, orientation=6),
 }
-# Cut short and padded with zeros, no end marker: libjpeg warns, torchvision refuses, PIL (and so
+# Cut short and padded with zeros, no end marker: libjpeg warns, simplejpeg refuses, PIL (and so
 # decode-check) decodes it, the missing rows grey. The loaders must decide as decode-check did.
 _WHOLE = photo(120, 90, 15)
 IMAGES["padded"] = _WHOLE[:len(_WHOLE) * 9 // 10] + bytes(4096)
@@ -109,6 +115,85 @@ def test_which_decoder_takes_an_image_is_read_from_its_header():
     assert jpeg_header(IMAGES["progressive"]).size == (120, 90)
     assert jpeg_header(IMAGES["png"]) is None and jpeg_header(b"\xff\xd8\xff") is None
     assert jpeg_header(b"\xff\xd8\xff\xff" + IMAGES["exif 1"][3:]) is None  # fill bytes: left to PIL
+
+
+def segment(marker: int, payload: bytes) -> bytes:
+    return bytes([0xFF, marker]) + struct.pack(">H", len(payload) + 2) + payload
+
+
+def after_start(data: bytes, segments: bytes, drop_jfif: bool = False) -> bytes:
+    """`data` with `segments` right after its start-of-image marker (its own JFIF segment dropped first)."""
+    if drop_jfif:
+        data = data[:2] + data[4 + (data[4] << 8 | data[5]):]
+    return data[:2] + segments + data[2:]
+
+
+# Headers libjpeg passes over and PIL refuses (opening them, or turning the image by EXIF it cannot
+# read or rewrite): decode-check (open_rgb) refuses them, so the loaders must too.
+JFIF_72_DPI = b"JFIF\0\1\1\1\0\x48\0\x48\0\0"
+REFUSED = {
+    "jfif cut short": after_start(IMAGES["exif 1"], segment(0xE0, b"JFIF\0"), drop_jfif=True),
+    "adobe cut short": after_start(IMAGES["exif 1"], segment(0xEE, b"Adobe")),
+    "icc empty": after_start(IMAGES["exif 1"], segment(0xE2, b"ICC_PROFILE\0")),
+    "exif not tiff": after_start(IMAGES["reduced"], segment(0xE0, JFIF_72_DPI) + segment(0xE1, b"Exif\0\0garbage!"),
+                                 drop_jfif=True),
+}
+
+
+def damaged_exif(seed: int) -> bytes:
+    """A 64x48 JPEG turned by EXIF (orientation 6, with Exif and GPS sub-IFDs), 1-3 of its EXIF bytes changed."""
+    rng = random.Random(seed)
+    image = Image.fromarray(np.random.default_rng(7).integers(0, 255, (48, 64, 3), dtype=np.uint8))
+    exif = image.getexif()
+    exif[0x0112], exif[0x010F], exif[0x011A] = 6, "Maker", 72.0
+    exif.get_ifd(0x8769)[0x927C] = b"notes\0\1\2"
+    exif.get_ifd(0x8825)[2] = (1.0, 2.0, 3.0)
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", exif=exif, dpi=(72, 72))
+    data = bytearray(buffer.getvalue())
+    start = data.find(b"Exif\0\0") + 6
+    length = (data[start - 8] << 8 | data[start - 7]) - 8
+    for _ in range(rng.choice((1, 2, 3))):
+        at = start + rng.randrange(length)
+        data[at] = rng.choice((0, 0xFF, rng.randrange(256), data[at] ^ (1 << rng.randrange(8))))
+    return bytes(data)
+
+
+def outcome(decode: Callable[[], object]) -> object:
+    """What `decode` gives: its pixels, or the kind of error it raised."""
+    try:
+        result = decode()
+    except Exception as error:  # noqa: BLE001 - the kind is the outcome compared
+        return type(error)
+    return torch.from_numpy(np.array(result)).permute(2, 0, 1) if isinstance(result, Image.Image) else result
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_jpeg_pil_refuses_for_its_header_is_refused_by_the_loaders_and_the_device_path(name):
+    data = REFUSED[name]
+    for side in (None, 32):
+        with pytest.raises(Exception) as refused:
+            open_rgb(data, side)
+        with pytest.raises(refused.type):
+            decoded_tensor(data, side)
+        assert decoded(data, side) is None
+    assert decode_on(CPU, [torch.frombuffer(bytearray(data), dtype=torch.uint8)]) == [None]
+
+
+@pytest.mark.unit
+def test_jpegs_with_damaged_exif_decode_or_fail_as_open_rgb_does():
+    refused = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PIL's "Corrupt EXIF data"
+        for seed in range(200):
+            data = damaged_exif(seed)
+            for side in (None, 8):
+                expected = outcome(lambda: open_rgb(data, side))
+                got = outcome(lambda: decoded_tensor(data, side))
+                assert (torch.equal(got, expected) if isinstance(expected, torch.Tensor) else got is expected), (seed, side)
+                refused += not isinstance(expected, torch.Tensor)
+    assert refused  # some of the damage is what PIL refuses: the case the test is for
 
 
 @pytest.mark.unit

@@ -131,19 +131,19 @@ def pixel_chunks(images: list[torch.Tensor], pixels: int | None = None) -> list[
     return chunks
 
 
-def jpeg_orientation(data: torch.Tensor) -> int:
-    """The EXIF orientation tag of an encoded JPEG (1 when it has none or its header does not parse).
+def jpeg_orientation(data: torch.Tensor) -> int | None:
+    """The orientation tag of an encoded JPEG as `open_rgb` reads it (`exif_orientation`); None
+    where `open_rgb` would refuse the JPEG for its header, whatever the device decoded: the image
+    is then decoded as the loader decodes it, which refuses it as decode-check does."""
+    try:
+        return exif_orientation(data.numpy().tobytes())
+    except Exception:  # any error of PIL's header reading means unreadable, as decode-check takes it
+        return None
 
-    PIL finds the tag in EXIF or XMP, both kept in APP1 segments: a JPEG with none (as the byte
-    cache and shards store their resized copies, `stored_resized`) is upright without opening
-    it, which saves the rank's thread about 70 us an image here."""
-    header = jpeg_header(data.numpy().data)
-    return exif_orientation(data.numpy().tobytes()) if header is None or header.app1 else 1
 
-
-def upright_or_none(image: torch.Tensor | None, tag: int) -> torch.Tensor | None:
-    """`upright`, passing over an image that did not decode (None)."""
-    return None if image is None else upright(image, tag)
+def upright_or_none(image: torch.Tensor | None, tag: int | None) -> torch.Tensor | None:
+    """`upright`, passing over an image that did not decode or whose header PIL refuses (None)."""
+    return None if image is None or tag is None else upright(image, tag)
 
 
 def decode_other(device: torch.device, data: torch.Tensor) -> torch.Tensor | None:
