@@ -132,25 +132,6 @@ sweep_flow(**json.loads(sys.argv[1]))
 """
 
 
-def test_sigterm_to_a_sweep_stops_the_gangs_of_all_its_trials(dask_cluster, tmp_path):
-    """The signal reaches the sweep's main thread; the trials' gangs run in other threads."""
-    address = dask_cluster.scheduler_address
-    before = worker_addresses(address)
-    parameters = {"address": address, "marks": str(tmp_path), "trials": 2}
-    process = subprocess.Popen([sys.executable, "-c", SWEEP_PROCESS, json.dumps(parameters)], cwd=REPO,
-                               env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        flow_run_id, _ = wait_for_marks(tmp_path, "running", 2, process)
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert set(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == {"GangStopped"}, output[-3000:]
-    runs = assert_no_task_run_left_running(flow_run_id)
-    assert [r.state.type.value for r in runs if r.name.startswith("rank-")] == ["CANCELLED", "CANCELLED"]
-    assert_workers_free(address, before)
-
-
 HYPERPARAMETER_SWEEP_PROCESS = """
 import json, sys
 from prefect_ddp.flows.sweep import hyperparameter_sweep
@@ -203,16 +184,22 @@ def test_a_cancelled_sweep_on_default_settings_leaves_no_rank_running_and_forms_
     assert_workers_free(address, before)
 
 
-def test_a_second_sweep_of_the_same_name_is_refused_and_the_first_runs_on(dask_cluster, tmp_path):
+def test_a_second_sweep_of_the_same_name_is_refused_the_first_runs_on_and_sigterm_stops_the_gangs_of_all_its_trials(
+        dask_cluster, tmp_path):
     """Before, the second marked the first's running trials failed and queued them again;
-    the first then crashed on Optuna's UpdateFinishedTrialError."""
+    the first then crashed on Optuna's UpdateFinishedTrialError. Then SIGTERM to the first: the
+    signal reaches the sweep's main thread, and the trials' gangs, which run in other threads, stop.
+
+    One sweep process for both decisions (they were two tests, each starting the same sweep process
+    and ending it with SIGTERM): the refused second sweep touches neither the first's trials nor
+    its flow run, so the first's stop is the one a lone sweep's would be."""
     address = dask_cluster.scheduler_address
     before = worker_addresses(address)
     parameters = {"address": address, "marks": str(tmp_path), "trials": 2, "name": "twice"}
     process = subprocess.Popen([sys.executable, "-c", SWEEP_PROCESS, json.dumps(parameters)], cwd=REPO,
                                env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for_marks(tmp_path, "running", 2, process)
+        flow_run_id, _ = wait_for_marks(tmp_path, "running", 2, process)
         second = sweep_flow(**parameters | {"lease_timeout_s": 5}, return_state=True)
         assert second.is_failed()
         with pytest.raises(SweepAlreadyRunning, match=r"Sweep 'twice' is running now in flow run \S+ \(seen \d+ s ago\): "
@@ -226,7 +213,9 @@ def test_a_second_sweep_of_the_same_name_is_refused_and_the_first_runs_on(dask_c
     finally:
         process.kill()
     assert "UpdateFinishedTrialError" not in output, output[-3000:]
-    assert set(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == {"GangStopped"}
+    assert set(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == {"GangStopped"}, output[-3000:]
+    runs = assert_no_task_run_left_running(flow_run_id)
+    assert [r.state.type.value for r in runs if r.name.startswith("rank-")] == ["CANCELLED", "CANCELLED"]
     assert_workers_free(address, before)
 
 
