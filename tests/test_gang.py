@@ -159,10 +159,13 @@ def test_the_timeout_covers_all_attempts_and_stops_the_ranks_without_re_forming(
     assert [r["rank_sum"] for r in results] == [1.0, 1.0]
 
 
-def test_two_gangs_at_once_never_share_a_worker(dask_cluster):
+def test_two_gangs_at_once_never_share_a_worker(dask_cluster, tmp_path):
+    # Each rank holds its worker until both hold theirs (or 120 s have passed, when the other gang
+    # never started beside it: then they ran one after the other, which the asserts below catch).
+    hold = {"seconds": 120, "until": str(tmp_path), "marks": 2}
     with ThreadPoolExecutor(2) as pool:
         # copy_context: each thread talks to the session's server, as this one does.
-        runs = [pool.submit(copy_context().run, gang_flow, dask_cluster.scheduler_address, "hold", {"seconds": 8},
+        runs = [pool.submit(copy_context().run, gang_flow, dask_cluster.scheduler_address, "hold", hold,
                             world_size=1) for _ in range(2)]
         (a,), (b,) = [run.result() for run in runs]
     assert a["worker"] != b["worker"]
@@ -210,21 +213,27 @@ def wait_until_leased(cluster, timeout_s: float = 60) -> None:
             time.sleep(0.2)
 
 
-def test_a_gang_waits_for_free_workers_then_names_who_holds_them(dask_cluster):
+def test_a_gang_waits_for_free_workers_then_names_who_holds_them(dask_cluster, tmp_path):
+    # The holder's 2 ranks hold their workers until this test has checked the refused gang and leaves
+    # its own mark (a third file), or for 240 s at most.
+    hold = {"seconds": 240, "until": str(tmp_path), "marks": 3}
     with ThreadPoolExecutor(1) as pool:
-        holder = pool.submit(copy_context().run, gang_flow, dask_cluster.scheduler_address, "hold", {"seconds": 12})
-        wait_until_leased(dask_cluster)
-        started = time.monotonic()
-        state = gang_flow(dask_cluster.scheduler_address, "report", {}, world_size=1, lease_timeout_s=2,
-                          return_state=True)
-        with pytest.raises(GangError, match=r"needs 1 free workers, but after waiting 2s fewer of the cluster's 2 are free\. "
-                                            r"Held: tcp://\S+ by flow run \S+ \(.+\) \(since \d\d:\d\d:\d\d UTC\); tcp://\S+ by flow run"):
-            state.result()
-        assert time.monotonic() - started >= 2
-        with get_client(sync_client=True) as api:  # the wait was said as it began
-            logs = [log.message for log in all_logs(api, state.state_details.flow_run_id, "Waiting up to")]
-        assert any(re.fullmatch(r"Waiting up to 2 s for 1 free worker\(s\) of the cluster's 2\. Held: tcp://\S+ by "
-                                r"flow run \S+ \(.+\); tcp://\S+ by flow run .+\.", line) for line in logs), logs
+        holder = pool.submit(copy_context().run, gang_flow, dask_cluster.scheduler_address, "hold", hold)
+        try:
+            wait_until_leased(dask_cluster)
+            started = time.monotonic()
+            state = gang_flow(dask_cluster.scheduler_address, "report", {}, world_size=1, lease_timeout_s=2,
+                              return_state=True)
+            with pytest.raises(GangError, match=r"needs 1 free workers, but after waiting 2s fewer of the cluster's 2 are free\. "
+                                                r"Held: tcp://\S+ by flow run \S+ \(.+\) \(since \d\d:\d\d:\d\d UTC\); tcp://\S+ by flow run"):
+                state.result()
+            assert time.monotonic() - started >= 2
+            with get_client(sync_client=True) as api:  # the wait was said as it began
+                logs = [log.message for log in all_logs(api, state.state_details.flow_run_id, "Waiting up to")]
+            assert any(re.fullmatch(r"Waiting up to 2 s for 1 free worker\(s\) of the cluster's 2\. Held: tcp://\S+ by "
+                                    r"flow run \S+ \(.+\); tcp://\S+ by flow run .+\.", line) for line in logs), logs
+        finally:
+            (tmp_path / "checked").write_text("")  # the holder may let go
         assert len(holder.result()) == 2  # the holder was not disturbed
     assert [r["rank_sum"] for r in gang_flow(dask_cluster.scheduler_address, "report", {})] == [1.0, 1.0]
 

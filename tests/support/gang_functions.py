@@ -107,9 +107,19 @@ def sleep_past_the_deadline(ctx: RankContext, config: dict) -> dict:
 
 
 def hold_worker(ctx: RankContext, config: dict) -> dict:
-    """Keep the gang's workers busy for a while; say where and when."""
+    """Keep the gang's workers busy; say where and when. For `config["seconds"]`, or, with
+    `config["until"]` (a folder), until that folder holds `config["marks"]` files (each holder leaves
+    one, `held-WORKER`, once it holds its worker; the test may add its own), `seconds` then being only
+    the longest it holds."""
     started = time.time()
-    time.sleep(config["seconds"])
+    until = config.get("until")
+    if until is None:
+        time.sleep(config["seconds"])
+    else:
+        folder = Path(until)
+        (folder / f"held-{ctx.worker_address.replace('/', '_').replace(':', '_')}").write_text(str(started))
+        while len(list(folder.iterdir())) < config["marks"] and time.time() - started < config["seconds"]:
+            time.sleep(0.1)
     return {"worker": ctx.worker_address, "started": started, "ended": time.time(),
             "threads": torch.get_num_threads()}
 
