@@ -127,8 +127,8 @@ def today(datas: list[bytes], labels: list[int]) -> Batch:
 
 # --- new: the project's loader path now ---------------------------------------------------------
 
-def new_variant() -> Variant | str:
-    """The project's new path, or why it cannot run."""
+def new_variant(decoder: Callable[[bytes, int], torch.Tensor] | None = None) -> Variant | str:
+    """The project's new path, on `decoder` in place of its own where given, or why it cannot run."""
     try:
         from prefect_ddp.tasks.data.dataset import prepare, train_transform  # noqa: PLC0415
         from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps  # noqa: PLC0415
@@ -137,8 +137,10 @@ def new_variant() -> Variant | str:
     steps = loader_steps(train_transform(SIDE))
 
     def new(datas: list[bytes], labels: list[int]) -> Batch:
-        return collate_images([prepare(data, label, position, steps)
-                               for position, (data, label) in enumerate(zip(datas, labels))])
+        if decoder is None:
+            return collate_images([prepare(data, label, position, steps)
+                                   for position, (data, label) in enumerate(zip(datas, labels))])
+        return collate_images([(steps(decoder(data, steps.decode_side)), label) for data, label in zip(datas, labels)])
     return new
 
 
@@ -150,21 +152,6 @@ def first_decoder(data: bytes, side: int) -> torch.Tensor:
     if min(width // side, height // side) < 2:
         return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     return torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
-
-
-def first_decoder_variant() -> Variant | str:
-    """The new loader steps on the uint8 path's first decoder, or why it cannot run."""
-    try:
-        from prefect_ddp.tasks.data.dataset import train_transform  # noqa: PLC0415
-        from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps  # noqa: PLC0415
-    except ImportError as error:
-        return f"the new loader path is not in this checkout ({error})"
-    steps = loader_steps(train_transform(SIDE))
-
-    def first_decoded(datas: list[bytes], labels: list[int]) -> Batch:
-        return collate_images([(steps(first_decoder(data, steps.decode_side)), label)
-                               for data, label in zip(datas, labels)])
-    return first_decoded
 
 
 # --- torchvision's reference recipe -------------------------------------------------------------
@@ -459,7 +446,7 @@ def main() -> None:
           flush=True)
 
     candidates: dict[str, Variant | str] = {"today": today, "new": new_variant(),
-                                           "new, decoded as at 092522c": first_decoder_variant(), "torchvision": reference,
+                                           "new, decoded as at 092522c": new_variant(first_decoder), "torchvision": reference,
                                            **dali_variants(), "litdata": litdata_variant()}
     off = {name: why for name, why in candidates.items() if isinstance(why, str)}
     variants = {name: v for name, v in candidates.items() if not isinstance(v, str)}
