@@ -138,6 +138,10 @@ REFUSED = {
     "exif not tiff": after_start(IMAGES["reduced"], segment(0xE0, JFIF_72_DPI) + segment(0xE1, b"Exif\0\0garbage!"),
                                  drop_jfif=True),
 }
+# The JFIF cut short with "PCD_" at byte 2048 (in a comment): PIL's JPEG reader refuses it and its
+# PhotoCD reader, which looks only there, takes it; cut short as a PhotoCD, open_rgb refuses it.
+REFUSED["read as photocd"] = after_start(  # the comment's text starts at byte 2 + 9 + 4
+    IMAGES["exif 1"], segment(0xE0, b"JFIF\0") + segment(0xFE, b"x" * (2048 - 15) + b"PCD_"), drop_jfif=True)
 
 
 def damaged_exif(seed: int) -> bytes:
@@ -179,6 +183,13 @@ def test_a_jpeg_pil_refuses_for_its_header_is_refused_by_the_loaders_and_the_dev
             decoded_tensor(data, side)
         assert decoded(data, side) is None
     assert decode_on(CPU, [torch.frombuffer(bytearray(data), dtype=torch.uint8)]) == [None]
+
+
+@pytest.mark.unit
+def test_a_jpeg_pil_reads_as_another_format_is_decoded_as_open_rgb_decodes_it():
+    whole_photocd = REFUSED["read as photocd"] + bytes(800_000)  # long enough for PhotoCD's 768x512
+    expected = torch.from_numpy(np.array(open_rgb(whole_photocd))).permute(2, 0, 1)
+    assert sorted(expected.shape[1:]) == [512, 768] and torch.equal(decoded_tensor(whole_photocd), expected)
 
 
 @pytest.mark.unit

@@ -136,9 +136,9 @@ def decoded_tensor(data: bytes, side: int | None = None) -> torch.Tensor:
     """
     header = jpeg_header(data)
     if header and header.size and header.components in (1, 3) and within_pil_limit(header.size):
-        tag = exif_orientation(data)  # raising where open_rgb would, pixels aside
-        image = libjpeg_decoded(data, header.size, draft_scale(header.size, side))
-        if image is not None:
+        tag = exif_orientation(data)  # raising where open_rgb would, pixels aside; None: not a JPEG to PIL
+        image = None if tag is None else libjpeg_decoded(data, header.size, draft_scale(header.size, side))
+        if tag is not None and image is not None:
             return upright(image, tag)
     return torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
 
@@ -165,10 +165,17 @@ def within_pil_limit(size: tuple[int, int]) -> bool:
     return Image.MAX_IMAGE_PIXELS is None or size[0] * size[1] <= Image.MAX_IMAGE_PIXELS
 
 
-def exif_orientation(data: bytes) -> int:
+# What PIL names an image its JPEG readers opened (MPO: a camera's multi-picture JPEG).
+PIL_JPEG_FORMATS = frozenset({"JPEG", "MPO"})
+
+
+def exif_orientation(data: bytes) -> int | None:
     """The orientation tag `open_rgb` turns a JPEG by (1: upright), read by PIL from its header
-    alone (about 35 us an image here, 75 with EXIF), in EXIF or XMP (torchvision's own reading
-    skips XMP).
+    alone (about 35 us an image here, 70-115 with EXIF), in EXIF or XMP (torchvision's own reading
+    skips XMP): an int in any well-formed file; a malformed one may hold another type, which
+    `upright` turns by only where it equals 2-8, as `exif_transpose` does. None where PIL reads
+    the data as something other than a JPEG (its JPEG reader refused the header and another
+    reader, PhotoCD's, took it): then `open_rgb` must decide.
 
     Raises where `open_rgb` raises whatever the pixels: at a header PIL cannot parse (a JFIF,
     Adobe or ICC segment cut short, which libjpeg passes over), and where `exif_transpose` cannot
@@ -177,6 +184,8 @@ def exif_orientation(data: bytes) -> int:
     over bad EXIF). So a decoder other than PIL's refuses what decode-check refuses
     (tests/test_uint8_batches.py)."""
     with Image.open(io.BytesIO(data)) as image:
+        if image.format not in PIL_JPEG_FORMATS:
+            return None
         exif = image.getexif()
         tag: int = exif.get(ExifTags.Base.Orientation, 1)
         if tag in UPRIGHT_TURNS and tag != 1 and ExifTags.Base.Orientation in exif and "exif" in image.info:

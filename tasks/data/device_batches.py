@@ -133,8 +133,9 @@ def pixel_chunks(images: list[torch.Tensor], pixels: int | None = None) -> list[
 
 def jpeg_orientation(data: torch.Tensor) -> int | None:
     """The orientation tag of an encoded JPEG as `open_rgb` reads it (`exif_orientation`); None
-    where `open_rgb` would refuse the JPEG for its header, whatever the device decoded: the image
-    is then decoded as the loader decodes it, which refuses it as decode-check does."""
+    where `open_rgb` would refuse the JPEG for its header or PIL reads it as another format,
+    whatever the device decoded: the image is then decoded as the loader decodes it, which decides
+    as decode-check does."""
     try:
         return exif_orientation(data.numpy().tobytes())
     except Exception:  # any error of PIL's header reading means unreadable, as decode-check takes it
