@@ -63,6 +63,36 @@ def warm(holder: tuple[Path, dict[str, str]], monkeypatch: pytest.MonkeyPatch) -
     return ticket
 
 
+class Said(logging.Handler):
+    """What the project logs, from a handler on its own logger: caplog's sits on the root logger,
+    whose handlers Prefect's logging set-up replaces when a test is the first of its process to
+    reach it (claiming a warm cluster may be), which left caplog empty once in CI."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.messages)
+
+
+@pytest.fixture
+def said() -> Iterator[Said]:
+    logger, handler = logging.getLogger("prefect_ddp"), Said()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def like_the_holder(monkeypatch: pytest.MonkeyPatch, environment: dict[str, str]) -> None:
     for key in set(os.environ) - set(environment):
         monkeypatch.delenv(key)
@@ -100,14 +130,13 @@ def test_flow_runs_started_beside_it_run_their_ranks_on_its_workers_fresh_each_t
 
 
 def test_one_run_at_a_time_and_a_run_that_died_on_it_leaves_fresh_workers_to_the_next(
-        warm, holder, monkeypatch, caplog):
+        warm, holder, monkeypatch, said):
     like_the_holder(monkeypatch, holder[1])
     wait_until_free(warm)
     claim = claim_warm_cluster(SPEC)
     assert claim is not None
-    with caplog.at_level(logging.INFO, logger="prefect_ddp"):
-        assert claim_warm_cluster(SPEC) is None  # in use: this run starts its own cluster
-    assert "is in use by another run" in caplog.text
+    assert claim_warm_cluster(SPEC) is None  # in use: this run starts its own cluster
+    assert "is in use by another run" in said.text
     used = worker_pids(warm)
     claim.unlock()  # its process died: it never named its workers for replacement
     after_death = claim_warm_cluster(SPEC)
@@ -128,7 +157,7 @@ def test_one_run_at_a_time_and_a_run_that_died_on_it_leaves_fresh_workers_to_the
     ("cache", "its workers' environment differs from this run's in PREFECT_DDP_CACHE_DIR"),
 ])
 def test_a_run_whose_ranks_would_see_a_difference_starts_its_own_cluster_and_says_why(
-        warm, holder, change, reason, monkeypatch, tmp_path, caplog):
+        warm, holder, change, reason, monkeypatch, tmp_path, said):
     like_the_holder(monkeypatch, holder[1])
     spec = SPEC
     if change == "workers":
@@ -143,10 +172,9 @@ def test_a_run_whose_ranks_would_see_a_difference_starts_its_own_cluster_and_say
         monkeypatch.setenv("PREFECT_DDP_CACHE_DIR", str(tmp_path / "a-cache-of-its-own"))
     else:
         spec = DaskCluster(address="tcp://10.0.0.5:8786")
-    with caplog.at_level(logging.INFO, logger="prefect_ddp"):
-        assert claim_warm_cluster(spec) is None
-    assert reason in caplog.text and "Starting a cluster for this run" in caplog.text
-    assert "a-value-that-stays-private" not in caplog.text
+    assert claim_warm_cluster(spec) is None
+    assert reason in said.text and "Starting a cluster for this run" in said.text
+    assert "a-value-that-stays-private" not in said.text
 
 
 def test_prefect_settings_of_the_run_dask_configuration_and_mlflow_tracking_do_not_keep_it_off(warm, holder,
@@ -205,16 +233,15 @@ def test_a_replacement_that_failed_is_tried_again_until_it_replaces_the_workers(
 
 
 def test_while_the_holder_cannot_replace_the_workers_runs_start_their_own_and_a_later_run_uses_it(
-        warm, holder, monkeypatch, caplog):
+        warm, holder, monkeypatch, said):
     like_the_holder(monkeypatch, holder[1])
     wait_until_free(warm)
     note = warm.parent / REPLACE_FAILED
     note.write_text("ClosedClientError: the client was closed")  # what the replacer leaves where it failed
     try:
-        with caplog.at_level(logging.INFO, logger="prefect_ddp"):
-            assert claim_warm_cluster(SPEC) is None
-        assert "could not replace the last run's workers (ClosedClientError: the client was closed)" in caplog.text
-        assert "Starting a cluster for this run" in caplog.text
+        assert claim_warm_cluster(SPEC) is None
+        assert "could not replace the last run's workers (ClosedClientError: the client was closed)" in said.text
+        assert "Starting a cluster for this run" in said.text
     finally:
         note.unlink()  # the replacer's retry succeeded
     claim = claim_warm_cluster(SPEC)
