@@ -179,6 +179,9 @@ def test_camera_originals_make_the_verdict_decode_bound_with_the_cores_each_way(
     text = epoch_timing(starved, "more loader workers", lambda: originals).verdict
     assert text.startswith("decode-bound: ") and "the originals average 4.3 MP" in text
     assert "a rank needs about 2 cores decoding originals, 1 core reading" in text
+    # The figures it gives are those the cores follow from: a model's 0.4 ms once read "0 ms".
+    assert f"cost {originals.original_s * 1e3:.1f} ms per image per core" in text
+    assert f"At this model's {originals.original_s / 2 * 1e3:.2f} ms of compute per image" in text
     assert "training.images_per_shard" in text
     slow_model = [row(data=8.0, forward=originals.original_s * 200, images=100.0)] * 2
     assert epoch_timing(slow_model, "more loader workers", lambda: originals).verdict.startswith("input-bound")

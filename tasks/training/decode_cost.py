@@ -166,9 +166,9 @@ def decode_verdict(cost: DecodeCost, data_share: float, compute_s_per_image: flo
 
     return (
         f"decode-bound: {data_share:.0%} of each step waits for data; the originals average "
-        f"{cost.megapixels:.1f} MP and cost {cost.original_s * 1e3:.0f} ms per image per core to decode and "
-        f"augment, copies stored at {cost.side} px about {cost.resized_s * 1e3:.0f} ms. At this model's "
-        f"{compute_s_per_image * 1e3:.0f} ms of compute per image, a rank needs about {cores(cost.original_s)} "
+        f"{cost.megapixels:.1f} MP and cost {cost.original_s * 1e3:.1f} ms per image per core to decode and "
+        f"augment, copies stored at {cost.side} px about {cost.resized_s * 1e3:.1f} ms. At this model's "
+        f"{compute_s_per_image * 1e3:.2f} ms of compute per image, a rank needs about {cores(cost.original_s)} "
         f"decoding originals, {cores(cost.resized_s)} reading pre-resized shards "
         "(training.images_per_shard; training.shard_side sets their size) or, from the second epoch on, "
         "the resized copies the byte cache keeps (training.cache_gb)."
