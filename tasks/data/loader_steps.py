@@ -24,6 +24,7 @@ from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
 from prefect_ddp.tasks.data.dataset import SizedTransform
+from prefect_ddp.tasks.data.random_draws import crop_box, flips
 
 # The steps that run on the rank's device on a loader's uint8 batch: the float conversion and the
 # normalisation, on the whole batch, and RandomErasing, which erases the normalised image, image by
@@ -38,8 +39,9 @@ class LoaderSteps(SizedTransform):
 
     Each runs on the image as a batch of one laid out channels-last, so torch's resize reads and
     writes that layout (about 0.2 ms an image less than on a CHW crop here); RandomResizedCrop
-    draws its box as the transform does (`make_params`), then crops and resizes in two kernels,
-    as torchvision's `resized_crop` does. Returns the image CHW, a view of HWC memory.
+    draws its box as the transform does (`crop_box`, the numbers of its `make_params`), then crops
+    and resizes in two kernels, as torchvision's `resized_crop` does, and RandomHorizontalFlip its
+    coin (`flips`). Returns the image CHW, a view of HWC memory.
     """
 
     def forward(self, *inputs: Any) -> Any:
@@ -47,6 +49,8 @@ class LoaderSteps(SizedTransform):
         for step in self.transforms:
             if isinstance(step, v2.RandomResizedCrop):
                 image = resized_crop(step, image)
+            elif type(step) is v2.RandomHorizontalFlip:  # its coin drawn as its forward draws it (random_draws)
+                image = image.flip(-1) if flips(step) else image
             elif isinstance(step, v2.Resize):  # a turned image is not channels-last: its resize would not be
                 image = step(image.contiguous(memory_format=torch.channels_last))
             else:
@@ -55,8 +59,8 @@ class LoaderSteps(SizedTransform):
 
 
 def resized_crop(step: v2.RandomResizedCrop, image: torch.Tensor) -> torch.Tensor:
-    """`step` on a batch of one: its box drawn as it draws it, the crop made channels-last, then resized."""
-    box = step.make_params([image])
+    """`step` on a batch of one: its box drawn as it draws it (`crop_box`), the crop made channels-last, then resized."""
+    box = crop_box(step, image)
     crop = image[..., box["top"]:box["top"] + box["height"], box["left"]:box["left"] + box["width"]]
     resized: torch.Tensor = v2.functional.resize(crop.contiguous(memory_format=torch.channels_last), step.size,
                                                  step.interpolation, antialias=step.antialias)

@@ -1,0 +1,81 @@
+"""RandomResizedCrop's box and RandomHorizontalFlip's coin, drawn as torchvision draws them, for less.
+
+Both paths that crop images one by one, the loaders' (`loader_steps.LoaderSteps`) and the rank's
+decode on its device (`device_batches.BatchTransform`), draw each image's box and flip from torch's
+CPU generator, so that a seed gives the transform's own crops (tests/test_uint8_batches.py). Through
+torchvision's transforms the box cost about 70 us and the flip 45, most of it inspecting the input
+and allocating tensors: a loader's decode and steps took 1.08x what they take with these draws, and
+on the device path they are a rank's one decode thread's time at thousands of images a second
+(bench/RESULTS.md, "The input pipeline on a noisy machine"). Here the same calls are made on the
+same generator, in the same order, on tensors of the same dtype (`uniform_` and `exp_` on one
+float32, `random_` on one int64, as `torch.randint` does): the same numbers, in about 20 and 14 us.
+A subclass of RandomResizedCrop may draw otherwise: it keeps its own `make_params`.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+import torch
+from torchvision.transforms import v2
+
+MAX_ATTEMPTS = 10  # RandomResizedCrop's tries at a box of its scale and ratio before its central fallback
+
+
+def crop_box(step: v2.RandomResizedCrop, image: torch.Tensor) -> dict[str, int]:
+    """`step.make_params([image])`: the box (top, left, height, width) that `step` crops `image` to.
+
+    >>> _ = torch.manual_seed(0)
+    >>> step = v2.RandomResizedCrop(8)
+    >>> box = crop_box(step, torch.zeros(3, 30, 40))
+    >>> _ = torch.manual_seed(0)
+    >>> box == step.make_params([torch.zeros(3, 30, 40)])
+    True
+    """
+    if type(step) is not v2.RandomResizedCrop:
+        return dict(step.make_params([image]))
+    height, width = image.shape[-2:]
+    area = height * width
+    low, high = log_ratio(tuple(step.ratio))
+    draw, index = torch.empty(1), torch.empty(1, dtype=torch.int64)
+    for _ in range(MAX_ATTEMPTS):
+        target_area = area * draw.uniform_(step.scale[0], step.scale[1]).item()
+        aspect_ratio = draw.uniform_(low, high).exp_().item()
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(index.random_(0, height - h + 1).item())
+            left = int(index.random_(0, width - w + 1).item())
+            return {"top": top, "left": left, "height": h, "width": w}
+    return central_box(step, height, width)
+
+
+@cache
+def log_ratio(ratio: tuple[float, float]) -> tuple[float, float]:
+    """RandomResizedCrop's bounds of the log aspect ratio, as float32 values, as it keeps them."""
+    low, high = torch.log(torch.tensor(ratio)).tolist()
+    return low, high
+
+
+def central_box(step: v2.RandomResizedCrop, height: int, width: int) -> dict[str, int]:
+    """RandomResizedCrop's fallback where no drawn box fitted: the centre, at the nearest ratio it allows."""
+    in_ratio = width / height
+    if in_ratio < min(step.ratio):
+        w, h = width, int(round(width / min(step.ratio)))
+    elif in_ratio > max(step.ratio):
+        w, h = int(round(height * max(step.ratio))), height
+    else:
+        w, h = width, height
+    return {"top": (height - h) // 2, "left": (width - w) // 2, "height": h, "width": w}
+
+
+def flips(step: v2.RandomHorizontalFlip) -> bool:
+    """Whether `step` flips the image it is given: torchvision's coin (`torch.rand(1) < p`, in float32).
+
+    >>> _ = torch.manual_seed(0)
+    >>> [flips(v2.RandomHorizontalFlip()) for _ in range(4)]
+    [True, False, True, True]
+    """
+    return torch.rand(1).item() < float(np.float32(step.p))

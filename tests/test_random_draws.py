@@ -1,0 +1,64 @@
+"""The crop boxes and flips both per-image paths draw (prefect_ddp.tasks.data.random_draws) are
+torchvision's own, seed by seed, and leave torch's generator where torchvision leaves it.
+
+Unit tier: no processes.
+"""
+
+import pytest
+import torch
+from torchvision.transforms import v2
+
+from prefect_ddp.tasks.data.random_draws import crop_box, flips
+
+# Shapes (height, width) where a box fits at once, where it often takes several tries, and where none
+# ever fits (RandomResizedCrop's central fallback: a strip too thin for its ratios, one pixel).
+SHAPES = [(375, 500), (188, 250), (4032, 3024), (7, 5), (3, 500), (500, 3), (1, 1)]
+STEPS = {
+    "defaults": v2.RandomResizedCrop(224),
+    "narrow": v2.RandomResizedCrop(32, scale=(0.9, 1.0), ratio=(0.99, 1.01)),
+    "lists": v2.RandomResizedCrop(64, scale=[0.08, 0.5], ratio=[0.5, 2.0]),  # torchvision takes any sequence
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", STEPS)
+def test_crop_box_draws_the_box_make_params_draws_and_leaves_the_generator_as_it_does(name):
+    step = STEPS[name]
+    for shape in SHAPES:
+        image = torch.zeros(1, 3, *shape, dtype=torch.uint8)
+        for seed in range(300):
+            torch.manual_seed(seed)
+            expected, after = step.make_params([image]), torch.rand(2)
+            torch.manual_seed(seed)
+            assert (crop_box(step, image), torch.rand(2).tolist()) == (expected, after.tolist()), (shape, seed)
+
+
+@pytest.mark.unit
+def test_a_subclass_of_random_resized_crop_draws_its_own_box():
+    class Fixed(v2.RandomResizedCrop):
+        def make_params(self, flat_inputs):
+            return {"top": 1, "left": 2, "height": 3, "width": 4}
+
+    assert crop_box(Fixed(8), torch.zeros(3, 20, 20)) == {"top": 1, "left": 2, "height": 3, "width": 4}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("p", [0.0, 0.3, 0.5, 0.7, 1.0])
+def test_flips_tosses_the_coin_the_flip_transform_tosses(p):
+    step = v2.RandomHorizontalFlip(p)
+    image = torch.arange(6, dtype=torch.uint8).reshape(1, 2, 3)
+    torch.manual_seed(p * 100)
+    expected = [not torch.equal(step(image), image) for _ in range(2000)]
+    torch.manual_seed(p * 100)
+    assert [flips(step) for _ in range(2000)] == expected
+    assert 0 < sum(expected) < 2000 or p in (0.0, 1.0)
+
+
+@pytest.mark.unit
+def test_a_coin_equal_to_p_in_float32_does_not_flip_as_the_transform_does_not(monkeypatch):
+    """torchvision compares its float32 draw with p in float32: p=0.7 is 0.69999999 there, and a draw
+    of exactly that does not flip, where comparing with the double 0.7 would flip it."""
+    draw = torch.tensor([0.7])  # float32: 0.699999988...
+    assert draw.item() < 0.7 and not bool(draw < 0.7)
+    monkeypatch.setattr(torch, "rand", lambda *size, **options: draw.clone())
+    assert flips(v2.RandomHorizontalFlip(0.7)) is False
