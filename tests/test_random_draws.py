@@ -55,10 +55,34 @@ def test_flips_tosses_the_coin_the_flip_transform_tosses(p):
 
 
 @pytest.mark.unit
-def test_a_coin_equal_to_p_in_float32_does_not_flip_as_the_transform_does_not(monkeypatch):
-    """torchvision compares its float32 draw with p in float32: p=0.7 is 0.69999999 there, and a draw
-    of exactly that does not flip, where comparing with the double 0.7 would flip it."""
-    draw = torch.tensor([0.7])  # float32: 0.699999988...
-    assert draw.item() < 0.7 and not bool(draw < 0.7)
-    monkeypatch.setattr(torch, "rand", lambda *size, **options: draw.clone())
-    assert flips(v2.RandomHorizontalFlip(0.7)) is False
+def test_a_step_made_under_float64_draws_its_own_box_after_a_float32_one_with_the_same_ratio():
+    """The bounds are the step's own (RandomResizedCrop keeps them in the dtype it was made in), not
+    remade from its ratio: once cached by ratio, a float64 step's boxes took a float32 step's bounds
+    and came out a pixel narrower (found by review)."""
+    image = torch.zeros(1, 1, 1).expand(3, 10**6, 10**6)  # no memory: only the shape counts
+    crop_box(v2.RandomResizedCrop(8), image)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        step = v2.RandomResizedCrop(8)
+        for seed in range(500):
+            torch.manual_seed(seed)
+            expected = step.make_params([image])
+            torch.manual_seed(seed)
+            assert crop_box(step, image) == expected, seed
+    finally:
+        torch.set_default_dtype(default)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("dtype", "p", "draw"), [
+    (torch.float32, 0.7, 0.7),  # float32: 0.69999999, the float32 p: no flip, where the double 0.7 would flip
+    (torch.float64, 0.1, 0.1000000001),  # float64: above the double 0.1, below the float32 0.10000000149
+])
+def test_a_coin_at_p_is_compared_in_its_own_dtype_as_the_transform_compares_it(monkeypatch, dtype, p, draw):
+    coin = torch.tensor([draw], dtype=dtype)
+    step = v2.RandomHorizontalFlip(p)
+    image = torch.arange(6, dtype=torch.uint8).reshape(1, 2, 3)
+    monkeypatch.setattr(torch, "rand", lambda *size, **options: coin.clone())
+    assert torch.equal(step(image), image)  # the transform does not flip at this draw
+    assert flips(step) is False

@@ -15,9 +15,7 @@ A subclass of RandomResizedCrop may draw otherwise: it keeps its own `make_param
 from __future__ import annotations
 
 import math
-from functools import cache
 
-import numpy as np
 import torch
 from torchvision.transforms import v2
 
@@ -38,7 +36,7 @@ def crop_box(step: v2.RandomResizedCrop, image: torch.Tensor) -> dict[str, int]:
         return dict(step.make_params([image]))
     height, width = image.shape[-2:]
     area = height * width
-    low, high = log_ratio(tuple(step.ratio))
+    low, high = step._log_ratio.tolist()  # its own bounds, in the dtype it made them in (not remade from `ratio`)
     draw, index = torch.empty(1), torch.empty(1, dtype=torch.int64)
     for _ in range(MAX_ATTEMPTS):
         target_area = area * draw.uniform_(step.scale[0], step.scale[1]).item()
@@ -50,13 +48,6 @@ def crop_box(step: v2.RandomResizedCrop, image: torch.Tensor) -> dict[str, int]:
             left = int(index.random_(0, width - w + 1).item())
             return {"top": top, "left": left, "height": h, "width": w}
     return central_box(step, height, width)
-
-
-@cache
-def log_ratio(ratio: tuple[float, float]) -> tuple[float, float]:
-    """RandomResizedCrop's bounds of the log aspect ratio, as float32 values, as it keeps them."""
-    low, high = torch.log(torch.tensor(ratio)).tolist()
-    return low, high
 
 
 def central_box(step: v2.RandomResizedCrop, height: int, width: int) -> dict[str, int]:
@@ -72,10 +63,11 @@ def central_box(step: v2.RandomResizedCrop, height: int, width: int) -> dict[str
 
 
 def flips(step: v2.RandomHorizontalFlip) -> bool:
-    """Whether `step` flips the image it is given: torchvision's coin (`torch.rand(1) < p`, in float32).
+    """Whether `step` flips the image it is given: torchvision's coin, compared with p as it compares
+    it (in the draw's dtype: float32, or float64 under that default dtype), read as a Python bool.
 
     >>> _ = torch.manual_seed(0)
     >>> [flips(v2.RandomHorizontalFlip()) for _ in range(4)]
     [True, False, True, True]
     """
-    return torch.rand(1).item() < float(np.float32(step.p))
+    return not bool(torch.rand(1) >= step.p)
