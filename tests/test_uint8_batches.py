@@ -192,6 +192,61 @@ def test_a_jpeg_pil_reads_as_another_format_is_decoded_as_open_rgb_decodes_it():
     assert sorted(expected.shape[1:]) == [512, 768] and torch.equal(decoded_tensor(whole_photocd), expected)
 
 
+def lossless_jpeg(pixels: np.ndarray) -> bytes:
+    """`pixels` (HxWx3 uint8) as a lossless JPEG (SOF3, predictor 1: each sample from its left
+    neighbour, the first column from the one above), hand-encoded: PIL writes no lossless JPEGs."""
+    height, width, channels = pixels.shape
+    bits: list[int] = []
+    for y in range(height):
+        for x in range(width):
+            for c in range(channels):
+                predicted = 128 if x == y == 0 else pixels[y - 1, x, c] if x == 0 else pixels[y, x - 1, c]
+                difference = int(pixels[y, x, c]) - int(predicted)
+                category = abs(difference).bit_length()
+                bits += [(category >> i) & 1 for i in range(4, -1, -1)]  # 17 symbols, each a 5-bit code
+                value = difference if difference > 0 else difference - 1 + (1 << category)
+                bits += [(value >> i) & 1 for i in range(category - 1, -1, -1)]
+    bits += [1] * (-len(bits) % 8)
+    scan = bytearray()
+    for at in range(0, len(bits), 8):
+        scan.append(int("".join(map(str, bits[at:at + 8])), 2))
+        scan += b"\0" if scan[-1] == 0xFF else b""  # a data byte 0xFF is stuffed
+    table = bytes([0, 0, 0, 0, 0, 17] + [0] * 11) + bytes(range(17))  # DC table 0: 17 codes of 5 bits
+    frame = bytes([8]) + struct.pack(">HH", height, width) + bytes([channels])
+    frame += b"".join(bytes([c + 1, 0x11, 0]) for c in range(channels))
+    scan_header = bytes([channels]) + b"".join(bytes([c + 1, 0]) for c in range(channels)) + bytes([1, 0, 0])
+    return (b"\xff\xd8" + segment(0xC4, table) + segment(0xC3, frame) + segment(0xDA, scan_header) + bytes(scan)
+            + b"\xff\xd9")
+
+
+@pytest.mark.unit
+def test_a_lossless_jpeg_is_left_to_open_rgb():
+    """libjpeg-turbo 3.1.2 (simplejpeg's) wrote a lossless JPEG decoded at a reduced scale past its
+    buffer: wrong pixels, then the process aborted (found by review). open_rgb decides instead."""
+    data = lossless_jpeg(np.random.default_rng(0).integers(0, 256, (97, 130, 3), dtype=np.uint8))
+    assert jpeg_header(data) is None
+    for side in (None, 4, 30, 60):  # whole, then at 1/8, 1/2 and 1/2 for PIL's draft
+        expected = outcome(lambda: open_rgb(data, side))
+        got = outcome(lambda: decoded_tensor(data, side))
+        assert got is expected if isinstance(expected, type) else torch.equal(got, expected), side
+
+
+@pytest.mark.unit
+def test_a_marker_that_stands_alone_in_the_header_leaves_the_size_to_pil():
+    """A restart marker (no length of its own) before a comment: read as a segment, its next bytes
+    were a length that jumped into a later comment holding a smaller frame, and the image decoded
+    at that frame's size (found by review). libjpeg and PIL pass over such a marker."""
+    whole = photo(800, 600, 21)
+    jump = 0xFFFE  # what the comment's marker bytes, FF FE, read as a length
+    fake = bytes([0xFF, 0xC0, 0, 17, 8]) + struct.pack(">HH", 75, 100) + bytes([3, 1, 0x22, 0, 2, 0x11, 1, 3, 0x11, 1])
+    padding = segment(0xFE, b"x" * (2 + 2 + jump - 4 - 4 - 4))  # the fake frame lands where the jump does
+    data = whole[:2] + b"\xff\xd0" + padding + segment(0xFE, fake) + whole[2:]
+    assert jpeg_header(data) is None
+    for side in (None, 96, 334):
+        expected = torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
+        assert torch.equal(decoded_tensor(data, side), expected), side
+
+
 @pytest.mark.unit
 def test_jpegs_with_damaged_exif_decode_or_fail_as_open_rgb_does():
     refused = 0

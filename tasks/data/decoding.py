@@ -76,11 +76,19 @@ JPEG_MAGIC = b"\xff\xd8\xff"  # the start-of-image marker and the first segment'
 APP1, START_OF_SCAN = 0xE1, 0xDA
 # Start-of-frame markers: every SOFn but DHT (C4), JPG (C8) and DAC (CC), which share the range.
 START_OF_FRAME = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# Lossless frames (SOF3, 7, 11, 15): libjpeg-turbo before 3.1.4 (simplejpeg's is 3.1.2) ignores the
+# scale asked for one and writes the whole image into a buffer sized for the scaled one, which
+# corrupted the heap of the process decoding it (found by review). PIL decodes those.
+LOSSLESS_FRAME = frozenset({0xC3, 0xC7, 0xCB, 0xCF})
+# Markers that stand alone, with no length after them (TEM, RST0-7, SOI, EOI): libjpeg and PIL pass
+# over them in a header; read as a segment, the next marker's bytes would be taken for a length.
+STANDALONE = frozenset({0x01, *range(0xD0, 0xDA)})
 
 
 def jpeg_header(data: bytes | memoryview) -> JpegHeader | None:
     """The header of a JPEG read from its segments' lengths alone, without a decoder (a few us);
-    None where the data is not a JPEG or its header is not a plain run of segments (PIL reads those).
+    None where the data is not a JPEG, its header is not a plain run of segments, or its frame is
+    lossless (LOSSLESS_FRAME): PIL reads those.
 
     >>> buffer = io.BytesIO()
     >>> Image.new("RGB", (40, 30)).save(buffer, "JPEG")
@@ -94,13 +102,14 @@ def jpeg_header(data: bytes | memoryview) -> JpegHeader | None:
         marker = data[at + 1]
         if marker == START_OF_SCAN:
             return JpegHeader(size, components, app1)
-        if marker == 0xFF:  # fill bytes before a marker: not a plain run
-            return None
+        length = data[at + 2] << 8 | data[at + 3]  # the segment's length, which counts itself
+        if marker == 0xFF or marker in STANDALONE or marker in LOSSLESS_FRAME or length < 2:
+            return None  # fill bytes or a marker alone: not a plain run; a lossless frame (above)
         if marker in START_OF_FRAME and at + 10 <= len(data):
             size = (data[at + 7] << 8 | data[at + 8], data[at + 5] << 8 | data[at + 6])
             components = data[at + 9]
         app1 |= marker == APP1
-        at += 2 + (data[at + 2] << 8 | data[at + 3])  # the marker, then the segment's length, which counts itself
+        at += 2 + length
     return None
 
 

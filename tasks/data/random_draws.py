@@ -3,13 +3,13 @@
 Both paths that crop images one by one, the loaders' (`loader_steps.LoaderSteps`) and the rank's
 decode on its device (`device_batches.BatchTransform`), draw each image's box and flip from torch's
 CPU generator, so that a seed gives the transform's own crops (tests/test_uint8_batches.py). Through
-torchvision's transforms the box cost about 70 us and the flip 45, most of it inspecting the input
-and allocating tensors: a loader's decode and steps took 1.08x what they take with these draws, and
-on the device path they are a rank's one decode thread's time at thousands of images a second
-(bench/RESULTS.md, "The input pipeline on a noisy machine"). Here the same calls are made on the
-same generator, in the same order, on tensors of the same dtype (`uniform_` and `exp_` on one
-float32, `random_` on one int64, as `torch.randint` does): the same numbers, in about 20 and 14 us.
-A subclass of RandomResizedCrop may draw otherwise: it keeps its own `make_params`.
+torchvision's transforms the box cost about 60-90 us and the flip 35-50, most of it inspecting the
+input and allocating tensors: 2-5% of a loader's decode and steps, and on the device path a rank's
+one decode thread's time at thousands of images a second (bench/RESULTS.md, "The input pipeline on
+a noisy machine"). Here the same calls are made on the same generator, in the same order, on tensors
+of the same dtype (`uniform_` and `exp_` on one of the default float dtype, `random_` on one int64,
+as `torch.randint` does): the same numbers, in about half the time. A subclass of RandomResizedCrop
+may draw otherwise: it keeps its own `make_params`.
 """
 
 from __future__ import annotations
