@@ -24,13 +24,16 @@ STEPS = {
 @pytest.mark.parametrize("name", STEPS)
 def test_crop_box_draws_the_box_make_params_draws_and_leaves_the_generator_as_it_does(name):
     step = STEPS[name]
+    differing = []
     for shape in SHAPES:
-        image = torch.zeros(1, 3, *shape, dtype=torch.uint8)
-        for seed in range(300):
+        image = torch.zeros(1, 1, 1, dtype=torch.uint8).expand(1, 3, *shape)  # only the shape counts
+        for seed in range(50):
             torch.manual_seed(seed)
-            expected, after = step.make_params([image]), torch.rand(2)
+            expected = (step.make_params([image]), torch.rand(2).tolist())
             torch.manual_seed(seed)
-            assert (crop_box(step, image), torch.rand(2).tolist()) == (expected, after.tolist()), (shape, seed)
+            if (crop_box(step, image), torch.rand(2).tolist()) != expected:
+                differing.append((shape, seed))
+    assert differing == []
 
 
 @pytest.mark.unit
@@ -48,10 +51,10 @@ def test_flips_tosses_the_coin_the_flip_transform_tosses(p):
     step = v2.RandomHorizontalFlip(p)
     image = torch.arange(6, dtype=torch.uint8).reshape(1, 2, 3)
     torch.manual_seed(p * 100)
-    expected = [not torch.equal(step(image), image) for _ in range(2000)]
+    expected = [not torch.equal(step(image), image) for _ in range(500)]
     torch.manual_seed(p * 100)
-    assert [flips(step) for _ in range(2000)] == expected
-    assert 0 < sum(expected) < 2000 or p in (0.0, 1.0)
+    assert [flips(step) for _ in range(500)] == expected
+    assert 0 < sum(expected) < 500 or p in (0.0, 1.0)
 
 
 @pytest.mark.unit
@@ -65,7 +68,7 @@ def test_a_step_made_under_float64_draws_its_own_box_after_a_float32_one_with_th
     torch.set_default_dtype(torch.float64)
     try:
         step = v2.RandomResizedCrop(8)
-        for seed in range(500):
+        for seed in range(200):  # the cached bounds gave 2 of these a narrower box (seeds 33, 110)
             torch.manual_seed(seed)
             expected = step.make_params([image])
             torch.manual_seed(seed)
