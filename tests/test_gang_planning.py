@@ -11,7 +11,9 @@ import torch.distributed as dist
 
 from prefect_ddp.tasks.gang import GangRefused
 from prefect_ddp.tasks.gang.gpu_claims import GpuClaim, claim_gpu
-from prefect_ddp.tasks.gang.plan import by_host, cluster_workers, free_port, plan_ranks, thread_shares
+from prefect_ddp.tasks.gang.plan import by_host, cluster_workers, plan_ranks, thread_shares
+from prefect_ddp.tasks.gang import ports
+from prefect_ddp.tasks.gang.ports import free_port
 from prefect_ddp.tasks.gang.process_group import (
     all_reduce_sum,
     choose_gloo_interface,
@@ -130,12 +132,40 @@ IPV6_LOOPBACK = socket.has_ipv6 and IF_INET6.exists() and "0" * 31 + "1" in IF_I
 
 @pytest.mark.unit
 @pytest.mark.skipif(not socket.has_ipv6, reason="Python here was built without IPv6")
-def test_a_free_port_is_free_on_ipv4_and_ipv6_alike():
-    port = free_port()
-    families = [(socket.AF_INET, "127.0.0.1")] + ([(socket.AF_INET6, "::1")] if IPV6_LOOPBACK else [])
-    for family, host in families:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((host, port))
+def test_a_free_port_is_free_on_ipv4_and_ipv6_alike_and_outside_the_ephemeral_range():
+    """An ephemeral port can be handed to an outgoing connection before the store binds it (EADDRINUSE)."""
+    low, high = ports.ephemeral_range() or (0, 0)
+    for _ in range(20):
+        port = free_port()
+        assert not low <= port <= high, (port, (low, high))
+        families = [(socket.AF_INET, "127.0.0.1")] + ([(socket.AF_INET6, "::1")] if IPV6_LOOPBACK else [])
+        for family, host in families:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.bind((host, port))
+
+
+@pytest.mark.unit
+def test_a_port_taken_on_ipv4_is_not_picked_and_with_no_other_outside_the_range_any_free_port_is(tmp_path,
+                                                                                                   monkeypatch):
+    """Only 65535 lies outside this range; held on IPv4, it is not free, whatever IPv6 says."""
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE", tmp_path / "ip_local_port_range")
+    ports.EPHEMERAL_RANGE.write_text("1024\t65534\n")
+    assert ports.ports_outside(ports.ephemeral_range()) == [65535]
+    try:
+        held = socket.create_server(("127.0.0.1", 65535))
+    except OSError:
+        pytest.skip("port 65535 is taken on this host")
+    with held:
+        picked = {free_port() for _ in range(5)}
+    assert 65535 not in picked and all(1024 <= port < 65535 for port in picked)
+    assert free_port() == 65535
+
+
+@pytest.mark.unit
+def test_a_host_that_does_not_say_its_ephemeral_range_gets_any_free_port(tmp_path, monkeypatch):
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE", tmp_path / "absent")
+    assert ports.ephemeral_range() is None
+    assert 1024 <= free_port() <= 65535
 
 
 @pytest.mark.gpu

@@ -8,20 +8,14 @@ process waited for keys no fresh peer writes (`process_group.forget_failed_joins
 from __future__ import annotations
 
 import time
-import socket
 from datetime import timedelta
 from typing import Any
 
+from prefect_ddp.tasks.gang.ports import free_port
 from prefect_ddp.tasks.gang.process_group import all_reduce_sum, process_group
 from tests.support.rank_processes import rank_context
 
 JOIN_TIMEOUT_S = 30  # a generous rendezvous for a busy machine; the old code waited it out and failed
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def join(rank: int, port: int, timeout_s: float) -> Any:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
-from prefect_ddp.tasks.data.random_draws import crop_box, flips
+from prefect_ddp.tasks.data.random_draws import drawn_params, flips
 
 # Shapes (height, width) where a box fits at once, where it often takes several tries, and where none
 # ever fits (RandomResizedCrop's central fallback: a strip too thin for its ratios, one pixel).
@@ -22,7 +22,7 @@ STEPS = {
 
 @pytest.mark.unit
 @pytest.mark.parametrize("name", STEPS)
-def test_crop_box_draws_the_box_make_params_draws_and_leaves_the_generator_as_it_does(name):
+def test_drawn_params_draw_the_box_make_params_draws_and_leaves_the_generator_as_it_does(name):
     step = STEPS[name]
     differing = []
     for shape in SHAPES:
@@ -31,18 +31,20 @@ def test_crop_box_draws_the_box_make_params_draws_and_leaves_the_generator_as_it
             torch.manual_seed(seed)
             expected = (step.make_params([image]), torch.rand(2).tolist())
             torch.manual_seed(seed)
-            if (crop_box(step, image), torch.rand(2).tolist()) != expected:
+            if (drawn_params(step, image), torch.rand(2).tolist()) != expected:
                 differing.append((shape, seed))
     assert differing == []
 
 
 @pytest.mark.unit
-def test_a_subclass_of_random_resized_crop_draws_its_own_box():
+def test_a_subclass_of_random_resized_crop_and_other_steps_draw_their_own_params():
     class Fixed(v2.RandomResizedCrop):
         def make_params(self, flat_inputs):
             return {"top": 1, "left": 2, "height": 3, "width": 4}
 
-    assert crop_box(Fixed(8), torch.zeros(3, 20, 20)) == {"top": 1, "left": 2, "height": 3, "width": 4}
+    assert drawn_params(Fixed(8), torch.zeros(3, 20, 20)) == {"top": 1, "left": 2, "height": 3, "width": 4}
+    center = v2.CenterCrop(8)  # the device path's other sizing steps make theirs too
+    assert drawn_params(center, torch.zeros(3, 20, 30)) == center.make_params([torch.zeros(3, 20, 30)])
 
 
 @pytest.mark.unit
@@ -63,7 +65,7 @@ def test_a_step_made_under_float64_draws_its_own_box_after_a_float32_one_with_th
     remade from its ratio: once cached by ratio, a float64 step's boxes took a float32 step's bounds
     and came out a pixel narrower (found by review)."""
     image = torch.zeros(1, 1, 1).expand(3, 10**6, 10**6)  # no memory: only the shape counts
-    crop_box(v2.RandomResizedCrop(8), image)
+    drawn_params(v2.RandomResizedCrop(8), image)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
@@ -72,7 +74,7 @@ def test_a_step_made_under_float64_draws_its_own_box_after_a_float32_one_with_th
             torch.manual_seed(seed)
             expected = step.make_params([image])
             torch.manual_seed(seed)
-            assert crop_box(step, image) == expected, seed
+            assert drawn_params(step, image) == expected, seed
     finally:
         torch.set_default_dtype(default)
 

@@ -51,7 +51,7 @@ from prefect_ddp.tasks.data.dataset import (
 from prefect_ddp.tasks.data.device_ahead import batches_ahead
 from prefect_ddp.tasks.data.decoding import JPEG_MAGIC, exif_orientation, jpeg_header, upright
 from prefect_ddp.tasks.data.loader_steps import BATCH_STEPS, ERASING_STEPS, device_steps
-from prefect_ddp.tasks.data.random_draws import crop_box, flips
+from prefect_ddp.tasks.data.random_draws import drawn_params, flips
 
 
 class EncodedBatch(NamedTuple):
@@ -200,8 +200,8 @@ class BatchTransform:
     making the tensors it makes image by image (module docstring).
 
     Each image is sized by the transform's crop and resize steps, which draw their parameters
-    as the transform does (its `make_params`, RandomResizedCrop's through `crop_box`, from torch's
-    CPU generator), and the flip is drawn after them, per image, as the transform draws it
+    as the transform does (`drawn_params`: its `make_params`, RandomResizedCrop's for less,
+    from torch's CPU generator), and the flip is drawn after them, per image, as the transform draws it
     (`flips`): a seed gives the same crops and flips.
     The flips are then applied to the stacked batch at once, and so are the dtype conversion
     and normalisation. Nothing reads a value back from the device. The fine-tuning knobs'
@@ -234,8 +234,7 @@ class BatchTransform:
         """`image` (uint8 CHW) cropped and resized by the transform's steps, with its flip drawn
         (applied here where per-image steps follow it) and its erasures."""
         for step in self.sizing:
-            params = crop_box(step, image) if isinstance(step, v2.RandomResizedCrop) else step.make_params([image])
-            image = step.transform(image, params)
+            image = step.transform(image, drawn_params(step, image))
         flipped = False
         for flip in self.flips:  # RandomHorizontalFlip's own draw: flipped when below p
             flipped ^= flips(flip)

@@ -24,7 +24,7 @@ from torch.utils.data import default_collate
 from torchvision.transforms import v2
 
 from prefect_ddp.tasks.data.dataset import SizedTransform
-from prefect_ddp.tasks.data.random_draws import crop_box, flips
+from prefect_ddp.tasks.data.random_draws import drawn_params, flips
 
 # The steps that run on the rank's device on a loader's uint8 batch: the float conversion and the
 # normalisation, on the whole batch, and RandomErasing, which erases the normalised image, image by
@@ -39,7 +39,7 @@ class LoaderSteps(SizedTransform):
 
     Each runs on the image as a batch of one laid out channels-last, so torch's resize reads and
     writes that layout (about 0.2 ms an image less than on a CHW crop here); RandomResizedCrop
-    draws its box as the transform does (`crop_box`, the numbers of its `make_params`), then crops
+    draws its box as the transform does (`drawn_params`, the numbers of its `make_params`), then crops
     and resizes in two kernels, as torchvision's `resized_crop` does, and RandomHorizontalFlip its
     coin (`flips`). Returns the image CHW, a view of HWC memory.
     """
@@ -59,8 +59,8 @@ class LoaderSteps(SizedTransform):
 
 
 def resized_crop(step: v2.RandomResizedCrop, image: torch.Tensor) -> torch.Tensor:
-    """`step` on a batch of one: its box drawn as it draws it (`crop_box`), the crop made channels-last, then resized."""
-    box = crop_box(step, image)
+    """`step` on a batch of one: its box drawn as it draws it (`drawn_params`), the crop made channels-last, then resized."""
+    box = drawn_params(step, image)
     crop = image[..., box["top"]:box["top"] + box["height"], box["left"]:box["left"] + box["width"]]
     resized: torch.Tensor = v2.functional.resize(crop.contiguous(memory_format=torch.channels_last), step.size,
                                                  step.interpolation, antialias=step.antialias)

@@ -15,6 +15,7 @@ may draw otherwise: it keeps its own `make_params`.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torchvision.transforms import v2
@@ -22,12 +23,13 @@ from torchvision.transforms import v2
 MAX_ATTEMPTS = 10  # RandomResizedCrop's tries at a box of its scale and ratio before its central fallback
 
 
-def crop_box(step: v2.RandomResizedCrop, image: torch.Tensor) -> dict[str, int]:
-    """`step.make_params([image])`: the box (top, left, height, width) that `step` crops `image` to.
+def drawn_params(step: v2.Transform, image: torch.Tensor) -> dict[str, Any]:
+    """`step.make_params([image])`: for RandomResizedCrop the box (top, left, height, width) it
+    crops `image` to, drawn here; any other step (Resize, CenterCrop, a subclass) makes its own.
 
     >>> _ = torch.manual_seed(0)
     >>> step = v2.RandomResizedCrop(8)
-    >>> box = crop_box(step, torch.zeros(3, 30, 40))
+    >>> box = drawn_params(step, torch.zeros(3, 30, 40))
     >>> _ = torch.manual_seed(0)
     >>> box == step.make_params([torch.zeros(3, 30, 40)])
     True

@@ -46,7 +46,8 @@ from prefect_ddp.tasks.gang.errors import (
     GangTimeout,
 )
 from prefect_ddp.tasks.gang.gpu_claims import GpuClaim, claim_gpu
-from prefect_ddp.tasks.gang.plan import cluster_workers, cpu_set, free_port
+from prefect_ddp.tasks.gang.plan import cluster_workers, cpu_set
+from prefect_ddp.tasks.gang.ports import free_port
 from prefect_ddp.tasks.gang.process_group import (
     all_gather_strings,
     all_reduce_sum,

@@ -22,7 +22,8 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from prefect_ddp.tasks.gang.context import RankContext
 from prefect_ddp.tasks.gang.errors import GangError, GangHung
 from prefect_ddp.tasks.gang.grow_watch import GrowWatch
-from prefect_ddp.tasks.gang.plan import bystander_cpu_sets, free_port, plan_ranks, thread_shares
+from prefect_ddp.tasks.gang.plan import bystander_cpu_sets, plan_ranks, thread_shares
+from prefect_ddp.tasks.gang.ports import free_port
 from prefect_ddp.tasks.gang.progress import HangWatch
 from prefect_ddp.tasks.gang.rank import run_rank
 from prefect_ddp.tasks.gang.stopping import stop_flag

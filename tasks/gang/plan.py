@@ -1,10 +1,9 @@
-"""Before a gang forms: which workers exist, a free port for the master, who is which rank on which device."""
+"""Before a gang forms: which workers exist, who is which rank on which device."""
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from typing import Any
 from urllib.parse import urlparse
@@ -95,24 +94,6 @@ def bystander_cpu_sets(client: distributed.Client, gang: list[str]) -> dict[str,
     asking.start()
     asking.join(BYSTANDER_TIMEOUT_S)
     return dict(answers)
-
-
-def free_port() -> int:
-    """A TCP port free right now on this host, for the rank-0 store to listen on.
-
-    Bound dual-stack where the host has IPv6 (free on IPv4 and IPv6 alike, as torch's
-    TCPStore listens on both), IPv4 where it has no IPv6, IPv6 where it has no IPv4.
-    """
-    if socket.has_dualstack_ipv6():
-        server = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-    else:
-        try:
-            server = socket.create_server(("", 0), family=socket.AF_INET)
-        except OSError:  # an IPv6-only host
-            server = socket.create_server(("::", 0), family=socket.AF_INET6)
-    with server:
-        port: int = server.getsockname()[1]
-        return port
 
 
 def host_of(address: str) -> str:
