@@ -134,7 +134,8 @@ IPV6_LOOPBACK = socket.has_ipv6 and IF_INET6.exists() and "0" * 31 + "1" in IF_I
 @pytest.mark.skipif(not socket.has_ipv6, reason="Python here was built without IPv6")
 def test_a_free_port_is_free_on_ipv4_and_ipv6_alike_and_outside_the_ephemeral_range():
     """An ephemeral port can be handed to an outgoing connection before the store binds it (EADDRINUSE)."""
-    low, high = ports.ephemeral_range() or (0, 0)
+    ephemeral = ports.ephemeral_range()
+    low, high = ephemeral if ports.ports_outside(ephemeral) else (0, 0)  # no room outside: any port
     for _ in range(20):
         port = free_port()
         assert not low <= port <= high, (port, (low, high))
@@ -159,6 +160,30 @@ def test_a_port_taken_on_ipv4_is_not_picked_and_with_no_other_outside_the_range_
         picked = {free_port() for _ in range(5)}
     assert 65535 not in picked and all(1024 <= port < 65535 for port in picked)
     assert free_port() == 65535
+
+
+@pytest.mark.unit
+def test_numbers_drawn_outside_the_range_are_not_tried_twice(tmp_path, monkeypatch):
+    """Of the 21 ports outside this range 20 are held: the one left is found (the draws are distinct)."""
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE", tmp_path / "ip_local_port_range")
+    ports.EPHEMERAL_RANGE.write_text("1024 65514")
+    outside = ports.ports_outside(ports.ephemeral_range())
+    assert outside == list(range(65515, 65536)) and ports.TRIES == len(outside) - 1
+    try:
+        ports.bound_port(outside[0])
+    except OSError:
+        pytest.skip(f"port {outside[0]} is taken on this host")
+    held = []
+    for port in outside[1:]:
+        try:
+            held.append(socket.create_server(("127.0.0.1", port)))
+        except OSError:
+            pass  # taken already: held all the same
+    try:
+        assert {free_port() for _ in range(10)} == {outside[0]}
+    finally:
+        for server in held:
+            server.close()
 
 
 @pytest.mark.unit

@@ -21,7 +21,8 @@ TRIES = 20
 
 
 def free_port() -> int:
-    """A TCP port free right now on this host, outside its ephemeral range where it has room.
+    """A TCP port free right now on this host: one of `TRIES` numbers drawn outside its
+    ephemeral range, or one bound at 0 where the range leaves no room or every number drawn was taken.
 
     Bound dual-stack where the host has IPv6 (free on IPv4 and IPv6 alike, as torch's
     TCPStore listens on both), IPv4 where it has no IPv6, IPv6 where it has no IPv4.
@@ -29,8 +30,7 @@ def free_port() -> int:
     and two gangs on one host would try the same numbers in the same order.
     """
     candidates = ports_outside(ephemeral_range())
-    for _ in range(TRIES if candidates else 0):
-        port = candidates[secrets.randbelow(len(candidates))]
+    for port in secrets.SystemRandom().sample(candidates, min(TRIES, len(candidates))):
         try:
             return bound_port(port)
         except OSError:  # taken: another number
@@ -55,11 +55,13 @@ def ports_outside(ephemeral: tuple[int, int] | None) -> list[int]:
     >>> outside = ports_outside((1024, 60999))
     >>> outside[0], outside[-1], len(outside)
     (61000, 65535, 4536)
+    >>> len(ports_outside((70000, 80000)))  # not a range Linux accepts: no number past 65535 either way
+    64512
     """
     if ephemeral is None:
         return []
-    low, high = ephemeral
-    return [*range(LOWEST_PORT, max(LOWEST_PORT, low)), *range(max(LOWEST_PORT, high + 1), HIGHEST_PORT + 1)]
+    low, high = (min(max(LOWEST_PORT, bound), HIGHEST_PORT + 1) for bound in ephemeral)
+    return [*range(LOWEST_PORT, low), *range(max(LOWEST_PORT, high + 1), HIGHEST_PORT + 1)]
 
 
 def bound_port(port: int) -> int:
