@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import resource
 import sys
@@ -53,6 +52,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from bench.data_path import BUCKET, listing_manifest, machine, photo_dataset, s3_options, write_files
+from bench.project_log import project_messages
 from bench.s3_endpoints import S3Endpoint, latency_endpoint, leave_to_front
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
@@ -292,33 +292,14 @@ def flow_rate(args: argparse.Namespace, manifest: Manifest, endpoint: str, outpu
     device = "cuda:0" if args.device == "cuda" else "cpu"
     ctx = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo", device=device,
                       worker_address="local", master_addr="127.0.0.1", master_port=0)
-    with recipe_model(args.model), feed_said() as said:
+    with recipe_model(args.model), project_messages() as messages:
         history = train_classifier(ctx, job).history
+    # What the rank says of its feed (training.decode_on="auto": where it decodes and why,
+    # tasks/training/feed_choice.py).
+    said = [message for message in messages if "decode_on='auto'" in message]
     later = history[1:]
     rate = sum(h["train_samples"] for h in later) / sum(h["train_samples"] / h["images_per_s"] for h in later)
     return rate, (epochs * len(job.split.train), epochs * len(job.split.val)), " ".join(said) or "not said"
-
-
-@contextmanager
-def feed_said() -> Iterator[list[str]]:
-    """What the recipe's rank says of its feed (training.decode_on="auto": where it decodes and why,
-    tasks/training/feed_choice.py), collected from its log while the block runs."""
-    said: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "decode_on='auto'" in record.getMessage():
-                said.append(record.getMessage())
-
-    logger, handler = logging.getLogger("prefect_ddp"), Collect(logging.DEBUG)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield said
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def photo_files(per_class: int) -> dict[str, bytes]:

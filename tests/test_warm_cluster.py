@@ -11,7 +11,6 @@ the session's Prefect server.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import stat
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 from distributed import Client, LocalCluster
 
+from bench.project_log import project_messages
 from prefect_ddp.blocks.cluster import DaskCluster
 from prefect_ddp.blocks.warm_cluster import (
     REPLACE_FAILED,
@@ -63,34 +63,11 @@ def warm(holder: tuple[Path, dict[str, str]], monkeypatch: pytest.MonkeyPatch) -
     return ticket
 
 
-class Said(logging.Handler):
-    """What the project logs, from a handler on its own logger: caplog's sits on the root logger,
-    whose handlers Prefect's logging set-up replaces when a test is the first of its process to
-    reach it (claiming a warm cluster may be), which left caplog empty once in CI."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.messages)
-
-
 @pytest.fixture
-def said() -> Iterator[Said]:
-    logger, handler = logging.getLogger("prefect_ddp"), Said()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+def said() -> Iterator[list[str]]:
+    """What the project logs during the test (bench/project_log.py says why not caplog)."""
+    with project_messages() as messages:
+        yield messages
 
 
 def like_the_holder(monkeypatch: pytest.MonkeyPatch, environment: dict[str, str]) -> None:
@@ -136,7 +113,7 @@ def test_one_run_at_a_time_and_a_run_that_died_on_it_leaves_fresh_workers_to_the
     claim = claim_warm_cluster(SPEC)
     assert claim is not None
     assert claim_warm_cluster(SPEC) is None  # in use: this run starts its own cluster
-    assert "is in use by another run" in said.text
+    assert any("is in use by another run" in message for message in said)
     used = worker_pids(warm)
     claim.unlock()  # its process died: it never named its workers for replacement
     after_death = claim_warm_cluster(SPEC)
@@ -173,8 +150,9 @@ def test_a_run_whose_ranks_would_see_a_difference_starts_its_own_cluster_and_say
     else:
         spec = DaskCluster(address="tcp://10.0.0.5:8786")
     assert claim_warm_cluster(spec) is None
-    assert reason in said.text and "Starting a cluster for this run" in said.text
-    assert "a-value-that-stays-private" not in said.text
+    text = "\n".join(said)
+    assert reason in text and "Starting a cluster for this run" in text
+    assert "a-value-that-stays-private" not in text
 
 
 def test_prefect_settings_of_the_run_dask_configuration_and_mlflow_tracking_do_not_keep_it_off(warm, holder,
@@ -240,8 +218,9 @@ def test_while_the_holder_cannot_replace_the_workers_runs_start_their_own_and_a_
     note.write_text("ClosedClientError: the client was closed")  # what the replacer leaves where it failed
     try:
         assert claim_warm_cluster(SPEC) is None
-        assert "could not replace the last run's workers (ClosedClientError: the client was closed)" in said.text
-        assert "Starting a cluster for this run" in said.text
+        text = "\n".join(said)
+        assert "could not replace the last run's workers (ClosedClientError: the client was closed)" in text
+        assert "Starting a cluster for this run" in text
     finally:
         note.unlink()  # the replacer's retry succeeded
     claim = claim_warm_cluster(SPEC)
