@@ -6,8 +6,9 @@ What is checked: one GET per object and keys as written; fetch_objects' own retr
 obstore's, where the location asks for one attempt per request; missing and refused
 objects as the permanent errors (FileNotFoundError, PermissionError) that are not retried,
 with no credential in their text; the options obstore cannot honour left to s3fs; and
-fork: a process forked before obstore started reads with a store of its own, one forked
-after reads with s3fs instead of hanging.
+fork: obstore starts only in a loader process or where a caller says its process forks none,
+a process forked before it started reads with a store of its own, one forked after reads with
+s3fs instead of hanging, and a worker's own reads leave its loaders reading with obstore.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ import fsspec.asyn
 import pytest
 import s3fs
 from fsspec.implementations.memory import MemoryFileSystem
+from torch.utils.data import DataLoader, Dataset
 
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.dataset import eval_transform, forked_workers
+from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
 from prefect_ddp.tasks.data.loaders import ManifestImages
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.object_reads import (
@@ -76,7 +80,7 @@ def read_fs(location: DataLocation) -> s3fs.S3FileSystem:
 def test_keys_load_as_themselves_with_one_get_each_through_obstore(image_location, odd_objects, front):
     fs = read_fs(block_copy(image_location, endpoint_url=front.endpoint))
     calls = s3fs_calls(fs)
-    assert fetch_objects(fs, list(odd_objects), batch_size=4) == odd_objects
+    assert fetch_objects(fs, list(odd_objects), batch_size=4, forks_no_loaders=True) == odd_objects
     assert front.methods == {"GET": len(odd_objects)}
     assert all(front.gets[path] == 1 for path in odd_objects)
     assert calls == ["GetObject"], "only the key obstore cannot name goes through s3fs"
@@ -88,10 +92,10 @@ def test_a_failed_first_get_is_retried_by_fetch_objects_and_counted(image_locati
     paths = list(odd_objects)[:3]
     for path in paths:
         front.fail_gets(glob.escape(path), times=1, how="503")
-    assert fetch_objects(fs, paths, batch_size=4, attempts=2) == {path: odd_objects[path] for path in paths}
+    assert fetch_objects(fs, paths, batch_size=4, attempts=2, forks_no_loaders=True) == {path: odd_objects[path] for path in paths}
     assert [front.gets[path] for path in paths] == [2, 2, 2]
     front.fail_gets(glob.escape(paths[0]), times=1, how="reset")
-    failed = fetch_objects(fs, paths[:1], batch_size=4, attempts=1)[paths[0]]
+    failed = fetch_objects(fs, paths[:1], batch_size=4, attempts=1, forks_no_loaders=True)[paths[0]]
     assert isinstance(failed, Exception) and not isinstance(failed, PERMANENT_FETCH_ERRORS)
     assert front.gets[paths[0]] == 3
 
@@ -100,14 +104,14 @@ def test_attempts_per_request_follow_the_location_as_botocore_s_did(image_locati
     fs = read_fs(block_copy(image_location, endpoint_url=front.endpoint, max_attempts=3))
     path = list(odd_objects)[0]
     front.fail_gets(glob.escape(path), times=2, how="503")
-    assert fetch_objects(fs, [path], batch_size=1, attempts=1) == {path: odd_objects[path]}
+    assert fetch_objects(fs, [path], batch_size=1, attempts=1, forks_no_loaders=True) == {path: odd_objects[path]}
     assert front.gets[path] == 3
 
 
 def test_a_missing_object_is_a_file_not_found_error_and_is_not_retried(image_location, front):
     fs = read_fs(block_copy(image_location, endpoint_url=front.endpoint))
     path = f"{BUCKET}/odd/gone.jpg"
-    assert isinstance(fetch_objects(fs, [path], batch_size=1, attempts=4)[path], FileNotFoundError)
+    assert isinstance(fetch_objects(fs, [path], batch_size=1, attempts=4, forks_no_loaders=True)[path], FileNotFoundError)
     assert front.gets[path] == 1
 
 
@@ -153,7 +157,7 @@ def test_a_refused_get_is_a_permission_error_without_the_credentials(refusing_se
                             region_name="us-east-1", aws_access_key_id="AKIDEXAMPLE",
                             aws_secret_access_key=secret, aws_session_token=token)
     fs = read_fs(location)
-    error = fetch_objects(fs, ["private/images/a.jpg"], batch_size=1, attempts=4)["private/images/a.jpg"]
+    error = fetch_objects(fs, ["private/images/a.jpg"], batch_size=1, attempts=4, forks_no_loaders=True)["private/images/a.jpg"]
     assert isinstance(error, PermissionError), repr(error)
     assert f"{status}" in str(error) and "private/images/a.jpg" in str(error)
     assert refusing_server.gets == 1, "a refusal comes back the same: not retried"
@@ -207,11 +211,11 @@ def test_no_credentials_anywhere_leaves_the_reads_to_s3fs(monkeypatch, tmp_path)
     assert obstore_settings({"endpoint_url": "http://h", "client_kwargs": {"region_name": "us-east-1"}}) is None
 
 
-def which_client_reads(location: DataLocation, path: str, expected: bytes, keep_fork_safe: bool = False) -> str:
+def which_client_reads(location: DataLocation, path: str, expected: bytes, forks_no_loaders: bool = False) -> str:
     """Fetch `path` in this process: 's3fs' or 'obstore', by whether botocore sent it."""
     fs = read_fs(location)
     calls = s3fs_calls(fs)
-    got = fetch_objects(fs, [path], batch_size=1, timeout_s=30, keep_fork_safe=keep_fork_safe)[path]
+    got = fetch_objects(fs, [path], batch_size=1, timeout_s=30, forks_no_loaders=forks_no_loaders)[path]
     if got != expected:
         return f"wrong result: {got!r}"
     return "s3fs" if calls else "obstore"
@@ -240,36 +244,55 @@ def answer_to(send, main, *args) -> None:
 def fork_story(location: DataLocation, path: str, expected: bytes) -> list[str]:
     """Run in a fresh (spawned) process, where obstore has not started yet."""
     return [
-        which_client_reads(location, path, expected, keep_fork_safe=True),  # does not start obstore
-        in_child("fork", which_client_reads, location, path, expected),  # so this child starts its own
-        which_client_reads(location, path, expected),  # obstore starts here
-        in_child("fork", which_client_reads, location, path, expected),  # and this child must not use it
-        which_client_reads(location, path, expected),  # while the parent still does
+        which_client_reads(location, path, expected),  # not a loader process, nor said to fork none: s3fs
+        in_child("fork", which_client_reads, location, path, expected, True),  # so this child starts its own
+        which_client_reads(location, path, expected, True),  # obstore starts here
+        in_child("fork", which_client_reads, location, path, expected, True),  # and this child must not use it
+        which_client_reads(location, path, expected, True),  # while the parent still does
     ]
 
 
-def test_obstore_starts_per_process_and_a_child_forked_after_it_reads_with_s3fs(image_location, odd_objects):
+def test_obstore_starts_only_where_said_and_a_child_forked_after_it_reads_with_s3fs(image_location, odd_objects):
     path = next(iter(odd_objects))
     story = in_child("spawn", fork_story, image_location, path, odd_objects[path])
     assert story == ["s3fs", "obstore", "obstore", "s3fs", "obstore"]
 
 
-def rank_fetch_story(location: DataLocation, key: str, expected: bytes) -> list[str]:
-    """A rank's own fetch for its feed and decode measures (`rank_setup.fetched`), then a loader
-    process forked after it, in a fresh (spawned) process."""
+class ClientPerRead(Dataset):
+    """One image, read by `which_client_reads` as a loader process reads: which client read it."""
+
+    def __init__(self, location: DataLocation, path: str, expected: bytes) -> None:
+        self.args = (location, path, expected)
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> str:
+        return which_client_reads(*self.args)
+
+
+def worker_reads_story(location: DataLocation, key: str, expected: bytes) -> list[str]:
+    """In a fresh (spawned) process as on a Dask worker: a rank's own reads (its feed and decode
+    measures, `rank_setup.fetched`; its champion's scoring, an in-process FetchAheadLoader; a
+    shard's images, `S3ImageFolder.fetch`), then a DataLoader worker forked after them."""
     manifest = Manifest(root=f"s3://{BUCKET}", classes=["odd"], paths=[key], sizes=[len(expected)], labels=[0])
     images = ManifestImages(manifest, TrainingConfig(), location.storage_options(), fetch_threads=1)
     got = fetched(SimpleNamespace(images=images), [0], logging.getLogger(__name__))
-    return [f"fetched {got == [expected]}", in_child("fork", which_client_reads, location, f"{BUCKET}/{key}", expected)]
+    scored = [labels.tolist() for _, labels in FetchAheadLoader(images.dataset([0], eval_transform(8)), [0], 1)]
+    loader = DataLoader(ClientPerRead(location, f"{BUCKET}/{key}", expected), batch_size=None, num_workers=1,
+                        **forked_workers())
+    return [f"fetched {got == [expected]}", f"scored {scored}", *loader]
 
 
-def test_a_ranks_own_fetch_leaves_the_loader_processes_forked_after_it_reading_with_obstore(image_location,
-                                                                                             odd_objects):
-    """On a GPU, decode_on="auto" fetches images in the rank before its loaders fork: through obstore,
-    it left every loader process reading with s3fs, at about 1 ms more CPU per image."""
+def test_reads_on_a_worker_leave_the_loader_processes_forked_after_them_reading_with_obstore(image_location,
+                                                                                            odd_objects):
+    """On a GPU, decode_on="auto" fetches images in the rank before its loaders fork; a champion is
+    scored, shards written, in a worker whose next gang forks its loaders there: through obstore,
+    any of them left every loader process forked after it reading with s3fs, at about 1 ms more
+    CPU per image."""
     key = "odd/with space.jpg"
-    story = in_child("spawn", rank_fetch_story, image_location, key, odd_objects[f"{BUCKET}/{key}"])
-    assert story == ["fetched True", "obstore"]
+    story = in_child("spawn", worker_reads_story, image_location, key, odd_objects[f"{BUCKET}/{key}"])
+    assert story == ["fetched True", "scored [[-1]]", "obstore"]
 
 
 @pytest.mark.unit
@@ -303,12 +326,13 @@ def test_a_stalled_get_gives_back_its_thread_once_its_call_timed_out(image_locat
     path = next(iter(odd_objects))
     front.stall_gets("*", seconds=30)
     started = time.monotonic()
-    fetched = fetch_objects(read_fs(location), [path], batch_size=1, attempts=1, timeout_s=1)
+    fetched = fetch_objects(read_fs(location), [path], batch_size=1, attempts=1, timeout_s=1, forks_no_loaders=True)
     assert isinstance(fetched[path], TimeoutError)
     assert wait_until(lambda: not reads_running(), timeout_s=20), "the stalled GET still holds its thread"
     assert time.monotonic() - started < 30  # ended by obstore's timeout, not by the front's stall
     front.clear()
-    assert fetch_objects(read_fs(location), [path], batch_size=1, attempts=1, timeout_s=10)[path] == odd_objects[path]
+    assert fetch_objects(read_fs(location), [path], batch_size=1, attempts=1, timeout_s=10,
+                         forks_no_loaders=True)[path] == odd_objects[path]
 
 
 def reads_running() -> bool:

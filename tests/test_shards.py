@@ -295,10 +295,11 @@ def test_shards_are_fetched_ahead_several_at_once(numbered, request, front, read
     index, _ = write(location, manifest, output, per_shard=4)
     folder = shard_folder(output, manifest, range(24), ShardFormat(images_per_shard=4), 0)
     through_front = block_copy(location, endpoint_url=front.endpoint)
+    # Read in a loader process, as training reads shards: only there does obstore serve reads.
     shards = ShardDataset(folder, index, through_front.storage_options() | S3_READERS[reader], image_number, 3,
-                          0, 1, 0)
+                          0, 1, 1)
     front.stall_gets(f"{BUCKET}/shard-out/*", seconds=0.3)
-    numbers, _, _ = read_epoch(shards, 0, 0)
+    numbers, _, _ = read_epoch(shards, 0, 1)
     front.clear()
     assert sorted(numbers) == list(range(24))
     assert front.most_stalled == min(shards.ahead, len(index.shards)) > 1, (front.most_stalled, shards.ahead)

@@ -296,8 +296,6 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
             fails with a FetchTimeout naming its images. An image that is gone or does not
             decode does not fail it: its place holds a stand-in (module docstring).
         sizes: each image's size from the manifest, part of its key in `cache`.
-        keep_fork_safe: fetch through s3fs, never starting obstore in this process: for reads in a
-            rank's own process, which forks its loader processes afterwards (object_reads.fetch_objects).
         cache: keeps fetched bytes on local disk, so later epochs read them from there;
             its entries are keyed on the endpoint `storage_options` name as well. Where
             `transform` names the side it needs (`needed_side`), an image larger than that
@@ -316,7 +314,7 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         self, root: str, keys: Sequence[str], labels: Sequence[int],
         storage_options: dict[str, Any], transform: Callable[..., Any] | None, fetch_threads: int = 16,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
-        sizes: Sequence[int] | None = None, cache: ByteCache | None = None, keep_fork_safe: bool = False,
+        sizes: Sequence[int] | None = None, cache: ByteCache | None = None,
     ) -> None:
         if len(keys) != len(labels) or (sizes is not None and len(sizes) != len(keys)):
             raise ValueError(f"Got {len(keys)} keys, {len(labels)} labels and "
@@ -334,7 +332,6 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         self.transform = transform
         self.fetch_threads = fetch_threads
         self.fetch_timeout_s = fetch_timeout_s
-        self.keep_fork_safe = keep_fork_safe
         self.sizes = list(sizes) if sizes is not None else [None] * len(self.keys)
         self.cache = cache.for_storage(self.storage_options) if cache else None
         self.copy_side = needed_side(transform) if cache else None
@@ -391,7 +388,7 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         for an image that is gone (fetch_objects never retries that)."""
         fs, root = self._files.get()
         paths = [f"{root}/{self.keys[i]}" for i in indices]
-        got = fetch_objects(fs, paths, self.fetch_threads, FETCH_ATTEMPTS, self.fetch_timeout_s, self.keep_fork_safe)
+        got = fetch_objects(fs, paths, self.fetch_threads, FETCH_ATTEMPTS, self.fetch_timeout_s)
         found: dict[str, bytes | None] = {}
         failed: dict[str, Exception] = {}
         for path, result in got.items():

@@ -54,13 +54,13 @@ class ManifestImages:
     fetch_threads: int  # images fetched at once per batch, as the rank's budget says (host_budget.rank_budget)
 
     def dataset(self, positions: list[int], transform: Callable[..., Any] | None,
-                cache: ByteCache | None = None, keep_fork_safe: bool = False) -> S3ImageFolder:
-        """The images at `positions` of the manifest; `keep_fork_safe` for reads in the rank's own process."""
+                cache: ByteCache | None = None) -> S3ImageFolder:
+        """The images at `positions` of the manifest."""
         cfg, m = self.training, self.manifest
         return S3ImageFolder(
             m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions], self.options,
             transform, fetch_threads=self.fetch_threads, fetch_timeout_s=cfg.fetch_timeout_s,
-            sizes=[m.sizes[i] for i in positions], cache=cache, keep_fork_safe=keep_fork_safe)
+            sizes=[m.sizes[i] for i in positions], cache=cache)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Whole-object reads of images: one GET each, a batch at a time, with retries and a deadline.
 
-Where the source is S3 the GETs go through obstore: bench/s3_clients.py measured them at
-0.14-0.22 ms of CPU each against s3fs's 1.1-1.5 ms (bench/RESULTS.md). obstore does not
-survive fork, so a process forked after it started reads through s3fs instead.
+Where the source is S3 the GETs of a loader process go through obstore: bench/s3_clients.py
+measured them at 0.14-0.22 ms of CPU each against s3fs's 1.1-1.5 ms (bench/RESULTS.md).
+obstore does not survive fork, so it starts only where no loader process is forked after it
+(`fetch_objects`); any other process reads through s3fs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fsspec.asyn import AsyncFileSystem, _run_coros_in_chunks, sync
 from obstore.exceptions import PermissionDeniedError, UnauthenticatedError
 from obstore.store import S3Store
 from s3fs import S3FileSystem
+from torch.utils.data import get_worker_info
 
 from prefect_ddp.tasks.urls import is_s3
 
@@ -86,7 +88,7 @@ def fetch_objects(
     batch_size: int,
     attempts: int = 1,
     timeout_s: float | None = None,
-    keep_fork_safe: bool = False,
+    forks_no_loaders: bool = False,
 ) -> dict[str, bytes | Exception]:
     """The bytes of each of `paths`, fetched `batch_size` at a time: `{path: bytes or error}`.
 
@@ -100,9 +102,12 @@ def fetch_objects(
     paths still unfetched then map to a TimeoutError.
 
     obstore's runtime does not survive fork (tokio-rs/tokio#4301): a process forked after
-    its parent started it would hang in its first GET. So such a process reads with s3fs
-    (and says so once in its log), and `keep_fork_safe` keeps obstore from starting in a
-    process that forks DataLoader workers later.
+    its parent started it would hang in its first GET, so such a process reads with s3fs (and
+    says so once in its log), at 5-9x the CPU per GET. So obstore starts only in a process no
+    loader process is forked from afterwards: a DataLoader worker process, or a caller that
+    says so (`forks_no_loaders`). Any other reads with s3fs: a Dask worker's rank, which forks
+    its loaders after reading its own images, a champion's or a shard's in one run and the next
+    run's loaders on the same warm worker (bench/RESULTS.md, "A read outside the loaders").
 
     Args:
         fs: the filesystem: obstore's GETs and a sync filesystem's reads run on this process's read
@@ -111,8 +116,8 @@ def fetch_objects(
         batch_size: fetches in flight at once.
         attempts: tries per path, the first included.
         timeout_s: limit for the whole call; None waits as long as the fetches take.
-        keep_fork_safe: read S3 with s3fs, never starting obstore in this process (decode-check
-            does, on the Dask workers that later fork the ranks' loader workers).
+        forks_no_loaders: this process forks no DataLoader worker after this call, so obstore
+            may serve it here (a benchmark, a script); a DataLoader worker process needs no saying.
 
     >>> import fsspec
     >>> fs = fsspec.filesystem("memory")
@@ -126,7 +131,7 @@ def fetch_objects(
             "at least 1."
         )
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    read = _reader(fs, keep_fork_safe, timeout_s)
+    read = _reader(fs, forks_no_loaders or get_worker_info() is not None, timeout_s)
     results: dict[str, bytes | Exception] = {}
     pending = list(dict.fromkeys(paths))
     for attempt in range(attempts):
@@ -217,16 +222,17 @@ def _settings(options_json: str) -> dict[str, Any] | None:
     return obstore_settings(json.loads(options_json))
 
 
-def _reader(fs: AbstractFileSystem, keep_fork_safe: bool, timeout_s: float | None) -> Read:
+def _reader(fs: AbstractFileSystem, obstore_may_start: bool, timeout_s: float | None) -> Read:
     """How `_fetch_once` reads one path of `fs`: obstore's blocking GET, run on this process's
-    read threads; s3fs's on its event loop; `cat_file` in threads for a filesystem that is not async.
+    read threads, where it may start here; s3fs's on its event loop; `cat_file` in threads for
+    a filesystem that is not async.
 
     obstore's blocking API from threads costs less CPU per GET than its async one driven by
     fsspec's event loop: 0.28 against 0.45-0.52 ms here (bench/RESULTS.md, "A loader process's
     CPU beyond the transform"), each wake-up of the loop being a Python round trip."""
     if not isinstance(fs, AsyncFileSystem):
         return Read(threaded=fs.cat_file)
-    options_json = None if keep_fork_safe else _obstore_options(fs)
+    options_json = _obstore_options(fs) if obstore_may_start else None
     if options_json is None:
         return Read(on_loop=fs._cat_file)
     timeout = OBSTORE_REQUEST_TIMEOUT if timeout_s is None else timedelta(seconds=timeout_s)
@@ -246,7 +252,9 @@ def _reader(fs: AbstractFileSystem, keep_fork_safe: bool, timeout_s: float | Non
 
 def obstore_store(fs: AbstractFileSystem, bucket: str) -> S3Store | None:
     """obstore's store for `bucket`, reading as `fs` reads; None where s3fs must serve: not
-    S3, options obstore cannot honour, or a process forked after obstore started."""
+    S3, options obstore cannot honour, or a process forked after obstore started. For the
+    flow's listing, in the flow's own process, which forks no loaders: its ranks run on the
+    cluster's workers (`fetch_objects` says why that matters)."""
     options_json = _obstore_options(fs)
     return None if options_json is None else _store(options_json, bucket)
 

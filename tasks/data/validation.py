@@ -142,9 +142,9 @@ def decode_chunk(location: Location, keys: list[str], positions: list[int]) -> l
     options = object_read_options(location.url, location.storage_options(), FETCH_CONCURRENCY)
     fs, root = filesystem(location.url, options)
     paths = [f"{root}/{key}" for key in keys]
-    # s3fs, not obstore: this Dask worker forks the ranks' DataLoader workers later, and
-    # obstore started here would leave them reading with s3fs (prefect_ddp.tasks.data.object_reads.fetch_objects).
-    fetched = fetch_objects(fs, paths, FETCH_CONCURRENCY, FETCH_ATTEMPTS, keep_fork_safe=True)
+    # Through s3fs, as every read outside a loader process: this Dask worker forks the ranks'
+    # DataLoader workers later (prefect_ddp.tasks.data.object_reads.fetch_objects).
+    fetched = fetch_objects(fs, paths, FETCH_CONCURRENCY, FETCH_ATTEMPTS)
     found = raise_fetch_failures(location, fetched)
     checks = [(position, found[path]) for position, path in zip(positions, paths)]
     return map_on_cpus(lambda check: decode_result(*check), checks)

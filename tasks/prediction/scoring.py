@@ -195,14 +195,14 @@ def fetch_images(source: Location, keys: Sequence[str], transform: Callable,
     """({key: transformed image}, {key: why unreadable}) for `keys`, fetched at once, decoded and
     transformed on every core the worker may use (prefect_ddp.tasks.data.cpu_share).
 
-    Through s3fs, not obstore (`keep_fork_safe`), as decode-check: these Dask workers may run
+    Through s3fs, not obstore, as every read outside a loader process: these Dask workers may run
     a training gang later, whose ranks fork DataLoader workers, and obstore started here
     would leave those reading with s3fs (prefect_ddp.tasks.data.object_reads.fetch_objects).
     """
     options = object_read_options(source.url, source.storage_options(), len(keys))
     fs, root = filesystem(source.url, options)
     paths = {key: f"{root}/{key}" for key in keys}
-    fetched = fetch_objects(fs, list(paths.values()), len(keys), FETCH_ATTEMPTS, timeout_s, keep_fork_safe=True)
+    fetched = fetch_objects(fs, list(paths.values()), len(keys), FETCH_ATTEMPTS, timeout_s)
     found = raise_fetch_failures(source, {key: fetched[path] for key, path in paths.items()}, timeout_s)
     outcomes = map_on_cpus(partial(transformed, transform=transform), list(found.values()))
     images = {key: outcome for key, outcome in zip(found, outcomes) if isinstance(outcome, torch.Tensor)}

@@ -185,13 +185,13 @@ def fetched(data: RankData, positions: list[int], log: Any) -> list[bytes]:
     """The training images at `positions`, as stored; those the storage does not give are left out
     (the loaders meet the storage's trouble and say so; a measure goes without them).
 
-    Read in the rank's own process, through s3fs: obstore started here would leave every loader
-    process forked after it (on a GPU, where decode_on="auto" measures before the loaders start:
-    all of them) reading with s3fs, at about 1 ms more CPU per image (docs/architecture.md,
-    "Facts: storage clients").
+    Read in the rank's own process, so through s3fs (object_reads.fetch_objects): obstore started
+    here would leave every loader process forked after it (on a GPU, where decode_on="auto"
+    measures before the loaders start: all of them) reading with s3fs, at about 1 ms more CPU
+    per image (docs/architecture.md, "Facts: storage clients").
     """
     try:
-        images = data.images.dataset(positions, None, keep_fork_safe=True).fetch(range(len(positions)))
+        images = data.images.dataset(positions, None).fetch(range(len(positions)))
     except OSError as exc:
         log.debug("Could not fetch images to time their decoding: %s", exc)
         return []

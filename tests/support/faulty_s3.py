@@ -78,9 +78,9 @@ def _method(method: str) -> str:
     return method.upper()
 
 
-# Storage options that pick each of the two S3 readers (tasks/data/object_reads.py):
-# obstore, and s3fs, which reads where obstore cannot honour an option (a botocore
-# setting here) and in a loader process forked after its parent started obstore.
+# Storage options that pick each of the two S3 readers of a loader process (tasks/data/object_reads.py):
+# obstore, and s3fs, which reads where obstore cannot honour an option (a botocore setting
+# here), in a loader process forked after its parent started obstore, and outside loader processes.
 S3_READERS = {"obstore": {}, "s3fs": {"config_kwargs": {"connect_timeout": 30}}}
 
 
