@@ -92,6 +92,7 @@ class ChannelMeans(nn.Module):
 
 @dataclass
 class Row:
+    image_set: str  # "short" or "long" (`run`)
     feed: str
     steps: int
     images_per_s: float
@@ -317,11 +318,14 @@ def per_class_for(steps: int, batch_size: int) -> int:
     return int(steps * batch_size / (1 - VAL_FRACTION) / CLASSES) + batch_size
 
 
-def run(args: argparse.Namespace, workers: int, steps: int, epochs: int, work: Path) -> list[Row]:
-    """The feeds over one image set whose train split holds about `steps` batches, for `epochs` epochs."""
-    folder = work / f"images-{steps}"
+def run(args: argparse.Namespace, workers: int, name: str, steps: int, epochs: int, work: Path) -> list[Row]:
+    """The feeds over one image set whose train split holds about `steps` batches, for `epochs` epochs;
+    its images and the flow's output in folders of their own, `name`d ("short", "long"), so that two
+    sets of one length do not share them."""
+    folder = work / f"images-{name}"
     write_files(folder / "photo", photo_files(per_class_for(steps, args.batch_size)))
-    rows = [Row("synthetic tensors on the GPU", steps, synthetic_rate(args, steps, epochs))] if args.device == "cuda" else []
+    rows = ([Row(name, "synthetic tensors on the GPU", steps, synthetic_rate(args, steps, epochs))]
+            if args.device == "cuda" else [])
     with latency_endpoint(work, BUCKET, folder, args.latency_ms) as front:
         if args.front_cpus:
             front.process.cpu_affinity(args.front_cpus)  # this process left them (main, leave_to_front)
@@ -332,14 +336,14 @@ def run(args: argparse.Namespace, workers: int, steps: int, epochs: int, work: P
         bare = bare_rate(args, manifest, train, front.url, workers, epochs)
         after_bare = Spent.now(front)
         alone_between = Alone.measure(folder, args.image_size)
-        rows.append(Row("bare DataLoader", steps, bare,
+        rows.append(Row(name, "bare DataLoader", steps, bare,
                         *after_bare.per_image_ms(before, epochs * (len(train) // args.batch_size) * args.batch_size),
                         alone_ms=alone_before.beside(alone_between).train_ms))
-        rate, (trained, validated), chosen = flow_rate(args, manifest, front.url, work / f"run-{steps}", args.workers,
+        rate, (trained, validated), chosen = flow_rate(args, manifest, front.url, work / f"run-{name}", args.workers,
                                                        epochs)
         spent = Spent.now(front).per_image_ms(after_bare, trained + validated)
         alone_after = Alone.measure(folder, args.image_size)
-        rows.append(Row("the flow's recipe", steps, rate, *spent,
+        rows.append(Row(name, "the flow's recipe", steps, rate, *spent,
                         alone_ms=alone_between.beside(alone_after).weighted(trained, validated), chosen=chosen))
     return rows
 
@@ -360,8 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     load = os.getloadavg()
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-input-")))
-        rows = [row for steps, epochs in ((args.short_steps, args.short_epochs), (args.long_steps, args.long_epochs))
-                if steps for row in run(args, workers, steps, epochs, work)]
+        sets = (("short", args.short_steps, args.short_epochs), ("long", args.long_steps, args.long_epochs))
+        rows = [row for name, steps, epochs in sets if steps for row in run(args, workers, name, steps, epochs, work)]
     report(args, workers, load, rows)
 
 
@@ -377,8 +381,8 @@ def report(args: argparse.Namespace, workers: int, load: tuple[float, float, flo
     print("| steps per epoch | feed | images/s | per loader process | of the bare loader | of the GPU's ceiling "
           "| loader CPU ms/image | of the transform alone | S3 front CPU ms/image |\n"
           "|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for steps in dict.fromkeys(row.steps for row in rows):
-        same = {row.feed: row for row in rows if row.steps == steps}
+    for image_set in dict.fromkeys(row.image_set for row in rows):
+        same = {row.feed: row for row in rows if row.image_set == image_set}
         ceiling = same.get("synthetic tensors on the GPU")
         bare = same["bare DataLoader"].images_per_s
         for feed, row in same.items():
@@ -386,11 +390,11 @@ def report(args: argparse.Namespace, workers: int, load: tuple[float, float, flo
             per_process = f"{row.images_per_s / workers:,.1f}" if row.loader_ms is not None and workers else "-"
             spent = ("- | - | -" if row.loader_ms is None or row.front_ms is None or row.alone_ms is None else
                      f"{row.loader_ms:.2f} | {row.loader_ms / row.alone_ms:.2f}x | {row.front_ms:.2f}")
-            print(f"| {steps} | {feed} | {row.images_per_s:,.1f} | {per_process} | {row.images_per_s / bare:.2f}x "
+            print(f"| {row.steps} | {feed} | {row.images_per_s:,.1f} | {per_process} | {row.images_per_s / bare:.2f}x "
                   f"| {of_ceiling} | {spent} |")
     for row in rows:
         if row.chosen:
-            print(f"\nThe flow's feed at {row.steps} steps per epoch: {row.chosen}")
+            print(f"\nThe flow's feed on the {row.image_set} set ({row.steps} steps per epoch): {row.chosen}")
 
 
 if __name__ == "__main__":
