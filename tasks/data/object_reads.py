@@ -105,9 +105,12 @@ def fetch_objects(
     its parent started it would hang in its first GET, so such a process reads with s3fs (and
     says so once in its log), at 5-9x the CPU per GET. So obstore starts only in a process no
     loader process is forked from afterwards: a DataLoader worker process, or a caller that
-    says so (`forks_no_loaders`). Any other reads with s3fs: a Dask worker's rank, which forks
-    its loaders after reading its own images, a champion's or a shard's in one run and the next
-    run's loaders on the same warm worker (bench/RESULTS.md, "A read outside the loaders").
+    says so (`forks_no_loaders`: a rank with no loader processes, which fetches every image
+    itself). Any other reads with s3fs: a Dask worker's rank, which forks its loaders after
+    reading its own images, a champion's or a shard's in one run and the next run's loaders on
+    the same warm worker (bench/RESULTS.md, "A read outside the loaders"). A rank that read
+    through obstore for want of loader processes leaves a later gang on its worker that has
+    some reading with s3fs (its loaders say so).
 
     Args:
         fs: the filesystem: obstore's GETs and a sync filesystem's reads run on this process's read
