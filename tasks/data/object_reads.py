@@ -120,7 +120,8 @@ def fetch_objects(
         attempts: tries per path, the first included.
         timeout_s: limit for the whole call; None waits as long as the fetches take.
         forks_no_loaders: this process forks no DataLoader worker after this call, so obstore
-            may serve it here (a benchmark, a script); a DataLoader worker process needs no saying.
+            may serve it here (a rank with no loader processes, a benchmark); a DataLoader worker
+            process needs no saying.
 
     >>> import fsspec
     >>> fs = fsspec.filesystem("memory")
