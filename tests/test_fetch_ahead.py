@@ -66,7 +66,8 @@ def test_every_image_is_fetched_once_per_epoch_with_batches_in_flight_together(
     good = [i for i, p in enumerate(manifest.paths) if "broken" not in p]
     location = block_copy(image_location, endpoint_url=front.endpoint)
     dataset = S3ImageFolder(manifest.root, [manifest.paths[i] for i in good], [manifest.labels[i] for i in good],
-                            location.storage_options() | S3_READERS[reader], eval_transform(32), fetch_threads=4)
+                            location.storage_options() | S3_READERS[reader], eval_transform(32), fetch_threads=4,
+                            forks_no_loaders=not workers)  # as rank_data makes it: obstore in this process, with none
     options = {**forked_workers(), "persistent_workers": True} if workers else {}
     loader = FetchAheadLoader(dataset, list(range(len(dataset))), batch_size=4, num_workers=workers, **options)
     prefix = image_location.url.removeprefix("s3://")
