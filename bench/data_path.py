@@ -157,9 +157,9 @@ def read_ours(source: Source, fetch_threads: int, cache: ByteCache | None = None
 def read_cached(source: Source, fetch_threads: int, cache_folder: Path) -> S3ImageFolder:
     """Ours with a byte cache already holding every image, so what is timed is a later epoch.
 
-    Filled from the files the server serves, not by fetching: a fetch here would start
-    obstore in this process, and the DataLoader workers forked after it would read with s3fs
-    (obstore does not survive fork, prefect_ddp.tasks.data.object_reads.fetch_objects).
+    Filled from the files the server serves, not by fetching: a fetch here would send every
+    image's GET through s3fs, the reader of a process that is not a loader's
+    (prefect_ddp.tasks.data.object_reads.fetch_objects), and take as long.
     """
     dataset = read_ours(source, fetch_threads, ByteCache(10**12, cache_folder / source.prefix))
     for key, size in zip(dataset.keys, dataset.sizes):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import multiprocessing
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.dataset import eval_transform, forked_workers
 from prefect_ddp.tasks.data.fetch_ahead import FetchAheadLoader
-from prefect_ddp.tasks.data.loaders import ManifestImages, rank_data
+from prefect_ddp.tasks.data.loaders import ManifestImages
 from prefect_ddp.tasks.data.manifest import Manifest
 from prefect_ddp.tasks.data.object_reads import (
     PERMANENT_FETCH_ERRORS,
@@ -47,7 +46,7 @@ from prefect_ddp.tasks.data.object_reads import (
 from prefect_ddp.tasks.data.storage import filesystem
 from prefect_ddp.tasks.training.rank_setup import fetched
 from tests.support.flow_runs import block_copy
-from tests.test_training import CTX, local_job
+from tests.support.fresh_process import in_child
 
 # Keys fsspec would expand as patterns, a space, unicode, a plus and a percent sign, plus
 # one obstore cannot name as it is (an empty segment), which s3fs reads.
@@ -222,26 +221,6 @@ def which_client_reads(location: DataLocation, path: str, expected: bytes, forks
     return "s3fs" if calls else "obstore"
 
 
-def in_child(method: str, main, *args) -> str:
-    """`main(*args)` in a child process started with `method`; its answer, or why there is none.
-
-    Not a multiprocessing Pool: its processes are daemons, which may not fork children.
-    """
-    context = multiprocessing.get_context(method)
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=answer_to, args=(send, main, *args))
-    child.start()
-    answer = receive.recv() if receive.poll(120) else "no answer within 120 s: the child hangs"
-    child.join(10)
-    if child.is_alive():
-        child.kill()
-    return answer
-
-
-def answer_to(send, main, *args) -> None:
-    send.send(main(*args))
-
-
 def fork_story(location: DataLocation, path: str, expected: bytes) -> list[str]:
     """Run in a fresh (spawned) process, where obstore has not started yet."""
     return [
@@ -376,17 +355,3 @@ def test_no_read_starts_once_the_limit_has_passed():
     time.sleep(0.2)  # the reads running at the limit finish; none may have started after it
     assert started_late == []
 
-
-@pytest.mark.unit
-@pytest.mark.parametrize("workers", [0, 1])
-def test_a_rank_with_no_loader_processes_fetches_through_obstore_and_one_with_them_leaves_it_to_them(tmp_path,
-                                                                                                     workers):
-    """A rank that loads its own batches forks no loader process: its GETs may go through obstore
-    (5-9x less CPU each than s3fs's, on the one core it has); a rank with loader processes reads
-    nothing itself through it, or they would read with s3fs."""
-    job = local_job(tmp_path, epochs=1)
-    job = job.model_copy(update={"training": job.training.model_copy(update={"num_workers": workers})})
-    data = rank_data(CTX, job.source, job.output, job.manifest, job.split, job.training, job.preprocessing)
-    assert data.loader_workers.workers == workers
-    assert (data.train.dataset.forks_no_loaders, data.val.dataset.forks_no_loaders) == (not workers, not workers)
-    assert not data.images.dataset([0], None).forks_no_loaders  # the rank's other reads: a champion's, its measures'

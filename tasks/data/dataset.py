@@ -296,9 +296,6 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
             fails with a FetchTimeout naming its images. An image that is gone or does not
             decode does not fail it: its place holds a stand-in (module docstring).
         sizes: each image's size from the manifest, part of its key in `cache`.
-        forks_no_loaders: fetch through obstore in this process too, where no loader process is
-            forked from it afterwards: for a rank that loads its own batches, with no loader
-            processes (object_reads.fetch_objects; a loader process always does).
         cache: keeps fetched bytes on local disk, so later epochs read them from there;
             its entries are keyed on the endpoint `storage_options` name as well. Where
             `transform` names the side it needs (`needed_side`), an image larger than that
@@ -317,7 +314,7 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         self, root: str, keys: Sequence[str], labels: Sequence[int],
         storage_options: dict[str, Any], transform: Callable[..., Any] | None, fetch_threads: int = 16,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
-        sizes: Sequence[int] | None = None, cache: ByteCache | None = None, forks_no_loaders: bool = False,
+        sizes: Sequence[int] | None = None, cache: ByteCache | None = None,
     ) -> None:
         if len(keys) != len(labels) or (sizes is not None and len(sizes) != len(keys)):
             raise ValueError(f"Got {len(keys)} keys, {len(labels)} labels and "
@@ -335,7 +332,6 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         self.transform = transform
         self.fetch_threads = fetch_threads
         self.fetch_timeout_s = fetch_timeout_s
-        self.forks_no_loaders = forks_no_loaders
         self.sizes = list(sizes) if sizes is not None else [None] * len(self.keys)
         self.cache = cache.for_storage(self.storage_options) if cache else None
         self.copy_side = needed_side(transform) if cache else None
@@ -392,8 +388,7 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         for an image that is gone (fetch_objects never retries that)."""
         fs, root = self._files.get()
         paths = [f"{root}/{self.keys[i]}" for i in indices]
-        got = fetch_objects(fs, paths, self.fetch_threads, FETCH_ATTEMPTS, self.fetch_timeout_s,
-                            forks_no_loaders=self.forks_no_loaders)
+        got = fetch_objects(fs, paths, self.fetch_threads, FETCH_ATTEMPTS, self.fetch_timeout_s)
         found: dict[str, bytes | None] = {}
         failed: dict[str, Exception] = {}
         for path, result in got.items():

@@ -54,13 +54,13 @@ class ManifestImages:
     fetch_threads: int  # images fetched at once per batch, as the rank's budget says (host_budget.rank_budget)
 
     def dataset(self, positions: list[int], transform: Callable[..., Any] | None,
-                cache: ByteCache | None = None, forks_no_loaders: bool = False) -> S3ImageFolder:
-        """The images at `positions` of the manifest (`S3ImageFolder` says what `forks_no_loaders` does)."""
+                cache: ByteCache | None = None) -> S3ImageFolder:
+        """The images at `positions` of the manifest."""
         cfg, m = self.training, self.manifest
         return S3ImageFolder(
             m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions], self.options,
             transform, fetch_threads=self.fetch_threads, fetch_timeout_s=cfg.fetch_timeout_s,
-            sizes=[m.sizes[i] for i in positions], cache=cache, forks_no_loaders=forks_no_loaders)
+            sizes=[m.sizes[i] for i in positions], cache=cache)
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,7 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
     images = ManifestImages(manifest, cfg, source.storage_options(), budget.fetches_in_flight)
     output_options = output.storage_options()
     cache = ByteCache(int(cfg.cache_gb * 1e9)) if cfg.cache_gb else None
-    # With no loader processes the rank fetches every image itself: through obstore, 5-9x less CPU
-    # a GET than s3fs, on the one core it has (object_reads.fetch_objects).
-    dataset = partial(images.dataset, cache=cache, forks_no_loaders=not workers)
+    dataset = partial(images.dataset, cache=cache)
     collate: dict[str, Any] = {"collate_fn": encoded_collate if on_device else collate_images}
     val_set = dataset(split.val, val_tf)
     loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": pinned}

@@ -105,12 +105,11 @@ def fetch_objects(
     its parent started it would hang in its first GET, so such a process reads with s3fs (and
     says so once in its log), at 5-9x the CPU per GET. So obstore starts only in a process no
     loader process is forked from afterwards: a DataLoader worker process, or a caller that
-    says so (`forks_no_loaders`: a rank with no loader processes, which fetches every image
-    itself). Any other reads with s3fs: a Dask worker's rank, which forks its loaders after
-    reading its own images, a champion's or a shard's in one run and the next run's loaders on
-    the same warm worker (bench/RESULTS.md, "A read outside the loaders"). A rank that read
-    through obstore for want of loader processes leaves a later gang on its worker that has
-    some reading with s3fs (its loaders say so).
+    says so (`forks_no_loaders`). Any other reads with s3fs: a Dask worker's rank, which forks
+    its loaders after reading its own images, a champion's or a shard's in one run and the next
+    run's loaders on the same warm worker (bench/RESULTS.md, "A read outside the loaders"). So
+    does a rank with no loader processes, at about 1 ms more of its core per image: through
+    obstore, it would leave every later gang's loaders on its worker reading with s3fs.
 
     Args:
         fs: the filesystem: obstore's GETs and a sync filesystem's reads run on this process's read
@@ -120,8 +119,7 @@ def fetch_objects(
         attempts: tries per path, the first included.
         timeout_s: limit for the whole call; None waits as long as the fetches take.
         forks_no_loaders: this process forks no DataLoader worker after this call, so obstore
-            may serve it here (a rank with no loader processes, a benchmark); a DataLoader worker
-            process needs no saying.
+            may serve it here (a benchmark, a test); a DataLoader worker process needs no saying.
 
     >>> import fsspec
     >>> fs = fsspec.filesystem("memory")

@@ -92,6 +92,7 @@ class FaultyS3:
         self.upstream = (upstream.hostname or "127.0.0.1", upstream.port or 80)
         self.endpoint = ""  # set once the server listens
         self.gets: Counter[str] = Counter()
+        self.readers: Counter[str] = Counter()  # GETs by the client that sent them: "obstore" or "s3fs"
         self.methods: Counter[str] = Counter()  # every request, by method: a HEAD shows here
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
@@ -134,6 +135,11 @@ class FaultyS3:
         """How many rules still wait for a request to match them (a test's fault that never fired shows here)."""
         with self._lock:
             return sum(1 for rule in self._rules if rule.remaining != 0)
+
+    def count_reader(self, user_agent: str) -> None:
+        """Count a GET under its client, told by its User-Agent: obstore's names object_store, botocore's itself."""
+        with self._lock:
+            self.readers["obstore" if user_agent.startswith("object_store/") else "s3fs"] += 1
 
     def clear(self) -> None:
         """Drop every rule; GETs already stalled still wait out their time."""
@@ -184,6 +190,8 @@ def _handler(front: FaultyS3) -> type[BaseHTTPRequestHandler]:
             pass
 
         def _serve(self) -> None:
+            if self.command == "GET":
+                front.count_reader(self.headers.get("User-Agent", ""))
             rule = front._take_rule(unquote(urlsplit(self.path).path).lstrip("/"), self.command)
             kind = rule.kind if rule else None
             if kind == "reset":
