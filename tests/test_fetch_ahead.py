@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from prefect_ddp.tasks.data.fetch_ahead import AHEAD, AheadBatch, AheadBatches, 
 from prefect_ddp.tasks.data.indexing import build_manifest, list_folder
 from tests.support.faulty_s3 import S3_READERS, FaultyS3
 from tests.support.flow_runs import block_copy
-from tests.support.fresh_process import in_child
+from tests.support.fresh_process import PausePoint, in_child
 
 
 @pytest.mark.unit
@@ -60,12 +62,18 @@ def manifest(image_location: DataLocation):
     return build_manifest(image_location.url, list_folder(image_location))
 
 
-def epochs_read(root: str, keys: list[str], labels: list[int], options: dict, workers: int) -> list[list[int]]:
-    """Each of two epochs' labels, in order, read through a FetchAheadLoader with `workers` loader processes."""
+def epochs_read(root: str, keys: list[str], labels: list[int], options: dict, workers: int,
+                at_epoch_end: Callable[[], None]) -> list[list[int]]:
+    """Each of two epochs' labels, in order, read through a FetchAheadLoader with `workers` loader
+    processes; `at_epoch_end` called after each epoch, before the next starts."""
     dataset = S3ImageFolder(root, keys, labels, options, eval_transform(32), fetch_threads=4)
     loader_options = {**forked_workers(), "persistent_workers": True} if workers else {}
     loader = FetchAheadLoader(dataset, list(range(len(dataset))), batch_size=4, num_workers=workers, **loader_options)
-    return [torch.cat([batch_labels for _, batch_labels in loader]).tolist() for _ in range(2)]
+    epochs = []
+    for _ in range(2):
+        epochs.append(torch.cat([batch_labels for _, batch_labels in loader]).tolist())
+        at_epoch_end()
+    return epochs
 
 
 @pytest.mark.parametrize("reader", S3_READERS)  # under s3fs, its connection pool bounds what is in flight
@@ -78,11 +86,23 @@ def test_every_image_is_fetched_once_per_epoch_with_batches_in_flight_together(
             location.storage_options() | S3_READERS[reader], workers)
     prefix = image_location.url.removeprefix("s3://")
     front.stall_gets(f"{prefix}/*", seconds=0.2)
+    gets_by_epoch: list[Counter[str]] = []
+
+    def count_gets() -> None:
+        gets_by_epoch.append(Counter(front.gets))
+
     # obstore's loader processes forked from a process of their own: this one started obstore (its
-    # listing), and a loader forked after that reads with s3fs.
-    epochs = in_child("spawn", epochs_read, *args) if workers and reader == "obstore" else epochs_read(*args)
+    # listing), and a loader forked after that reads with s3fs. It pauses after each epoch for the count.
+    if workers and reader == "obstore":
+        pause = PausePoint("spawn")
+        pause.looking(count_gets, pauses=2)
+        epochs = in_child("spawn", epochs_read, *args, pause)
+    else:
+        epochs = epochs_read(*args, count_gets)
     assert epochs == [args[2], args[2]]  # every image, in order, once an epoch
-    assert set(front.gets.values()) == {2} and len(front.gets) == len(good), front.gets
+    # Once each an epoch: none fetched twice, and none of the second epoch's fetched ahead in the first.
+    assert [set(gets.values()) for gets in gets_by_epoch] == [{1}, {2}], gets_by_epoch
+    assert len(front.gets) == len(good), front.gets
     # obstore only in loader processes: a rank with none fetches with s3fs (object_reads.fetch_objects).
     assert set(front.readers) == {reader if workers else "s3fs"}, front.readers
     # One loader process fetching a batch at a time would hold 4 GETs at once (8 with two).

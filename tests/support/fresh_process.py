@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -52,3 +53,35 @@ def answer_to(send: Any, main: Callable[..., Any], *args: Any) -> None:
     except Exception:
         answer = f"the child raised:\n{traceback.format_exc()}"
     send.send(answer)
+
+
+class PausePoint:
+    """A point in a child's run where it waits while the parent looks at something (an S3 front's
+    counts between two epochs): the child calls the point; `looking` runs the parent's `look` at each.
+
+    A multiprocessing Barrier of two, crossed twice a pause: once when both are there, once when the
+    parent has looked. Passed to the child as an argument of `in_child` (made with its `method`).
+    """
+
+    def __init__(self, method: str) -> None:
+        self._barrier = multiprocessing.get_context(method).Barrier(2, timeout=ANSWER_TIMEOUT_S)
+
+    def __call__(self) -> None:
+        self._barrier.wait()
+        self._barrier.wait()
+
+    def looking(self, look: Callable[[], None], pauses: int) -> threading.Thread:
+        """A started thread of the parent's that runs `look` at each of `pauses` pauses of the child's.
+        A child that stops short breaks the barrier after its timeout; the thread then ends."""
+        def meet() -> None:
+            try:
+                for _ in range(pauses):
+                    self._barrier.wait()
+                    look()
+                    self._barrier.wait()
+            except threading.BrokenBarrierError:
+                pass  # the child never came: its own answer says why
+
+        thread = threading.Thread(target=meet, name="pause-point", daemon=True)
+        thread.start()
+        return thread
