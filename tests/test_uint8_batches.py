@@ -28,7 +28,7 @@ from prefect_ddp.tasks.data.dataset import (
     train_transform,
 )
 from prefect_ddp.tasks.data.decoding import decoded_tensor, draft_scale, jpeg_header, libjpeg_decoded, open_rgb
-from prefect_ddp.tasks.data.device_batches import ToDevice, decode_on
+from prefect_ddp.tasks.data.device_batches import ToDevice, decode_on, pixel_chunks
 from prefect_ddp.tasks.data.loader_steps import collate_images, device_steps, loader_steps
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 
@@ -109,7 +109,7 @@ def test_an_image_past_pils_decompression_bomb_limit_is_refused_as_open_rgb_refu
 
 @pytest.mark.unit
 def test_which_decoder_takes_an_image_is_read_from_its_header():
-    assert jpeg_header(IMAGES["exif 1"]) == (((120, 90), 3, False))
+    assert jpeg_header(IMAGES["exif 1"]) == (((120, 90), 3, False, False))
     assert jpeg_header(IMAGES["exif 6"]).app1 and jpeg_header(IMAGES["xmp 6"]).app1
     assert jpeg_header(IMAGES["grey"]).components == 1 and jpeg_header(IMAGES["cmyk"]).components == 4
     assert jpeg_header(IMAGES["progressive"]).size == (120, 90)
@@ -224,11 +224,22 @@ def test_a_lossless_jpeg_is_left_to_open_rgb():
     """libjpeg-turbo 3.1.2 (simplejpeg's) wrote a lossless JPEG decoded at a reduced scale past its
     buffer: wrong pixels, then the process aborted (found by review). open_rgb decides instead."""
     data = lossless_jpeg(np.random.default_rng(0).integers(0, 256, (97, 130, 3), dtype=np.uint8))
-    assert jpeg_header(data) is None
+    assert jpeg_header(data) == ((130, 97), 3, False, True)  # its size still counts (device_batches.pixel_chunks)
     for side in (None, 4, 30, 60):  # whole, then at 1/8, 1/2 and 1/2 for PIL's draft
         expected = outcome(lambda: open_rgb(data, side))
         got = outcome(lambda: decoded_tensor(data, side))
         assert got is expected if isinstance(expected, type) else torch.equal(got, expected), side
+
+
+@pytest.mark.unit
+def test_a_lossless_jpegs_pixels_count_in_the_devices_decode_chunks():
+    """Counted as no pixels, any number of lossless camera frames joined one chunk, held whole at full
+    size on the device at once (device_batches.DECODE_PIXELS)."""
+    pixels = np.random.default_rng(1).integers(0, 256, (60, 80, 3), dtype=np.uint8)
+    data = torch.frombuffer(bytearray(lossless_jpeg(pixels)), dtype=torch.uint8)
+    assert [len(chunk) for chunk in pixel_chunks([data] * 4, pixels=2 * 60 * 80)] == [2, 2]
+    decoded = decode_on(torch.device("cpu"), [data])[0]  # whichever decoder takes it, open_rgb's pixels
+    assert torch.equal(decoded, torch.from_numpy(np.array(open_rgb(lossless_jpeg(pixels)))).permute(2, 0, 1))
 
 
 @pytest.mark.unit

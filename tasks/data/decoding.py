@@ -65,11 +65,13 @@ def decode_upright(data: bytes, side: int | None) -> tuple[Image.Image, tuple[in
 
 class JpegHeader(NamedTuple):
     """What a JPEG's segments before its image data say: its frame (None where no frame came
-    before the data) and whether an APP1 segment (EXIF or XMP, where an orientation tag lives) did."""
+    before the data), whether an APP1 segment (EXIF or XMP, where an orientation tag lives) did,
+    and whether the frame is lossless (LOSSLESS_FRAME: PIL decodes it, not libjpeg through simplejpeg)."""
 
     size: tuple[int, int] | None  # (width, height) as stored
     components: int
     app1: bool
+    lossless: bool = False
 
 
 JPEG_MAGIC = b"\xff\xd8\xff"  # the start-of-image marker and the first segment's marker byte
@@ -87,27 +89,28 @@ STANDALONE = frozenset({0x01, *range(0xD0, 0xDA)})
 
 def jpeg_header(data: bytes | memoryview) -> JpegHeader | None:
     """The header of a JPEG read from its segments' lengths alone, without a decoder (a few us);
-    None where the data is not a JPEG, its header is not a plain run of segments, or its frame is
-    lossless (LOSSLESS_FRAME): PIL reads those.
+    None where the data is not a JPEG or its header is not a plain run of segments. A lossless
+    frame is said (`lossless`): its size counts what decoding it holds, though PIL decodes it.
 
     >>> buffer = io.BytesIO()
     >>> Image.new("RGB", (40, 30)).save(buffer, "JPEG")
     >>> jpeg_header(buffer.getvalue())
-    JpegHeader(size=(40, 30), components=3, app1=False)
+    JpegHeader(size=(40, 30), components=3, app1=False, lossless=False)
     """
     if data[:3] != JPEG_MAGIC:
         return None
-    size, components, app1, at = None, 0, False, 2  # past the start-of-image marker (FF D8)
+    size, components, app1, lossless, at = None, 0, False, False, 2  # past the start-of-image marker (FF D8)
     while at + 4 <= len(data) and data[at] == 0xFF:
         marker = data[at + 1]
         if marker == START_OF_SCAN:
-            return JpegHeader(size, components, app1)
+            return JpegHeader(size, components, app1, lossless)
         length = data[at + 2] << 8 | data[at + 3]  # the segment's length, which counts itself
-        if marker == 0xFF or marker in STANDALONE or marker in LOSSLESS_FRAME or length < 2:
-            return None  # fill bytes or a marker alone: not a plain run; a lossless frame (above)
+        if marker == 0xFF or marker in STANDALONE or length < 2:
+            return None  # fill bytes or a marker alone: not a plain run
         if marker in START_OF_FRAME and at + 10 <= len(data):
             size = (data[at + 7] << 8 | data[at + 8], data[at + 5] << 8 | data[at + 6])
             components = data[at + 9]
+            lossless |= marker in LOSSLESS_FRAME
         app1 |= marker == APP1
         at += 2 + length
     return None
@@ -144,7 +147,8 @@ def decoded_tensor(data: bytes, side: int | None = None) -> torch.Tensor:
     ((3, 30, 40), torch.uint8, True)
     """
     header = jpeg_header(data)
-    if header and header.size and header.components in (1, 3) and within_pil_limit(header.size):
+    if (header and header.size and not header.lossless and header.components in (1, 3)
+            and within_pil_limit(header.size)):
         tag = exif_orientation(data)  # raising where open_rgb would, pixels aside; None: not a JPEG to PIL
         image = None if tag is None else libjpeg_decoded(data, header.size, draft_scale(header.size, side))
         if tag is not None and image is not None:
