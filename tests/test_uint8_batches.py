@@ -232,6 +232,25 @@ def test_a_lossless_jpeg_is_left_to_open_rgb():
 
 
 @pytest.mark.unit
+def test_a_stuffed_zero_in_the_header_leaves_a_hidden_lossless_frame_to_pil():
+    """FF 00 read as a segment landed on a baseline frame inside a comment that libjpeg and PIL read
+    past, and skipped the real lossless frame: the JPEG went to libjpeg through simplejpeg, which at
+    a reduced scale writes past its buffer on a lossless frame (found by review)."""
+    pixels = np.random.default_rng(2).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    lossless = lossless_jpeg(pixels)
+    baseline = segment(0xC0, bytes([8]) + struct.pack(">HH", 48, 64) + bytes([3, 1, 0x11, 0, 2, 0x11, 0, 3, 0x11, 0]))
+    # To jpeg_header: a segment "FF 00" of 10 bytes, the baseline frame, then a comment over the real
+    # segments up to the scan. To libjpeg and PIL: the FF 00 passed over, then a comment over the baseline frame.
+    data = (b"\xff\xd8" + b"\xff\x00\x00\x0a" + b"\xff\xfe" + struct.pack(">H", 29) + b"abcd" + baseline
+            + b"\xff\xfe" + struct.pack(">H", 2 + lossless.index(b"\xff\xda") - 2) + lossless[2:])
+    assert jpeg_header(data) is None
+    for side in (None, 8, 24):
+        expected = outcome(lambda: open_rgb(data, side))
+        got = outcome(lambda: decoded_tensor(data, side))
+        assert got is expected if isinstance(expected, type) else torch.equal(got, expected), side
+
+
+@pytest.mark.unit
 def test_a_lossless_jpegs_pixels_count_in_the_devices_decode_chunks():
     """Counted as no pixels, any number of lossless camera frames joined one chunk, held whole at full
     size on the device at once (device_batches.DECODE_PIXELS)."""

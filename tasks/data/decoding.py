@@ -105,8 +105,10 @@ def jpeg_header(data: bytes | memoryview) -> JpegHeader | None:
         if marker == START_OF_SCAN:
             return JpegHeader(size, components, app1, lossless)
         length = data[at + 2] << 8 | data[at + 3]  # the segment's length, which counts itself
-        if marker == 0xFF or marker in STANDALONE or length < 2:
-            return None  # fill bytes or a marker alone: not a plain run
+        if marker in (0x00, 0xFF) or marker in STANDALONE or length < 2:
+            # Fill bytes, a stuffed zero or a marker alone: not a plain run. libjpeg and PIL pass over
+            # them; read as a segment, the next bytes would be a length that lands elsewhere than theirs.
+            return None
         if marker in START_OF_FRAME and at + 10 <= len(data):
             size = (data[at + 7] << 8 | data[at + 8], data[at + 5] << 8 | data[at + 6])
             components = data[at + 9]

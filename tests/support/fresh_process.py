@@ -72,12 +72,17 @@ class PausePoint:
 
     def looking(self, look: Callable[[], None], pauses: int) -> threading.Thread:
         """A started thread of the parent's that runs `look` at each of `pauses` pauses of the child's.
-        A child that stops short breaks the barrier after its timeout; the thread then ends."""
+        A child that stops short breaks the barrier after its timeout; the thread then ends. A `look`
+        that raises breaks it at once: the child's answer is then its BrokenBarrierError, not a hang."""
         def meet() -> None:
             try:
                 for _ in range(pauses):
                     self._barrier.wait()
-                    look()
+                    try:
+                        look()
+                    except BaseException:
+                        self._barrier.abort()
+                        raise
                     self._barrier.wait()
             except threading.BrokenBarrierError:
                 pass  # the child never came: its own answer says why
