@@ -70,8 +70,8 @@ class PausePoint:
         self._barrier.wait()
         self._barrier.wait()
 
-    def looking(self, look: Callable[[], None], pauses: int) -> threading.Thread:
-        """A started thread of the parent's that runs `look` at each of `pauses` pauses of the child's.
+    def looking(self, look: Callable[[], None], pauses: int) -> None:
+        """Start a thread of the parent's that runs `look` at each of `pauses` pauses of the child's.
         A child that stops short breaks the barrier after its timeout; the thread then ends. A `look`
         that raises breaks it at once: the child's answer is then its BrokenBarrierError, not a hang."""
         def meet() -> None:
@@ -87,6 +87,4 @@ class PausePoint:
             except threading.BrokenBarrierError:
                 pass  # the child never came: its own answer says why
 
-        thread = threading.Thread(target=meet, name="pause-point", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=meet, name="pause-point", daemon=True).start()
