@@ -7,12 +7,16 @@ cluster: nothing that happens to the flow's process reaches them but the supervi
 
 from __future__ import annotations
 
+import contextvars
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,7 +26,7 @@ import optuna
 import pytest
 import torch.distributed as dist
 from optuna.trial import TrialState
-from prefect import flow
+from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     TaskRunFilter,
@@ -31,11 +35,12 @@ from prefect.client.schemas.filters import (
 )
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
-from prefect.states import Cancelling
+from prefect.states import Cancelling, Running
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from prefect_ddp.tasks.gang import GangError, GangStopped, RankContext, run_gang
+from prefect_ddp.tasks.gang.states import settled_task_runs
 from prefect_ddp.tasks.gang.stopping import READ_EVERY_S, StopFlag
 from prefect_ddp.tasks.gang.supervise import FAILURE_GRACE_S
 from prefect_ddp.tasks.sweeps.sweep import SweepAlreadyRunning
@@ -338,3 +343,33 @@ def test_cancelling_a_deployment_run_stops_its_ranks(deployments, dask_cluster, 
     assert len(wait_for_marks(tmp_path, "left", 2, timeout_s=5)) == 2
     assert_ranks_cancelled(run.id)
     assert_workers_free(address, before)
+
+
+@task
+def recorded_late() -> None:
+    """Stands for a rank whose task run the server records only after the gang has stopped."""
+
+
+def test_a_started_ranks_task_run_recorded_late_is_waited_for_and_one_never_started_is_not(prefect_api, caplog):
+    """The server records a task run from its worker's events, and its recorder retries a write
+    its database refused at the next flush: under load a started rank's run was recorded after the
+    supervisor's 5-s wait, never crashed, and stayed RUNNING (CI). Only a run known to have started
+    is waited for longer; one that never started is not."""
+    late, never_started, lost = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    with get_client(sync_client=True) as api:
+        def record(task_run_id: uuid.UUID) -> None:
+            with get_client(sync_client=True) as own:
+                own.create_task_run(recorded_late, None, str(task_run_id), id=task_run_id, state=Running())
+
+        # In the test's settings (the session's server), which a thread sees only in a copy of its context.
+        recorders = [threading.Timer(3, contextvars.copy_context().run, [record, i]) for i in (late, never_started)]
+        for recorder in recorders:
+            recorder.start()
+        assert settled_task_runs(api, [never_started], (), started=(), wait_s=0.5) == []
+        runs = settled_task_runs(api, [late], (), started={late}, wait_s=0.5, started_wait_s=60)
+        assert [(r.id, r.state.type.value) for r in runs] == [(late, "RUNNING")]  # then crashed by its caller
+        for recorder in recorders:
+            recorder.join()
+        with caplog.at_level(logging.WARNING, logger="prefect_ddp"):
+            assert settled_task_runs(api, [lost], (), started={lost}, wait_s=0.2, started_wait_s=1) == []
+    assert f"has not recorded task runs ['{lost}'] within 1 s, though their ranks started" in caplog.text

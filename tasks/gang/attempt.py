@@ -90,7 +90,7 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, leases: dict[str, str], 
             # Synchronously in an async flow too, as PrefectDaskFuture.result reads a state.
             return [state.result(_sync=True) for state in states]  # type: ignore[call-overload]
         except BaseException as error:  # cancellation and Ctrl-C too: never leave ranks behind
-            stop(client, flag, futures, contexts, hung=isinstance(error, GangHung))
+            stop(client, flag, futures, contexts, hung=isinstance(error, GangHung), started=set(hang.last))
             raise
         finally:
             with logged_failure("forgetting the ranks' progress"):

@@ -7,7 +7,9 @@ reports again: without this its task run stays RUNNING.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from typing import Any
+from uuid import UUID
 
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.objects import TaskRun
@@ -21,39 +23,57 @@ from prefect_ddp.tasks.reporting import run_logger
 # happen: a rank stopped right after it started may not be recorded yet, and the final
 # state of one that just ended may not have arrived.
 RECORDING_WAIT_S = 5.0
+# A rank that reported progress has started, so its task run's events are on their way; the
+# server may still record them much later: its recorder retries a write its database refused at
+# its next flush, and a SQLite-backed server at times answers no write for 60 s under load
+# (docs/architecture.md, "Facts: Prefect"). Not crashed for want of a record, such a task run
+# stayed RUNNING after its worker was gone (seen in CI).
+STARTED_RECORDING_WAIT_S = 120.0
 CRASH_MESSAGE = ("Stopped by the gang supervisor: another rank or its worker failed, the deadline passed, "
                  "or the flow run was cancelled.")
 
 
-def settled_task_runs(api: SyncPrefectClient, futures: list[PrefectDaskFuture[Any]],
-                      wait_s: float = RECORDING_WAIT_S) -> list[TaskRun]:
-    """The ranks' task runs once the server has recorded each, and the final state of each
-    rank that ended by itself; or as they are after `wait_s`.
+def settled_task_runs(api: SyncPrefectClient, ids: list[UUID], ended_by_themselves: Collection[UUID],
+                      started: Collection[UUID] = (), wait_s: float = RECORDING_WAIT_S,
+                      started_wait_s: float = STARTED_RECORDING_WAIT_S) -> list[TaskRun]:
+    """The task runs of `ids` once the server has recorded each, and the final state of each
+    that ended by itself; or as they are after `wait_s`, or after `started_wait_s` while one
+    of `started` (known to have run) is not recorded yet.
 
     Waiting for a finished rank's own final state keeps its story (Cancelled by the stop
     flag, Failed) instead of overwriting it with Crashed. A rank cancelled before it
     started never gets a task run, so fewer may come back.
     """
-    ids = [f.task_run_id for f in futures]
-    ended_by_themselves = {f.task_run_id for f in futures if f.wrapped_future.status == "finished"}
-    deadline = time.monotonic() + wait_s
+    began = time.monotonic()
     while True:
         runs = api.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=ids)), limit=len(ids))
-        settled = len(runs) >= len(ids) and all(r.state and r.state.is_final() for r in runs if r.id in ended_by_themselves)
-        if settled or time.monotonic() > deadline:
+        unrecorded = set(ids) - {r.id for r in runs}
+        waited = time.monotonic() - began
+        if not unrecorded and all(r.state and r.state.is_final() for r in runs if r.id in ended_by_themselves):
+            return runs
+        if waited > wait_s and not unrecorded & set(started):
+            return runs
+        if waited > started_wait_s:
+            run_logger().warning(
+                "The Prefect server has not recorded task runs %s within %.0f s, though their ranks started: "
+                "they cannot be marked Crashed, and may show Running though their ranks are gone.",
+                sorted(str(i) for i in unrecorded & set(started)), started_wait_s)
             return runs
         time.sleep(0.5)
 
 
-def crash_unfinished_task_runs(futures: list[PrefectDaskFuture[Any]], message: str = CRASH_MESSAGE) -> None:
+def crash_unfinished_task_runs(futures: list[PrefectDaskFuture[Any]], message: str = CRASH_MESSAGE,
+                               started: Collection[UUID] = ()) -> None:
     """Give every future's task run a final state (Crashed with `message` where it has none);
-    never raise over the error that the caller is reporting. Decode-check uses it too, for
-    chunks whose workers all died."""
+    never raise over the error that the caller is reporting. `started`: the task run ids of
+    futures known to have run (their ranks reported progress), whose recording is waited for
+    longer. Decode-check uses it too, for chunks whose workers all died."""
     if not futures:
         return
+    ended_by_themselves = {f.task_run_id for f in futures if f.wrapped_future.status == "finished"}
     try:
         with get_client(sync_client=True) as api:
-            for task_run in settled_task_runs(api, futures):
+            for task_run in settled_task_runs(api, [f.task_run_id for f in futures], ended_by_themselves, started):
                 if task_run.state is None or not task_run.state.is_final():
                     _crash(api, task_run.id, message)
     except Exception:

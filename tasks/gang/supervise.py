@@ -13,7 +13,7 @@ import concurrent.futures
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -219,9 +219,11 @@ def logged_failure(step: str) -> Iterator[None]:
 
 def stop(
     client: distributed.Client, flag: StopFlag, futures: list[PrefectDaskFuture[Any]],
-    contexts: list[RankContext], hung: bool = False,
+    contexts: list[RankContext], hung: bool = False, started: Collection[int] = (),
 ) -> None:
     """Stop every rank, give each task run a final state, and restart stuck workers.
+    `started`: the ranks that reported progress, whose task runs the server must have
+    on their way (states.settled_task_runs waits longer for those).
 
     Each step runs even when the one before it failed (the scheduler may be what failed),
     so the task runs get their final state whatever happened to Dask.
@@ -229,7 +231,8 @@ def stop(
     stuck: list[str] = []
     with logged_failure("asking the ranks to stop"):
         stuck = _ask_to_stop(client, flag, futures, contexts, hung)
-    crash_unfinished_task_runs(futures)
+    started_runs = {f.task_run_id for f, c in zip(futures, contexts) if c.rank in started}
+    crash_unfinished_task_runs(futures, started=started_runs)
     if stuck:
         with logged_failure(f"restarting workers {stuck}"):
             _restart(client, stuck)
