@@ -252,7 +252,8 @@ class TrainingConfig(_Strict):
         description="DataLoader worker processes per rank (0: load inline). Empty "
         "(the default): one per CPU the rank has (the CPUs its worker may run on, shared among the "
         "workers that may run on them) less one for the rank itself, at most 32: what a GPU rank needs "
-        "to keep fed; fewer where the host's /dev/shm, memory, open-file or thread limit holds fewer. The run's "
+        "to keep fed; fewer where the host's /dev/shm, memory, open-file or thread limit holds fewer (their "
+        "batches through pipes where /dev/shm holds fewer than half of them, or than set here). The run's "
         "log says what it chose and why, and warns when a number set here is past such a limit.",
     )
     fetch_threads: int | None = Field(

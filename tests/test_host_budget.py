@@ -93,8 +93,8 @@ def assert_within(budget: Budget, limits: HostLimits, load: LoaderLoad) -> None:
     epoch starts during validation); each loader process keeps 2 batches ready (DataLoader's
     prefetch_factor) and 3 batches of GETs in flight (its own and 2 fetched ahead), holds ~115 MiB of
     its own, 150 bytes per indexed image, its fetched-ahead encoded images and the batch it decodes;
-    the rank takes one batch per loader; ready batches sit in /dev/shm and again in pinned memory for
-    CUDA; every tensor handed over is a file each side holds; loaders may fill half of /dev/shm and of
+    the rank takes one batch per loader; ready batches sit in /dev/shm (or, handed over through the
+    processes' pipes, in the loader processes' memory) and again in pinned memory for CUDA; every tensor handed over is a file each side holds; loaders may fill half of /dev/shm and of
     memory (the rest is the ranks' and NCCL's). Threads: each rank's torch threads (its CPU share) and
     pin thread; each loader process's own, its fetch-ahead's 3 batches' threads, s3fs' event loop and
     obstore's 2 runtime threads; a read thread per GET in flight; the ranks may take half of what the
@@ -103,12 +103,12 @@ def assert_within(budget: Budget, limits: HostLimits, load: LoaderLoad) -> None:
     ranks, workers, fetches = limits.ranks, budget.loader_processes, budget.fetches_in_flight
     batch = load.batch_size * load.image_bytes
     held = (2 * (2 * workers + 1) if workers else 1) * batch
-    shm = held if workers else 0
+    handed = held if workers else 0
     pinned = held if load.pinned else 0
     own = 115 * MiB + 150 * load.indexed_images + 3 * load.batch_size * load.stored_image_bytes + batch
     assert limits.shm_bytes is not None
-    assert ranks * shm <= 0.5 * limits.shm_bytes
-    assert ranks * (2 * workers * own + shm + pinned) <= 0.5 * limits.memory_bytes
+    assert ranks * (handed if budget.handover == "shm" else 0) <= 0.5 * limits.shm_bytes
+    assert ranks * (2 * workers * own + handed + pinned) <= 0.5 * limits.memory_bytes
     if workers:
         assert 3 * fetches + 2 * load.tensors_per_batch + 64 <= limits.open_files  # a loader process's
         assert 256 + 2 * (workers * (3 + 2 * load.tensors_per_batch) + load.tensors_per_batch) <= limits.open_files
@@ -160,20 +160,20 @@ def test_the_partly_cut_hosts_are_cut_part_of_the_way():
     assert 0 < chosen["16 cores, 1 rank, nofile 1024", "encoded, batch 64"] < 15
 
 
-@pytest.mark.parametrize(("host", "processes", "fetches", "shm_gib", "gets"), [
-    ("64 cores, /dev/shm half of memory, nofile 1024", 112, 24, 8.6, 8064),
-    ("64 cores, /dev/shm 64 MiB, nofile 1024", 0, 256, 0, 6144),
-    ("192 cores with SMT, /dev/shm half of memory, nofile 1024", 512, 5, 37.3, 7680),
-    ("192 cores with SMT, /dev/shm 64 MiB, nofile 1048576", 0, 256, 0, 6144),
+@pytest.mark.parametrize(("host", "processes", "fetches", "shm_gib", "gets", "handover"), [
+    ("64 cores, /dev/shm half of memory, nofile 1024", 112, 24, 8.6, 8064, "shm"),
+    ("64 cores, /dev/shm 64 MiB, nofile 1024", 112, 24, 0, 8064, "pipe"),
+    ("192 cores with SMT, /dev/shm half of memory, nofile 1024", 512, 5, 37.3, 7680, "shm"),
+    ("192 cores with SMT, /dev/shm 64 MiB, nofile 1048576", 512, 5, 0, 7680, "pipe"),
 ])
-def test_what_the_budget_decides_on_each_host(host, processes, fetches, shm_gib, gets):
-    """The numbers docs/architecture.md quotes, for the whole host: the cores' loader processes where
-    /dev/shm holds their batches, none where it cannot hold one; as many images fetched at once as the
-    host's GETs in flight leave each batch."""
+def test_what_the_budget_decides_on_each_host(host, processes, fetches, shm_gib, gets, handover):
+    """The numbers docs/architecture.md quotes, for the whole host: the cores' loader processes, their
+    batches in /dev/shm where it holds them, through the processes' pipes where it cannot hold one; as
+    many images fetched at once as the host's GETs in flight leave each batch."""
     budget = rank_budget(BATCH, HOSTS[host], imagenet(UINT8))
     host_shm = round(RANKS * budget.shm_bytes / GiB, 1)
     assert (RANKS * LOADERS * budget.loader_processes, budget.fetches_in_flight, host_shm,
-            RANKS * budget.gets_in_flight) == (processes, fetches, shm_gib, gets)
+            RANKS * budget.gets_in_flight, budget.handover) == (processes, fetches, shm_gib, gets, handover)
 
 
 @pytest.mark.parametrize("host", HOSTS)
@@ -184,14 +184,15 @@ def test_the_cores_alone_are_past_a_limit_of_every_gpu_host_and_a_setting_past_o
     cores_only = min(32, limits.cpus - 1)
     cfg = BATCH.model_copy(update={"num_workers": cores_only, "fetch_threads": BATCH.batch_size})
     budget = rank_budget(cfg, limits, imagenet(UINT8))
-    assert (budget.loader_processes, budget.fetches_in_flight, budget.cuts) == (cores_only, 256, ())
+    assert (budget.loader_processes, budget.fetches_in_flight) == (cores_only, 256)
     assert RANKS * budget.gets_in_flight > CONNECTIONS_PER_ENDPOINT
     assert any(warning.startswith("training.fetch_threads=256 is past a limit of this host: this host keeps at "
                                   "most 8192 GETs in flight per storage endpoint") for warning in budget.warnings)
-    if limits.shm_bytes == 64 * MiB:
-        assert any(warning.startswith(f"training.num_workers={cores_only} is past a limit of this host: /dev/shm "
-                                      "holds 64 MiB") for warning in budget.warnings)
     assert all("Lower it, or leave it empty to have it sized" in warning for warning in budget.warnings)
+    # Past /dev/shm, the number set is kept with its batches through the processes' pipes, which rank 0 says.
+    piped = limits.shm_bytes == 64 * MiB
+    assert (budget.handover, len(budget.cuts)) == (("pipe", 1) if piped else ("shm", 0))
+    assert not any("/dev/shm" in warning for warning in budget.warnings)
 
 
 SMALL_HOSTS = [(cores, ranks) for cores in (2, 4, 8, 16) for ranks in (1, 2)]
@@ -223,10 +224,16 @@ def cut_by(limits: HostLimits, load: LoaderLoad, cfg: TrainingConfig = BATCH) ->
 
 def test_each_limit_that_cuts_a_number_says_so_with_its_value():
     host = HOSTS["64 cores, /dev/shm half of memory, nofile 1024"]
-    # /dev/shm: Docker's default holds no batch of 256 224-px images.
-    [shm] = cut_by(dataclasses.replace(host, shm_bytes=64 * MiB), imagenet(UINT8))
-    assert shm.startswith("Loader processes 0, not 7: /dev/shm holds 64 MiB for the 8 rank(s) on this host")
+    # /dev/shm: 11 GiB for 8 ranks holds 4 of 7 loader processes' batches of 256 224-px images.
+    shm, _ = cut_by(dataclasses.replace(host, shm_bytes=11 * GiB), imagenet(UINT8))
+    assert shm.startswith("Loader processes 4, not 7: /dev/shm holds 11 GiB for the 8 rank(s) on this host")
     assert shm.endswith("give the host (a container: docker run --shm-size) a larger /dev/shm for more")
+    # Docker's default holds none: the batches cross the processes' pipes instead, which rank 0 says, and why.
+    piped, _ = cut_by(dataclasses.replace(host, shm_bytes=64 * MiB), imagenet(UINT8))
+    assert piped.startswith("Batches cross the loader processes' pipes, not /dev/shm: /dev/shm holds 64 MiB for the "
+                            "8 rank(s) on this host")
+    assert "room for 0 loader process(es), not 7; through a pipe the rank copies each batch of 36.8 MiB out" in piped
+    assert piped.endswith("give the host (a container: docker run --shm-size) a larger /dev/shm to hand them over there")
     # Connections: 14 loader processes of batch 256 at once would keep 10,752 GETs in flight per rank.
     [connections] = cut_by(host, imagenet(UINT8))
     assert connections.startswith("Images fetched at once per batch 24, not 256: this host keeps at most 8192 GETs "

@@ -77,6 +77,15 @@ LOADER_PROCESS_THREADS = 1 + BATCHES_AT_ONCE + 1 + OBSTORE_RUNTIME_THREADS
 # snapshot, and a sweep's next trial or another user's job starts threads of its own.
 THREADS_SHARE = 0.5
 SHARED_MEMORY = "/dev/shm"
+# Where /dev/shm holds fewer loader processes' batches than this share of the processes the other limits
+# leave (or than training.num_workers sets), their batches cross the processes' pipes instead
+# (pipe_handover.py): cutting a rank's loaders below half would cost it more than the copies out of
+# the pipes do.
+PIPE_BELOW_SHARE = 0.5
+# The rank's CPU per MiB of batch handed over through a loader process's pipe: its reads out of the
+# pipe and the unpickling copy (1.3-1.4 ms measured, 0.4-0.5 through /dev/shm: bench/RESULTS.md,
+# "Batches through pipes").
+PIPE_RANK_MS_PER_MIB = 1.5
 RAISE_OPEN_FILES = "raise the limit (ulimit -n, LimitNOFILE= of a systemd unit, docker run --ulimit nofile=) for more"
 RAISE_PIDS = ("raise the cgroup's pids.max (TasksMax= of a systemd unit, docker run --pids-limit, a Kubernetes "
               "pod's podPidsLimit) for more")
@@ -328,6 +337,7 @@ class Budget:
     loader_processes: int  # per loader; the rank has LOADERS of them
     fetches_in_flight: int  # images a batch fetches at once (S3ImageFolder's fetch_threads)
     shm_bytes: int  # batches in /dev/shm, both loaders' at once
+    handover: str  # how loader processes hand batches over: "shm" (DataLoader's way) or "pipe" (pipe_handover.py)
     pinned_bytes: int  # batches in pinned memory
     memory_bytes: int  # the loader processes' own memory, their batches in /dev/shm and pinned memory
     loader_open_files: int  # a loader process's: its sockets and the rest
@@ -336,7 +346,7 @@ class Budget:
     threads: int  # the rank's torch threads, its loader processes' threads and a thread per read in flight
     cpus: int  # the rank's share of its host's CPUs, which the loader processes' default follows
     why: str  # how the cores-only default came about, or that the run set it
-    cuts: tuple[str, ...]  # one sentence per limit that cut a number below its cores-only value
+    cuts: tuple[str, ...]  # one sentence per limit that cut a number below its cores-only value, or moved batches to pipes
     warnings: tuple[str, ...]  # one sentence per limit a number the run set is past
 
 
@@ -346,23 +356,32 @@ def rank_budget(cfg: TrainingConfig, limits: HostLimits, load: LoaderLoad) -> Bu
     Loader processes first (their cores-only default, cut by /dev/shm, memory, open files and, at one
     image fetched at once, connections and threads), then the images each batch fetches at once (the
     batch size, cut by open files, connections and threads), each never below what its limits leave.
+    Where /dev/shm would hold fewer than PIPE_BELOW_SHARE of the loader processes the other limits leave
+    (or fewer than the run set), batches cross the processes' pipes instead, and /dev/shm cuts nothing.
     Numbers the run set are kept; a warning names each limit they are past.
 
     >>> host = HostLimits(cpus=8, affinity=64, ranks=8, memory_bytes=512 * 2**30, shm_bytes=64 * 2**20,
     ...                   open_files=1024)
     >>> load = LoaderLoad.of(TrainingConfig(batch_size=256), [110_000] * 1000, 3 * 224 * 224 * 4, pinned=True)
     >>> budget = rank_budget(TrainingConfig(batch_size=256), host, load)
-    >>> budget.loader_processes, budget.fetches_in_flight, budget.cuts[0][:60]
-    (0, 256, 'Loader processes 0, not 7: /dev/shm holds 64 MiB for the 8 r')
+    >>> budget.loader_processes, budget.handover, budget.cuts[0][:60]
+    (7, 'pipe', "Batches cross the loader processes' pipes, not /dev/shm: /de")
     """
     processes, processes_why = cores_only_processes(limits)
     bounds = process_bounds(limits, load)
+    shm = shm_bound(limits, load)
     if cfg.num_workers is None:
-        workers, cuts = cut("Loader processes", processes, bounds)
+        piped = shm is not None and shm.most < PIPE_BELOW_SHARE * least(processes, bounds)
+        workers, cuts = cut("Loader processes", processes, bounds if piped or shm is None else [shm, *bounds])
         warnings = []
     else:
         workers, cuts, processes_why = cfg.num_workers, [], f"training.num_workers={cfg.num_workers}, as set"
-        warnings = past(f"training.num_workers={cfg.num_workers}", cfg.num_workers, bounds)
+        piped = shm is not None and workers > shm.most
+        warnings = past(f"training.num_workers={cfg.num_workers}", workers, bounds)
+    piped = piped and workers > 0
+    if piped:
+        assert shm is not None  # piped only where /dev/shm bounds the processes
+        cuts.insert(0, piped_sentence(shm, workers, load))
     fetch_bounds = fetch_bounds_for(limits, load, workers)
     if cfg.fetch_threads is None:
         fetches, fetch_cuts = cut("Images fetched at once per batch", cfg.batch_size, fetch_bounds)
@@ -376,11 +395,12 @@ def rank_budget(cfg: TrainingConfig, limits: HostLimits, load: LoaderLoad) -> Bu
                         f"takes, past its share: {threads_limit(limits.threads, limits.ranks)}. Starting more may "
                         f"fail (\"can't start new thread\"); {limits.threads.fix}.")
     batches = live_batches(workers) * load.batch_bytes
-    shm, pinned = (batches if workers else 0), (batches if load.pinned else 0)
+    handed, pinned = (batches if workers else 0), (batches if load.pinned else 0)  # in /dev/shm, or the loaders' memory
     gets = reads_in_flight(workers, fetches)
     return Budget(
-        loader_processes=workers, fetches_in_flight=fetches, shm_bytes=shm, pinned_bytes=pinned,
-        memory_bytes=LOADERS * workers * load.process_bytes + shm + pinned,
+        loader_processes=workers, fetches_in_flight=fetches, shm_bytes=0 if piped else handed,
+        handover="pipe" if piped else "shm", pinned_bytes=pinned,
+        memory_bytes=LOADERS * workers * load.process_bytes + handed + pinned,
         loader_open_files=loader_files(load, fetches) if workers else 0,
         rank_open_files=RANK_FILES_MARGIN + (LOADERS * (workers * rank_files_per_process(load) + load.tensors_per_batch)
                                              if workers else BATCHES_AT_ONCE * fetches),
@@ -413,21 +433,36 @@ def cores_only_processes(limits: HostLimits) -> tuple[int, str]:
     return workers, why
 
 
+def shm_bound(limits: HostLimits, load: LoaderLoad) -> Bound | None:
+    """The most loader processes per loader whose ready batches /dev/shm holds; None without a /dev/shm."""
+    if limits.shm_bytes is None:
+        return None
+    batch = load.batch_bytes
+    share = SHM_SHARE * limits.shm_bytes / limits.ranks
+    return Bound(
+        most=most(share - LOADERS * batch, LOADERS * PREFETCH_FACTOR * batch),
+        limit=(f"/dev/shm holds {size(limits.shm_bytes)} for the {limits.ranks} rank(s) on this host, and loaders "
+               f"may fill {SHM_SHARE:.0%} of it ({size(share)} per rank), where each loader process keeps "
+               f"{PREFETCH_FACTOR} batches of {size(batch)} ready, train's and validation's at once"),
+        fix="give the host (a container: docker run --shm-size) a larger /dev/shm for more")
+
+
+def piped_sentence(shm: Bound, workers: int, load: LoaderLoad) -> str:
+    """What rank 0 logs where the batches cross the loader processes' pipes: why, and what it costs."""
+    mib = load.batch_bytes / 2**20
+    return (f"Batches cross the loader processes' pipes, not /dev/shm: {shm.limit}, room for {shm.most} loader "
+            f"process(es), not {workers}; through a pipe the rank copies each batch of {size(load.batch_bytes)} "
+            f"out, about {PIPE_RANK_MS_PER_MIB * mib:.3g} ms of its CPU; {shm.fix.removesuffix(' for more')} "
+            "to hand them over there")
+
+
 def process_bounds(limits: HostLimits, load: LoaderLoad) -> list[Bound]:
-    """The most loader processes per loader each limit leaves the rank (0 always fits: the rank then
-    loads its batches itself, with nothing in /dev/shm)."""
+    """The most loader processes per loader each limit but /dev/shm (`shm_bound`) leaves the rank (0
+    always fits: the rank then loads its batches itself)."""
     ranks = f"for the {limits.ranks} rank(s) on this host"
     batch = load.batch_bytes
     bounds = []
-    if limits.shm_bytes is not None:
-        share = SHM_SHARE * limits.shm_bytes / limits.ranks
-        bounds.append(Bound(
-            most=most(share - LOADERS * batch, LOADERS * PREFETCH_FACTOR * batch),
-            limit=(f"/dev/shm holds {size(limits.shm_bytes)} {ranks}, and loaders may fill {SHM_SHARE:.0%} of it "
-                   f"({size(share)} per rank), where each loader process keeps {PREFETCH_FACTOR} batches of "
-                   f"{size(batch)} ready, train's and validation's at once"),
-            fix="give the host (a container: docker run --shm-size) a larger /dev/shm for more"))
-    pinned = 1 + load.pinned  # a batch is held in /dev/shm, then in pinned memory too
+    pinned = 1 + load.pinned  # a batch is held in /dev/shm (or a loader process's memory), then in pinned memory too
     share = MEMORY_SHARE * limits.memory_bytes / limits.ranks
     bounds.append(Bound(
         most=most(share - LOADERS * batch * pinned, LOADERS * (load.process_bytes + PREFETCH_FACTOR * batch * pinned)),
@@ -514,9 +549,14 @@ def threads_limit(left: ThreadsLeft, ranks: int) -> str:
 
 def cut(what: str, cores_only: int, bounds: list[Bound]) -> tuple[int, list[str]]:
     """The cores-only value, or the least a limit leaves; a sentence for each limit below the former."""
-    chosen = min([cores_only, *(bound.most for bound in bounds)])
+    chosen = least(cores_only, bounds)
     return chosen, [f"{what} {chosen}, not {cores_only}: {bound.limit}, room for {bound.most}; {bound.fix}"
                     for bound in bounds if bound.most < cores_only]
+
+
+def least(value: int, bounds: list[Bound]) -> int:
+    """`value`, or the least a bound leaves where that is less."""
+    return min([value, *(bound.most for bound in bounds)])
 
 
 def past(setting: str, value: int, bounds: list[Bound]) -> list[str]:

@@ -99,14 +99,16 @@ def device_steps(transform: Callable[..., Any]) -> list[Any]:
     return split_at_device(transform)[1]
 
 
-def collate_images(samples: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def collate_images(samples: Sequence[tuple[torch.Tensor, int]], shared: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of uint8 images stacked as NHWC memory (in a loader process into shared memory, as
-    torch's `default_collate` stacks), returned NCHW channels-last, with the labels.
+    torch's `default_collate` stacks; in its own memory where not `shared`, for a batch that crosses
+    the process's pipe, prefect_ddp.tasks.data.pipe_handover), returned NCHW channels-last, with the labels.
 
     >>> images, labels = collate_images([(torch.zeros(3, 4, 5, dtype=torch.uint8), 1)] * 2)
     >>> tuple(images.shape), images.is_contiguous(memory_format=torch.channels_last), labels.tolist()
     ((2, 3, 4, 5), True, [1, 1])
     """
-    images = default_collate([image.permute(1, 2, 0) for image, _ in samples])
+    nhwc = [image.permute(1, 2, 0) for image, _ in samples]
+    images = default_collate(nhwc) if shared else torch.stack(nhwc)
     labels: torch.Tensor = default_collate([label for _, label in samples])
     return images.permute(0, 3, 1, 2), labels

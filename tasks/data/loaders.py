@@ -32,6 +32,7 @@ from prefect_ddp.tasks.data.host_budget import Budget, HostLimits, LoaderLoad, h
 from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps
 from prefect_ddp.tasks.data.loader_leftovers import remove_dead_loader_folders
 from prefect_ddp.tasks.data.manifest import Manifest
+from prefect_ddp.tasks.data.pipe_handover import PipedCollate
 from prefect_ddp.tasks.data.positioned_sampler import PositionedSampler
 from prefect_ddp.tasks.data.shard_reader import ShardDataset, ShardLoader, open_shards
 from prefect_ddp.tasks.data.shard_writer import shard_format
@@ -115,7 +116,7 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
     output_options = output.storage_options()
     cache = ByteCache(int(cfg.cache_gb * 1e9)) if cfg.cache_gb else None
     dataset = partial(images.dataset, cache=cache)
-    collate: dict[str, Any] = {"collate_fn": encoded_collate if on_device else collate_images}
+    collate_fn = batch_collate(on_device, piped=budget.handover == "pipe")
     val_set = dataset(split.val, val_tf)
     loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": pinned}
     if workers:
@@ -123,12 +124,12 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
         remove_dead_loader_folders()  # of a run's loader processes killed before, on this host
         loader_options |= {**forked_workers(), "persistent_workers": True}
     val_shard = list(range(len(val_set)))[ctx.rank :: ctx.world_size]
-    val_loader = FetchAheadLoader(val_set, val_shard, cfg.batch_size, **collate, **loader_options)
+    val_loader = FetchAheadLoader(val_set, val_shard, cfg.batch_size, collate_fn=collate_fn, **loader_options)
     if cfg.images_per_shard:
         fmt = shard_format(cfg)
         folder, index = open_shards(output.url, output_options, manifest, split, fmt)
         shards = ShardDataset(folder, index, output_options, train_tf, cfg.batch_size, ctx.rank,
-                              ctx.world_size, workers, split.seed, cfg.fetch_timeout_s)
+                              ctx.world_size, workers, split.seed, cfg.fetch_timeout_s, collate_fn)
         train_loader: DataLoader[Any] = ShardLoader(shards, **loader_options)
         stored_resized = bool(fmt.side)
     else:
@@ -137,11 +138,20 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
         # another number of ranks goes on where the old one stopped. It leaves out a last batch
         # of one image (it breaks BatchNorm in training mode) on every rank alike.
         sampler = PositionedSampler(len(train_set), ctx.world_size, ctx.rank, split.seed, cfg.batch_size)
-        train_loader = FetchAheadLoader(train_set, sampler, cfg.batch_size, **collate, **loader_options)
+        train_loader = FetchAheadLoader(train_set, sampler, cfg.batch_size, collate_fn=collate_fn, **loader_options)
         stored_resized = False
     return RankData(train_loader, val_loader, images, output_options,
                     decodes_originals=not on_device and not stored_resized, loader_workers=chosen,
                     train_epochs=EpochAhead(train_loader))
+
+
+def batch_collate(encoded: bool, piped: bool) -> Callable[[Any], Any]:
+    """The loaders' collate: encoded images (decode_on="device") or the loaders' uint8 images; batches
+    that cross the loader processes' pipes where `piped` (prefect_ddp.tasks.data.pipe_handover), in
+    /dev/shm otherwise."""
+    if not piped:
+        return encoded_collate if encoded else collate_images
+    return PipedCollate(encoded_collate if encoded else partial(collate_images, shared=False))
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,8 @@ class ShardDataset(IterableDataset[tuple[torch.Tensor | EncodedBatch, torch.Tens
             may differ, as their batches do not depend on it.
         seed: with the epoch (`set_epoch`), seeds the shard order and the shuffle buffer.
         fetch_timeout_s: limit for one shard's GET, retries included.
+        collate: makes a batch of (image, label) samples; default: the one for `transform`'s
+            images (a rank whose batches cross its loader processes' pipes gives its own).
 
     >>> # loader = ShardLoader(ShardDataset(folder, index, {}, transform, 32, rank, world, 2))
     """
@@ -164,7 +166,7 @@ class ShardDataset(IterableDataset[tuple[torch.Tensor | EncodedBatch, torch.Tens
     def __init__(
         self, folder: str, index: ShardIndex, storage_options: dict[str, Any], transform: Callable[..., Any] | None,
         batch_size: int, rank: int, world_size: int, loader_workers: int, seed: int = 0,
-        fetch_timeout_s: float = 60,
+        fetch_timeout_s: float = 60, collate: Callable[[Any], tuple[torch.Tensor | EncodedBatch, torch.Tensor]] | None = None,
     ) -> None:
         require_images_for_every_rank(index, world_size, batch_size)
         self.folder = folder
@@ -176,7 +178,7 @@ class ShardDataset(IterableDataset[tuple[torch.Tensor | EncodedBatch, torch.Tens
         self.storage_options = {**object_read_options(folder, storage_options, self.ahead), "skip_instance_cache": True}
         self.transform = transform
         # The loaders' uint8 images stack channels-last; another transform's output as torch stacks it.
-        self.collate: Callable[[Any], tuple[torch.Tensor | EncodedBatch, torch.Tensor]] = (
+        self.collate: Callable[[Any], tuple[torch.Tensor | EncodedBatch, torch.Tensor]] = collate or (
             encoded_collate if transform is None else collate_images if isinstance(transform, LoaderSteps)
             else default_collate)
         self.batch_size = batch_size
