@@ -9,9 +9,11 @@ cluster after the flow had ended.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from uuid import UUID
 
 import dask
 import distributed
@@ -26,6 +28,7 @@ from prefect_ddp.tasks.gang.plan import bystander_cpu_sets, plan_ranks, thread_s
 from prefect_ddp.tasks.gang.ports import free_port
 from prefect_ddp.tasks.gang.progress import HangWatch
 from prefect_ddp.tasks.gang.rank import run_rank
+from prefect_ddp.tasks.gang.states import EVENTS_SENT_S, STARTED_RECORDING_WAIT_S
 from prefect_ddp.tasks.gang.stopping import stop_flag
 from prefect_ddp.tasks.gang.supervise import Deadline, logged_failure, stop, supervise
 from prefect_ddp.tasks.gang.trial import TrialLink
@@ -58,6 +61,10 @@ class GangSpec:
     regroups: int = 0  # attempts so far that ended in a regroup (run._until_one_completes counts them)
     not_growing: set[str] = field(default_factory=set)  # free workers a regroup did not get: not asked for again
     warned: set[str] = field(default_factory=set)  # worker-setup warnings already logged
+    # Task runs of started ranks that the server had not recorded when their attempt stopped, and until
+    # when to wait for them: crashed once recorded, at the gang's end (states.crash_when_recorded). Like
+    # the sets above, one object for the run: `replace` hands it on to each regroup's spec.
+    late_runs: dict[UUID, float] = field(default_factory=dict)
 
 
 def run_attempt(runner: DaskTaskRunner, spec: GangSpec, leases: dict[str, str], attempt: int) -> list[Any]:
@@ -90,7 +97,8 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, leases: dict[str, str], 
             # Synchronously in an async flow too, as PrefectDaskFuture.result reads a state.
             return [state.result(_sync=True) for state in states]  # type: ignore[call-overload]
         except BaseException as error:  # cancellation and Ctrl-C too: never leave ranks behind
-            stop(client, flag, futures, contexts, hung=isinstance(error, GangHung), started=set(hang.last))
+            unrecorded = stop(client, flag, futures, contexts, hung=isinstance(error, GangHung), started=hang.reported_for(EVENTS_SENT_S))
+            spec.late_runs.update(dict.fromkeys(unrecorded, time.monotonic() + STARTED_RECORDING_WAIT_S))
             raise
         finally:
             with logged_failure("forgetting the ranks' progress"):

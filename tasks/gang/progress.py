@@ -168,6 +168,7 @@ class HangWatch:
     # Runtime attributes
     started_at: float | None = None  # scheduler clock, set at the first poll
     last: dict[int, tuple[float, dict[str, Any]]] = field(default_factory=dict)  # rank -> (stamp, record)
+    first: dict[int, float] = field(default_factory=dict)  # rank -> the stamp of its first report
     gaps: dict[int, deque[float]] = field(default_factory=dict)  # rank -> its last GAP_WINDOW gaps between steps
 
     def recent_gap(self) -> float:
@@ -202,13 +203,32 @@ class HangWatch:
             if previous is not None and record["phase"] == previous[1]["phase"] == "step":
                 self.gaps.setdefault(rank, deque(maxlen=GAP_WINDOW)).append(stamp - previous[0])
             self.last[rank] = (stamp, record)
+            self.first.setdefault(rank, stamp)
+
+    def poll(self) -> dict[str, Any]:
+        """Fold in the reports that reached the scheduler since the last poll; what the scheduler said
+        (`progress_on_scheduler`)."""
+        after = max([stamp for stamp, _ in self.last.values()], default=0.0)
+        seen: dict[str, Any] = self.client.run_on_scheduler(progress_on_scheduler, self.topic,
+                                                            list(self.workers.values()), after)
+        self.started_at = self.started_at if self.started_at is not None else seen["now"]
+        self.take(seen["events"])
+        return seen
+
+    def reported_for(self, seconds: float) -> set[int]:
+        """The ranks whose reports span at least `seconds` from their first to their last, counting
+        those that reached the scheduler since the last poll (a gang stopped between polls); as last
+        polled where the scheduler cannot be asked."""
+        try:
+            self.poll()
+        except Exception:  # the scheduler may be what failed
+            pass
+        return {rank for rank, (stamp, _) in self.last.items() if stamp - self.first[rank] >= seconds}
 
     def check(self) -> str | None:
         """Why the gang is hung, naming the rank, its worker and its last progress; None while it is not."""
-        after = max([stamp for stamp, _ in self.last.values()], default=0.0)
-        seen = self.client.run_on_scheduler(progress_on_scheduler, self.topic, list(self.workers.values()), after)
-        self.started_at = self.started_at if self.started_at is not None else seen["now"]
-        self.take(seen["events"])
+        seen = self.poll()
+        assert self.started_at is not None  # set by the first poll
         last = self.last
         progressed = max((stamp for stamp, _ in last.values()), default=0.0)
         silent = seen["now"] - max(progressed, self.started_at)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 import uuid
 from dataclasses import replace
@@ -29,6 +30,7 @@ from prefect_ddp.tasks.gang.progress import collective_timeout_s
 from prefect_ddp.tasks.gang.resizing import Regrouped
 from prefect_ddp.tasks.gang.results import COMPLETED, REGROUPED, GangAttempt, GangResults
 from prefect_ddp.tasks.gang.sending import prepare_to_send
+from prefect_ddp.tasks.gang.states import crash_when_recorded
 from prefect_ddp.tasks.gang.stopping import scope_stopped
 from prefect_ddp.tasks.gang.supervise import Deadline, wait_for_workers
 from prefect_ddp.tasks.gang.trial import TrialLink
@@ -172,6 +174,9 @@ def run_gang(
             raise
         raise error.after(attempts, max_restarts).with_traceback(error.__traceback__) from error.__cause__
     finally:
+        # A flow being cancelled or interrupted (TerminationSignal, KeyboardInterrupt) takes one look, not a wait.
+        ending = sys.exc_info()[1]
+        crash_when_recorded(spec.late_runs, wait=ending is None or isinstance(ending, Exception))
         if spec.elastic:
             forget_parked_state(runner, spec)
 

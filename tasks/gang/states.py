@@ -23,61 +23,90 @@ from prefect_ddp.tasks.reporting import run_logger
 # happen: a rank stopped right after it started may not be recorded yet, and the final
 # state of one that just ended may not have arrived.
 RECORDING_WAIT_S = 5.0
-# A rank that reported progress has started, so its task run's events are on their way; the
-# server may still record them much later: its recorder retries a write its database refused at
-# its next flush, and a SQLite-backed server at times answers no write for 60 s under load
+# A rank that went on reporting after it started (EVENTS_SENT_S) sent its task run's events; the server may
+# still record them much later: its recorder retries a write its database refused at its next
+# flush, and a SQLite-backed server at times answers no write for 60 s under load
 # (docs/architecture.md, "Facts: Prefect"). Not crashed for want of a record, such a task run
-# stayed RUNNING after its worker was gone (seen in CI).
+# stayed RUNNING after its worker was gone (seen in CI). So these are crashed once recorded, up to
+# this long after their gang stopped; meanwhile the gang goes on (`crash_when_recorded`).
 STARTED_RECORDING_WAIT_S = 120.0
+# A rank that went on reporting this long after its first report lived long enough for its worker to
+# send its task run's events (within milliseconds, on a thread of their own): its run is on its way to
+# the server. One killed at once may never have sent them, and is not waited for.
+EVENTS_SENT_S = 5.0
 CRASH_MESSAGE = ("Stopped by the gang supervisor: another rank or its worker failed, the deadline passed, "
                  "or the flow run was cancelled.")
 
 
-def settled_task_runs(api: SyncPrefectClient, ids: list[UUID], ended_by_themselves: Collection[UUID],
-                      started: Collection[UUID] = (), wait_s: float = RECORDING_WAIT_S,
-                      started_wait_s: float = STARTED_RECORDING_WAIT_S) -> list[TaskRun]:
-    """The task runs of `ids` once the server has recorded each, and the final state of each
-    that ended by itself; or as they are after `wait_s`, or after `started_wait_s` while one
-    of `started` (known to have run) is not recorded yet.
+def settled_task_runs(api: SyncPrefectClient, futures: list[PrefectDaskFuture[Any]],
+                      wait_s: float = RECORDING_WAIT_S) -> list[TaskRun]:
+    """The ranks' task runs once the server has recorded each, and the final state of each
+    rank that ended by itself; or as they are after `wait_s`.
 
     Waiting for a finished rank's own final state keeps its story (Cancelled by the stop
     flag, Failed) instead of overwriting it with Crashed. A rank cancelled before it
     started never gets a task run, so fewer may come back.
     """
-    began = time.monotonic()
+    ids = [f.task_run_id for f in futures]
+    ended_by_themselves = {f.task_run_id for f in futures if f.wrapped_future.status == "finished"}
+    deadline = time.monotonic() + wait_s
     while True:
         runs = api.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=ids)), limit=len(ids))
-        unrecorded = set(ids) - {r.id for r in runs}
-        waited = time.monotonic() - began
-        if not unrecorded and all(r.state and r.state.is_final() for r in runs if r.id in ended_by_themselves):
-            return runs
-        if waited > wait_s and not unrecorded & set(started):
-            return runs
-        if waited > started_wait_s:
-            run_logger().warning(
-                "The Prefect server has not recorded task runs %s within %.0f s, though their ranks started: "
-                "they cannot be marked Crashed, and may show Running though their ranks are gone.",
-                sorted(str(i) for i in unrecorded & set(started)), started_wait_s)
+        settled = len(runs) >= len(ids) and all(r.state and r.state.is_final() for r in runs if r.id in ended_by_themselves)
+        if settled or time.monotonic() > deadline:
             return runs
         time.sleep(0.5)
 
 
 def crash_unfinished_task_runs(futures: list[PrefectDaskFuture[Any]], message: str = CRASH_MESSAGE,
-                               started: Collection[UUID] = ()) -> None:
+                               started: Collection[UUID] = ()) -> set[UUID]:
     """Give every future's task run a final state (Crashed with `message` where it has none);
-    never raise over the error that the caller is reporting. `started`: the task run ids of
-    futures known to have run (their ranks reported progress), whose recording is waited for
-    longer. Decode-check uses it too, for chunks whose workers all died."""
+    never raise over the error that the caller is reporting. Decode-check uses it too, for
+    chunks whose workers all died.
+
+    Returns those of `started` (the task run ids of ranks whose events were sent: EVENTS_SENT_S)
+    that the server has not recorded yet: the caller crashes them once it has (`crash_when_recorded`).
+    """
     if not futures:
-        return
-    ended_by_themselves = {f.task_run_id for f in futures if f.wrapped_future.status == "finished"}
+        return set()
     try:
         with get_client(sync_client=True) as api:
-            for task_run in settled_task_runs(api, [f.task_run_id for f in futures], ended_by_themselves, started):
+            runs = settled_task_runs(api, futures)
+            for task_run in runs:
                 if task_run.state is None or not task_run.state.is_final():
                     _crash(api, task_run.id, message)
     except Exception:
         run_logger().exception("Could not read the task runs to give them a final state")
+        return set()
+    return set(started) - {r.id for r in runs}
+
+
+def crash_when_recorded(late: dict[UUID, float], message: str = CRASH_MESSAGE, wait: bool = True) -> None:
+    """Crash each of `late` (task run id: the monotonic time until which to wait for it) once the
+    server has recorded it without a final state, waiting until its time (one look without `wait`);
+    warn of those never recorded. Never raises: the gang's own outcome matters more."""
+    if not late:
+        return
+    pending = dict(late)
+    try:
+        with get_client(sync_client=True) as api:
+            while pending:
+                filter_ = TaskRunFilter(id=TaskRunFilterId(any_=list(pending)))
+                for task_run in api.read_task_runs(task_run_filter=filter_, limit=len(pending)):
+                    if task_run.state is None or not task_run.state.is_final():
+                        _crash(api, task_run.id, message)
+                    pending.pop(task_run.id, None)
+                if not pending or not wait or time.monotonic() > max(pending.values()):
+                    break
+                time.sleep(0.5)
+    except Exception:
+        run_logger().exception("Could not give the task runs %s a final state", sorted(map(str, pending)))
+        return
+    if pending:
+        run_logger().warning(
+            "The Prefect server had not recorded the task runs %s of ranks that had started when their gang stopped, "
+            "nor by the gang's end (waiting up to %.0f s after the stop): they cannot be marked Crashed, and may "
+            "show Running though their ranks are gone.", sorted(map(str, pending)), STARTED_RECORDING_WAIT_S)
 
 
 def crash_task_runs(task_run_ids: list[str], message: str) -> None:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from uuid import UUID
 
 import distributed
 from prefect.client.schemas.objects import State
@@ -220,10 +221,11 @@ def logged_failure(step: str) -> Iterator[None]:
 def stop(
     client: distributed.Client, flag: StopFlag, futures: list[PrefectDaskFuture[Any]],
     contexts: list[RankContext], hung: bool = False, started: Collection[int] = (),
-) -> None:
+) -> set[UUID]:
     """Stop every rank, give each task run a final state, and restart stuck workers.
-    `started`: the ranks that reported progress, whose task runs the server must have
-    on their way (states.settled_task_runs waits longer for those).
+    `started`: the ranks that went on reporting after they started (states.EVENTS_SENT_S),
+    whose task runs must be on their way to the server. Returns those of their task runs it has not recorded yet, to be crashed once
+    it has (states.crash_when_recorded).
 
     Each step runs even when the one before it failed (the scheduler may be what failed),
     so the task runs get their final state whatever happened to Dask.
@@ -232,10 +234,11 @@ def stop(
     with logged_failure("asking the ranks to stop"):
         stuck = _ask_to_stop(client, flag, futures, contexts, hung)
     started_runs = {f.task_run_id for f, c in zip(futures, contexts) if c.rank in started}
-    crash_unfinished_task_runs(futures, started=started_runs)
+    unrecorded = crash_unfinished_task_runs(futures, started=started_runs)
     if stuck:
         with logged_failure(f"restarting workers {stuck}"):
             _restart(client, stuck)
+    return unrecorded
 
 
 def _ask_to_stop(
