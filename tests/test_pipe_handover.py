@@ -71,6 +71,10 @@ def test_a_piped_batch_arrives_as_the_tensors_it_left_in_their_memory_order():
     assert images.is_contiguous(memory_format=torch.channels_last) and type(images) is torch.Tensor
     # The bytes travel in the pickle itself, not as a handle to /dev/shm.
     assert len(ForkingPickler.dumps(PipedCollate(functools.partial(collate_images, shared=False))(samples))) > images.nbytes
+    for odd in (torch.tensor(2.5, dtype=torch.bfloat16), torch.ones(2, 0, 3), torch.tensor([True, False]),
+                torch.arange(6.0, requires_grad=True).reshape(2, 3).t()):
+        back = piped(PipedCollate(lambda tensor: tensor)(odd))
+        assert back.dtype == odd.dtype and back.stride() == odd.stride() and torch.equal(back, odd.detach())
     encoded = [(EncodedImage(torch.tensor([255, 216, position], dtype=torch.uint8), position), position) for position in (4, 9)]
     batch, labels = piped(PipedCollate(encoded_collate)(encoded))
     assert isinstance(batch, EncodedBatch) and [image.tolist() for image in batch.data] == [[255, 216, 4], [255, 216, 9]]

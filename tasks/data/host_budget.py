@@ -83,7 +83,7 @@ SHARED_MEMORY = "/dev/shm"
 # the pipes do.
 PIPE_BELOW_SHARE = 0.5
 # The rank's CPU per MiB of batch handed over through a loader process's pipe: its reads out of the
-# pipe and the unpickling copy (1.3-1.4 ms measured, 0.4-0.5 through /dev/shm: bench/RESULTS.md,
+# pipe and the unpickling copy (1.3-1.9 ms measured, 0.4-0.6 through /dev/shm: bench/RESULTS.md,
 # "Batches through pipes").
 PIPE_RANK_MS_PER_MIB = 1.5
 RAISE_OPEN_FILES = "raise the limit (ulimit -n, LimitNOFILE= of a systemd unit, docker run --ulimit nofile=) for more"

@@ -6,7 +6,7 @@ DataLoader hands a loader process's tensors over in /dev/shm: each batch is allo
 64 MiB unless its runner says otherwise (Docker's and Kubernetes' default), which holds two loader
 processes' ready batches at batch 32 of 224-px images, and none at 64: the host budget would leave
 such a rank loading every batch itself, on one core. Through the pipe a batch costs the rank its
-copies out of the pipe instead (1.3-1.4 ms of CPU per MiB, against 0.4-0.5 through /dev/shm:
+copies out of the pipe instead (1.3-1.9 ms of CPU per MiB, against 0.4-0.6 through /dev/shm:
 bench/pipe_handover.py), and /dev/shm nothing: `rank_budget` chooses it where /dev/shm would hold
 fewer than half the loader processes, and says so.
 """
@@ -24,18 +24,19 @@ class PipedTensor:
     """A tensor that crosses a process boundary as its bytes, and arrives a tensor.
 
     torch registers its own reducer for tensors and storages with multiprocessing's pickler, which
-    moves their memory to /dev/shm; this object is not a tensor, so it pickles by `__reduce__`:
-    its data as a numpy array (bytes in the pickle), in its memory order (a channels-last batch
-    stays channels-last).
+    moves their memory to /dev/shm; this object is not a tensor, so it pickles by `__reduce__`: its
+    data as raw bytes (a uint8 numpy array, so any dtype goes, bfloat16 too, which numpy lacks) in
+    its memory order, so a channels-last batch stays channels-last.
     """
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
 
-    def __reduce__(self) -> tuple[Callable[..., torch.Tensor], tuple[np.ndarray, tuple[int, ...]]]:
+    def __reduce__(self) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
         order = dense_order(self.tensor)
         inverse = tuple(order.index(dim) for dim in range(len(order)))
-        return unpiped, (self.tensor.permute(order).contiguous().numpy(), inverse)
+        dense = self.tensor.detach().permute(order).contiguous()
+        return unpiped, (dense.reshape(-1).view(torch.uint8).numpy(), dense.dtype, tuple(dense.shape), inverse)
 
 
 def dense_order(tensor: torch.Tensor) -> tuple[int, ...]:
@@ -49,9 +50,9 @@ def dense_order(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(range(tensor.dim()), key=lambda dim: (-strides[dim], dim)))
 
 
-def unpiped(data: np.ndarray, inverse: tuple[int, ...]) -> torch.Tensor:
+def unpiped(data: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...], inverse: tuple[int, ...]) -> torch.Tensor:
     """The tensor a PipedTensor pickled, in the process that unpickles it."""
-    return torch.from_numpy(data).permute(inverse)
+    return torch.from_numpy(data).view(dtype).reshape(shape).permute(inverse)
 
 
 def to_pipe(batch: Any) -> Any:
