@@ -28,7 +28,7 @@ from prefect_ddp.tasks.gang.plan import bystander_cpu_sets, plan_ranks, thread_s
 from prefect_ddp.tasks.gang.ports import free_port
 from prefect_ddp.tasks.gang.progress import HangWatch
 from prefect_ddp.tasks.gang.rank import run_rank
-from prefect_ddp.tasks.gang.states import EVENTS_SENT_S, STARTED_RECORDING_WAIT_S
+from prefect_ddp.tasks.gang.states import STARTED_RECORDING_WAIT_S
 from prefect_ddp.tasks.gang.stopping import stop_flag
 from prefect_ddp.tasks.gang.supervise import Deadline, logged_failure, stop, supervise
 from prefect_ddp.tasks.gang.trial import TrialLink
@@ -97,7 +97,7 @@ def run_attempt(runner: DaskTaskRunner, spec: GangSpec, leases: dict[str, str], 
             # Synchronously in an async flow too, as PrefectDaskFuture.result reads a state.
             return [state.result(_sync=True) for state in states]  # type: ignore[call-overload]
         except BaseException as error:  # cancellation and Ctrl-C too: never leave ranks behind
-            unrecorded = stop(client, flag, futures, contexts, hung=isinstance(error, GangHung), started=hang.reported_for(EVENTS_SENT_S))
+            unrecorded = stop(client, flag, futures, contexts, hung=isinstance(error, GangHung), started=hang.reported())
             spec.late_runs.update(dict.fromkeys(unrecorded, time.monotonic() + STARTED_RECORDING_WAIT_S))
             raise
         finally:

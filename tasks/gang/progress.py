@@ -168,7 +168,6 @@ class HangWatch:
     # Runtime attributes
     started_at: float | None = None  # scheduler clock, set at the first poll
     last: dict[int, tuple[float, dict[str, Any]]] = field(default_factory=dict)  # rank -> (stamp, record)
-    first: dict[int, float] = field(default_factory=dict)  # rank -> the stamp of its first report
     gaps: dict[int, deque[float]] = field(default_factory=dict)  # rank -> its last GAP_WINDOW gaps between steps
 
     def recent_gap(self) -> float:
@@ -203,7 +202,6 @@ class HangWatch:
             if previous is not None and record["phase"] == previous[1]["phase"] == "step":
                 self.gaps.setdefault(rank, deque(maxlen=GAP_WINDOW)).append(stamp - previous[0])
             self.last[rank] = (stamp, record)
-            self.first.setdefault(rank, stamp)
 
     def poll(self) -> dict[str, Any]:
         """Fold in the reports that reached the scheduler since the last poll; what the scheduler said
@@ -215,15 +213,14 @@ class HangWatch:
         self.take(seen["events"])
         return seen
 
-    def reported_for(self, seconds: float) -> set[int]:
-        """The ranks whose reports span at least `seconds` from their first to their last, counting
-        those that reached the scheduler since the last poll (a gang stopped between polls); as last
-        polled where the scheduler cannot be asked."""
+    def reported(self) -> set[int]:
+        """The ranks that reported progress, counting those whose reports reached the scheduler since
+        the last poll (a gang stopped between polls); as last polled where the scheduler cannot be asked."""
         try:
             self.poll()
         except Exception:  # the scheduler may be what failed
             pass
-        return {rank for rank, (stamp, _) in self.last.items() if stamp - self.first[rank] >= seconds}
+        return set(self.last)
 
     def check(self) -> str | None:
         """Why the gang is hung, naming the rank, its worker and its last progress; None while it is not."""

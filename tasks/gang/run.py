@@ -174,11 +174,12 @@ def run_gang(
             raise
         raise error.after(attempts, max_restarts).with_traceback(error.__traceback__) from error.__cause__
     finally:
-        # A flow being cancelled or interrupted (TerminationSignal, KeyboardInterrupt) takes one look, not a wait.
-        ending = sys.exc_info()[1]
-        crash_when_recorded(spec.late_runs, wait=ending is None or isinstance(ending, Exception))
         if spec.elastic:
             forget_parked_state(runner, spec)
+        # Last, as it may wait; a flow being cancelled or interrupted (TerminationSignal, KeyboardInterrupt)
+        # takes one look instead.
+        ending = sys.exc_info()[1]
+        crash_when_recorded(spec.late_runs, wait=ending is None or isinstance(ending, Exception))
 
 
 def check_size_range(world_size: int | None, min_world_size: int | None) -> None:

@@ -23,17 +23,15 @@ from prefect_ddp.tasks.reporting import run_logger
 # happen: a rank stopped right after it started may not be recorded yet, and the final
 # state of one that just ended may not have arrived.
 RECORDING_WAIT_S = 5.0
-# A rank that went on reporting after it started (EVENTS_SENT_S) sent its task run's events; the server may
+# A rank that reported progress has started, and its worker sends its task run's events at once; the server may
 # still record them much later: its recorder retries a write its database refused at its next
 # flush, and a SQLite-backed server at times answers no write for 60 s under load
 # (docs/architecture.md, "Facts: Prefect"). Not crashed for want of a record, such a task run
 # stayed RUNNING after its worker was gone (seen in CI). So these are crashed once recorded, up to
-# this long after their gang stopped; meanwhile the gang goes on (`crash_when_recorded`).
+# this long after their gang stopped; meanwhile the gang goes on (`crash_when_recorded`). A rank
+# killed right after its first report may never have sent them: a run_gang that ends sooner than
+# this after such a stop waits out the rest, and says so.
 STARTED_RECORDING_WAIT_S = 120.0
-# A rank that went on reporting this long after its first report lived long enough for its worker to
-# send its task run's events (within milliseconds, on a thread of their own): its run is on its way to
-# the server. One killed at once may never have sent them, and is not waited for.
-EVENTS_SENT_S = 5.0
 CRASH_MESSAGE = ("Stopped by the gang supervisor: another rank or its worker failed, the deadline passed, "
                  "or the flow run was cancelled.")
 
@@ -64,8 +62,8 @@ def crash_unfinished_task_runs(futures: list[PrefectDaskFuture[Any]], message: s
     never raise over the error that the caller is reporting. Decode-check uses it too, for
     chunks whose workers all died.
 
-    Returns those of `started` (the task run ids of ranks whose events were sent: EVENTS_SENT_S)
-    that the server has not recorded yet: the caller crashes them once it has (`crash_when_recorded`).
+    Returns those of `started` (the task run ids of ranks that reported progress) that the
+    server has not recorded yet: the caller crashes them once it has (`crash_when_recorded`).
     """
     if not futures:
         return set()

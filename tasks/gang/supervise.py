@@ -223,8 +223,8 @@ def stop(
     contexts: list[RankContext], hung: bool = False, started: Collection[int] = (),
 ) -> set[UUID]:
     """Stop every rank, give each task run a final state, and restart stuck workers.
-    `started`: the ranks that went on reporting after they started (states.EVENTS_SENT_S),
-    whose task runs must be on their way to the server. Returns those of their task runs it has not recorded yet, to be crashed once
+    `started`: the ranks that reported progress, whose task runs must be on their way to
+    the server. Returns those of their task runs it has not recorded yet, to be crashed once
     it has (states.crash_when_recorded).
 
     Each step runs even when the one before it failed (the scheduler may be what failed),
