@@ -70,9 +70,7 @@ def crash_unfinished_task_runs(futures: list[PrefectDaskFuture[Any]], message: s
     try:
         with get_client(sync_client=True) as api:
             runs = settled_task_runs(api, futures)
-            for task_run in runs:
-                if task_run.state is None or not task_run.state.is_final():
-                    _crash(api, task_run.id, message)
+            crash_unfinished(api, runs, message)
     except Exception:
         run_logger().exception("Could not read the task runs to give them a final state")
         return set()
@@ -90,9 +88,9 @@ def crash_when_recorded(late: dict[UUID, float], message: str = CRASH_MESSAGE, w
         with get_client(sync_client=True) as api:
             while pending:
                 filter_ = TaskRunFilter(id=TaskRunFilterId(any_=list(pending)))
-                for task_run in api.read_task_runs(task_run_filter=filter_, limit=len(pending)):
-                    if task_run.state is None or not task_run.state.is_final():
-                        _crash(api, task_run.id, message)
+                recorded = api.read_task_runs(task_run_filter=filter_, limit=len(pending))
+                crash_unfinished(api, recorded, message)
+                for task_run in recorded:
                     pending.pop(task_run.id, None)
                 if not pending or not wait or time.monotonic() > max(pending.values()):
                     break
@@ -117,11 +115,16 @@ def crash_task_runs(task_run_ids: list[str], message: str) -> None:
     try:
         with get_client(sync_client=True) as api:
             runs = api.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=task_run_ids)))
-            for task_run in runs:
-                if task_run.state is None or not task_run.state.is_final():
-                    _crash(api, task_run.id, message)
+            crash_unfinished(api, runs, message)
     except Exception:
         run_logger().exception("Could not give the task runs %s a final state", task_run_ids)
+
+
+def crash_unfinished(api: SyncPrefectClient, runs: list[TaskRun], message: str) -> None:
+    """Crash each of `runs` that has no final state (`message` says why)."""
+    for task_run in runs:
+        if task_run.state is None or not task_run.state.is_final():
+            _crash(api, task_run.id, message)
 
 
 def _crash(api: Any, task_run_id: Any, message: str) -> None:
