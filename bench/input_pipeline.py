@@ -9,7 +9,10 @@ DataLoader reached 0.80x (bench/RESULTS.md). Both feeds here read the same photo
   prefetch), iterated epoch after epoch; each epoch timed from `iter()` to its last step.
 - flow: the recipe itself (`train_classifier` at world size 1, as a gang's rank runs it: rank_data's
   loaders, the step clock, progress, validation, checkpoints, the model card), each epoch's training
-  pass timed by its own record (`images_per_s`: train images over the pass's wall time).
+  pass timed by its own record (`images_per_s`: train images over the pass's wall time). Its byte
+  cache as the flow chooses it (tasks/data/cache_choice.py: with more than one epoch, resized copies
+  of the training images, which the epochs after the first read), in a folder of the run's own;
+  `--cache-gb 0` reads the originals every epoch, as the flow did before it chose.
 
 Epochs of `--short-steps` and of `--long-steps` steps; the first epoch of each (forking the loader
 processes) is left out of both. Each feed also says what its loader processes spent: CPU per image
@@ -57,6 +60,7 @@ from bench.s3_endpoints import S3Endpoint, latency_endpoint, leave_to_front
 from prefect_ddp.blocks.data_location import DataLocation
 from prefect_ddp.deployments.local_services import MOTO_CREDENTIALS, MOTO_REGION
 from prefect_ddp.tasks.config import ModelConfig, TrainingConfig
+from prefect_ddp.tasks.data.byte_cache import FOLDER_ENV
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers, prepare, train_transform
 from prefect_ddp.tasks.data.device_batches import ToDevice
 from prefect_ddp.tasks.data.host_budget import HostLimits, LoaderLoad, handed_over_bytes, rank_budget
@@ -138,6 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="Epochs of the long runs; the first is left out of the rate.")
     parser.add_argument("--workers", type=int, default=None,
                         help="Loader processes of both (default: the flow's own default on this host).")
+    parser.add_argument("--cache-gb", type=float, default=None,
+                        help="The flow's training.cache_gb (default: empty, the flow's own choice; 0: no byte cache).")
     parser.add_argument("--latency-ms", type=float, default=30.0, help="The S3 front's wait before each response.")
     parser.add_argument("--front-cpus", type=int, nargs="*", default=None,
                         help="CPUs the S3 front runs on, and this process with its loaders on the others "
@@ -288,16 +294,18 @@ def flow_rate(args: argparse.Namespace, manifest: Manifest, endpoint: str, outpu
         split=stratified_split(manifest, VAL_FRACTION, 0),
         model=ModelConfig(backbone="resnet18" if args.model == CHEAP else args.model, weights=None),
         training=TrainingConfig(epochs=epochs, batch_size=args.batch_size, image_size=args.image_size,
-                                num_workers=workers, scheduler="none"),
+                                num_workers=workers, scheduler="none", cache_gb=args.cache_gb),
     )
     device = "cuda:0" if args.device == "cuda" else "cpu"
     ctx = RankContext(rank=0, local_rank=0, world_size=1, local_world_size=1, backend="gloo", device=device,
                       worker_address="local", master_addr="127.0.0.1", master_port=0)
-    with recipe_model(args.model), project_messages() as messages:
+    # The byte cache in a folder of this run's own, so no earlier run's copies serve its first epoch.
+    with (recipe_model(args.model), project_messages() as messages,
+          mock.patch.dict(os.environ, {FOLDER_ENV: str(output / "cache")})):
         history = train_classifier(ctx, job).history
     # What the rank says of its feed (training.decode_on="auto": where it decodes and why,
-    # tasks/training/feed_choice.py).
-    said = [message for message in messages if "decode_on='auto'" in message]
+    # tasks/training/feed_choice.py) and of its byte cache (tasks/data/cache_choice.py).
+    said = [message for message in messages if "decode_on='auto'" in message or message.startswith("Byte cache")]
     later = history[1:]
     rate = sum(h["train_samples"] for h in later) / sum(h["train_samples"] / h["images_per_s"] for h in later)
     return rate, (epochs * len(job.split.train), epochs * len(job.split.val)), " ".join(said) or "not said"

@@ -262,12 +262,15 @@ class TrainingConfig(_Strict):
         "would keep more than 8,192 GETs in flight to the storage, a process more files open than it may, or "
         "the host more threads (one per GET) than its limits on them leave.",
     )
-    cache_gb: float = Field(
-        default=0, ge=0, le=100_000,
+    cache_gb: float | None = Field(
+        default=None, ge=0, le=100_000,
         description="Keep fetched images on each worker host's local disk, up to this many GB per "
         "host, so later epochs read them from there instead of S3; images larger than training needs "
         "(camera photos) are kept resized to the side the crop needs (folder: $PREFECT_DDP_CACHE_DIR, "
-        "else ~/.cache/prefect-ddp/images, the user's own). 0 turns it off.",
+        "else ~/.cache/prefect-ddp/images, the user's own). 0 turns it off. Empty: a run of 3 epochs or more "
+        "that decodes in its loader processes keeps copies of its training images at least twice "
+        "the side the crop needs, resized to it, up to a tenth of the folder's free disk space, where that "
+        "folder is on a local disk; the run's log says what it chose.",
     )
     images_per_shard: int | None = Field(
         default=None, ge=2, le=1_000_000,

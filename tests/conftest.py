@@ -15,8 +15,10 @@ sees no CUDA device.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -69,6 +71,14 @@ QUIET_DASK = {"DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
               "DASK_DISTRIBUTED__WORKER__MEMORY__MONITOR_INTERVAL": "1s"}
 os.environ.update(QUIET_DASK)
 dask.config.refresh()
+# The byte cache keeps resized copies of a run's training images in the user's own folder
+# (~/.cache/prefect-ddp/images) unless told otherwise (tasks/data/cache_choice.py). The
+# session's runs keep theirs in a private folder of its own (mkdtemp: mode 0700), removed at
+# its end, which every process the session starts inherits (whatever folder the user's own
+# environment names: the session neither reads nor fills that one).
+SESSION_CACHE = tempfile.mkdtemp(prefix="prefect-ddp-test-cache-")
+os.environ["PREFECT_DDP_CACHE_DIR"] = SESSION_CACHE
+atexit.register(shutil.rmtree, SESSION_CACHE, ignore_errors=True)
 
 
 def truncated_jpeg() -> bytes:

@@ -43,7 +43,7 @@ def row(data=1.0, forward=2.0, backward=4.0, sync=0.5, optimizer=0.4, other=0.1,
 @pytest.mark.unit
 def test_a_rank_that_waits_for_data_most_of_each_step_is_input_bound_with_the_object_store_advice():
     timing = epoch_timing([row(data=6.0), row(data=6.0)], input_advice(TrainingConfig(), from_object_store=True,
-                                                                                 loader_processes=2))
+                                                                                 loader_processes=2, cached=False))
     assert timing.verdict.startswith("input-bound: 46% of each step waits for data; ")
     assert "training.images_per_shard" in timing.verdict and "training.cache_gb" in timing.verdict
     assert timing.images_per_s == round(200 / 13.0, 1)  # both ranks' images over the slower pass
@@ -51,10 +51,10 @@ def test_a_rank_that_waits_for_data_most_of_each_step_is_input_bound_with_the_ob
 
 @pytest.mark.unit
 def test_input_advice_follows_the_run_settings():
-    local = input_advice(TrainingConfig(num_workers=0), from_object_store=False, loader_processes=0)
+    local = input_advice(TrainingConfig(num_workers=0), from_object_store=False, loader_processes=0, cached=False)
     assert "training.num_workers" in local and "images_per_shard" not in local
-    sharded = input_advice(TrainingConfig(images_per_shard=64, cache_gb=1.0), from_object_store=True,
-                           loader_processes=3)
+    sharded = input_advice(TrainingConfig(images_per_shard=64), from_object_store=True, loader_processes=3,
+                           cached=True)
     assert "images_per_shard" not in sharded and "cache_gb" not in sharded and "more loader workers" in sharded
 
 

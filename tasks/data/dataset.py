@@ -303,6 +303,9 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
             it), not as the original: later epochs then decode a small JPEG instead of a
             camera original (~2 ms instead of ~50-200), and a 12-MP photo takes ~20 KB of
             the cache instead of ~5 MB. Every epoch, the first too, trains on that copy.
+        copy_shrink: None keeps every image in `cache`, as fetched or as such a copy; a
+            number keeps only copies, of images at least that many times the side on their
+            shorter side (tasks/data/cache_choice.py: the others are fetched every epoch).
 
     >>> from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
     >>> dataset = S3ImageFolder("s3://bucket/flowers", ["daisy/1.jpg"], [0], {}, eval_transform(224))
@@ -314,7 +317,7 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         self, root: str, keys: Sequence[str], labels: Sequence[int],
         storage_options: dict[str, Any], transform: Callable[..., Any] | None, fetch_threads: int = 16,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
-        sizes: Sequence[int] | None = None, cache: ByteCache | None = None,
+        sizes: Sequence[int] | None = None, cache: ByteCache | None = None, copy_shrink: float | None = None,
     ) -> None:
         if len(keys) != len(labels) or (sizes is not None and len(sizes) != len(keys)):
             raise ValueError(f"Got {len(keys)} keys, {len(labels)} labels and "
@@ -335,6 +338,7 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         self.sizes = list(sizes) if sizes is not None else [None] * len(self.keys)
         self.cache = cache.for_storage(self.storage_options) if cache else None
         self.copy_side = needed_side(transform) if cache else None
+        self.copy_shrink = copy_shrink
         self._copying = True  # until the cache cannot keep a copy: then making one each epoch is waste
         self._files = ProcessFilesystem(self.root, self.storage_options)
         self._ahead = FetchesAhead()
@@ -374,10 +378,13 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
         if data is None or (self.sizes[index] is not None and len(data) != self.sizes[index]):
             return data
         if self.copy_side is None:
-            cache.put(self._url(index), self.sizes[index], data)
+            if self.copy_shrink is None:
+                cache.put(self._url(index), self.sizes[index], data)
         elif self._copying:
-            data = stored_resized(data, self.copy_side).data or data
-            self._copying = cache.put(self._url(index), self.sizes[index], data, variant=self._variant)
+            stored = stored_resized(data, self.copy_side, shrink=self.copy_shrink or 1.0)
+            data = stored.data or data
+            if stored.resized or self.copy_shrink is None:
+                self._copying = cache.put(self._url(index), self.sizes[index], data, variant=self._variant)
         return data
 
     def _url(self, index: int) -> str:

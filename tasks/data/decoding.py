@@ -231,15 +231,15 @@ class Stored(NamedTuple):
     cpu_s: float = 0.0
 
 
-def stored_resized(data: bytes | None, side: int, quality: int = RESIZED_QUALITY) -> Stored:
-    """An image larger than `side` on its shorter side as a JPEG at that side and `quality`,
+def stored_resized(data: bytes | None, side: int, quality: int = RESIZED_QUALITY, shrink: float = 1.0) -> Stored:
+    """An image larger than `shrink` x `side` on its shorter side as a JPEG at `side` and `quality`,
     upright (`open_rgb`); one no larger as it is; None for one that is gone or does not decode."""
     started = time.thread_time()
     if data is None:
         return Stored(None, cpu_s=time.thread_time() - started)
     try:
         with Image.open(io.BytesIO(data)) as header:
-            if min(header.size) <= side:
+            if min(header.size) <= side * shrink:
                 return Stored(data)
         image = open_rgb(data, side)
     except Exception:  # any decoder error means unreadable, as decode-check takes it

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import ByteCache
+from prefect_ddp.tasks.data.cache_choice import CacheChoice, cache_choice
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform, forked_workers, train_transform_for
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 from prefect_ddp.tasks.data.device_batches import encoded_collate
@@ -55,13 +56,13 @@ class ManifestImages:
     fetch_threads: int  # images fetched at once per batch, as the rank's budget says (host_budget.rank_budget)
 
     def dataset(self, positions: list[int], transform: Callable[..., Any] | None,
-                cache: ByteCache | None = None) -> S3ImageFolder:
+                cache: ByteCache | None = None, copy_shrink: float | None = None) -> S3ImageFolder:
         """The images at `positions` of the manifest."""
         cfg, m = self.training, self.manifest
         return S3ImageFolder(
             m.root, [m.paths[i] for i in positions], [m.labels[i] for i in positions], self.options,
             transform, fetch_threads=self.fetch_threads, fetch_timeout_s=cfg.fetch_timeout_s,
-            sizes=[m.sizes[i] for i in positions], cache=cache)
+            sizes=[m.sizes[i] for i in positions], cache=cache, copy_shrink=copy_shrink)
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,14 @@ class RankData:
     images: ManifestImages  # the manifest's images for the reads outside the loaders
     output_options: dict[str, Any] = field(repr=False)  # the output's storage options: checkpoints, model.pt
     # Whether the train loader decodes the stored images on the rank's CPUs: not when they reach
-    # it encoded (training.decode_on="device") or from shards stored resized. Only then is there
-    # a decoding cost for rank 0 to measure (prefect_ddp.tasks.training.decode_cost). Through the
-    # byte cache it decodes them in the first epoch, and from then on the resized copies it keeps.
+    # it encoded (training.decode_on="device"), from shards stored resized, or through the byte
+    # cache, which serves the resized copies it kept in the first epoch from then on. Only then is
+    # there a decoding cost for rank 0 to measure (prefect_ddp.tasks.training.decode_cost) after
+    # the first epoch.
     decodes_originals: bool
     loader_workers: LoaderWorkers  # how many loader processes each loader has, and why
     train_epochs: EpochAhead  # the train loader's epochs, the next started while this one validates
+    cache: CacheChoice  # the byte cache its loaders read through, and why
 
     @property
     def source_options(self) -> dict[str, Any]:
@@ -114,10 +117,9 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
     workers = chosen.workers
     images = ManifestImages(manifest, cfg, source.storage_options(), budget.fetches_in_flight)
     output_options = output.storage_options()
-    cache = ByteCache(int(cfg.cache_gb * 1e9)) if cfg.cache_gb else None
-    dataset = partial(images.dataset, cache=cache)
+    cached = cache_choice(cfg, decodes_in_loaders=train_tf is not None)
     collate_fn = batch_collate(on_device, piped=budget.handover == "pipe")
-    val_set = dataset(split.val, val_tf)
+    val_set = images.dataset(split.val, val_tf, cached.cache if cached.with_validation else None)
     loader_options: dict[str, Any] = {"num_workers": workers, "pin_memory": pinned}
     if workers:
         require_non_daemonic(workers)
@@ -133,16 +135,16 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
         train_loader: DataLoader[Any] = ShardLoader(shards, **loader_options)
         stored_resized = bool(fmt.side)
     else:
-        train_set = dataset(split.train, train_tf)
+        train_set = images.dataset(split.train, train_tf, cached.cache, cached.copy_shrink)
         # DistributedSampler's order, from a global position on: a gang re-formed mid-epoch on
         # another number of ranks goes on where the old one stopped. It leaves out a last batch
         # of one image (it breaks BatchNorm in training mode) on every rank alike.
         sampler = PositionedSampler(len(train_set), ctx.world_size, ctx.rank, split.seed, cfg.batch_size)
         train_loader = FetchAheadLoader(train_set, sampler, cfg.batch_size, collate_fn=collate_fn, **loader_options)
-        stored_resized = False
+        stored_resized = cached.cache is not None  # from the second epoch on, the copies the cache kept
     return RankData(train_loader, val_loader, images, output_options,
                     decodes_originals=not on_device and not stored_resized, loader_workers=chosen,
-                    train_epochs=EpochAhead(train_loader))
+                    train_epochs=EpochAhead(train_loader), cache=cached)
 
 
 def batch_collate(encoded: bool, piped: bool) -> Callable[[Any], Any]:

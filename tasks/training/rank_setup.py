@@ -116,7 +116,7 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler,
                           weights_average(model, job.training.ema_decay))
     advice = input_advice(job.training, from_object_store="://" in job.manifest.root,
-                          loader_processes=data.loader_workers.workers)
+                          loader_processes=data.loader_workers.workers, cached=data.cache.cache is not None)
     warm_epochs = warmup_epochs(job.training, ctx.world_size)
     scaled_by = ctx.world_size if scales_lr(job.training) else 1
     warmup = Warmup(warm_epochs * len(data.train), start=1 / scaled_by if scaled_by > 1 else 0.0)
@@ -134,13 +134,14 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
 def say_loader_processes(ctx: RankContext, job: TrainJob, data: RankData, log: Any) -> None:
     """The loader processes the rank's feed starts, and why; a limit of the host that leaves the rank
     loading its own batches is a warning (the run goes on slowly), as is each of the run's own
-    settings past a limit of the host."""
+    settings past a limit of the host. Then the byte cache they read through, and why."""
     chosen = data.loader_workers
     starved = chosen.workers == 0 and chosen.cpus > 1 and job.training.num_workers is None
     log.log((logging.WARNING if starved else logging.INFO) if ctx.is_main else logging.DEBUG,
             "Loader processes per loader of rank %d: %d (%s).", ctx.rank, chosen.workers, chosen.why)
     for warning in chosen.warnings:
         log.log(logging.WARNING if ctx.is_main else logging.DEBUG, "Rank %d: %s", ctx.rank, warning)
+    log.log(logging.INFO if ctx.is_main else logging.DEBUG, "Byte cache of rank %d: %s.", ctx.rank, data.cache.why)
 
 
 def chosen_feed(ctx: RankContext, job: TrainJob, data: RankData, model: nn.Module, inputs: ToDevice,

@@ -156,14 +156,15 @@ def split_rows(flat: list[float]) -> list[list[float]]:
     return [flat[i:i + width] for i in range(0, len(flat), width)]
 
 
-def input_advice(cfg: TrainingConfig, from_object_store: bool, loader_processes: int) -> str:
-    """What would feed the ranks faster, given how this run reads its images with `loader_processes`."""
+def input_advice(cfg: TrainingConfig, from_object_store: bool, loader_processes: int, cached: bool) -> str:
+    """What would feed the ranks faster, given how this run reads its images with `loader_processes`,
+    through the byte cache where `cached`."""
     advice = []
     if loader_processes == 0:
         advice.append("loader workers (training.num_workers) would decode in parallel with the steps")
     if from_object_store and not cfg.images_per_shard:
         advice.append("shards (training.images_per_shard) would read whole shards with one request each")
-    if from_object_store and not cfg.cache_gb:
+    if from_object_store and not cached:
         advice.append("the byte cache (training.cache_gb) would serve later epochs from local disk")
     if not advice:
         advice.append("more loader workers, or a host with more cores per rank, would decode faster")

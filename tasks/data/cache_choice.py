@@ -1,0 +1,166 @@
+"""Whether a rank reads its images through the byte cache, and how much of its host's disk the cache
+may hold: training.cache_gb as set, or, where it is empty (the default), as the run and the host allow.
+
+A loader process spends most of its CPU decoding (bench/RESULTS.md, "The train path per image on one
+core"), and every epoch decodes every training image again at its stored size. The byte cache keeps
+an image larger than the crop needs as a copy resized to that side (`S3ImageFolder`), so an epoch
+after the first decodes the copy: at 64-px crops of 500x375 photos the flow's loader process fed 2.3x
+the images it fed from the originals (bench/RESULTS.md, "The flow's later epochs from the byte
+cache's resized copies").
+
+So with cache_gb empty a rank keeps resized copies of its training images where all of these hold:
+
+- it trains AUTO_MIN_EPOCHS epochs or more: the first pays for the copies and each later one gains.
+  At 64-px crops of 500x375 photos the first epoch fed 238 images/s against 388 without the cache,
+  the later ones 856 against 412: the copies pay for themselves from the third epoch on;
+- it reads images one by one and decodes them in its loader processes: shards are stored resized
+  already, and a rank that decodes on its device is handed the bytes;
+- the cache folder (`default_folder`) is on a local disk: a home folder on NFS, CIFS or a FUSE mount
+  is shared by a cluster's hosts and slower to read than the bucket, and one in memory (tmpfs) would
+  take what the loaders' budget counts on (tasks/data/host_budget.py).
+
+It keeps copies only, of images at least AUTO_COPY_SHRINK times the side the crop needs, and of
+training images only. A copy at half the side holds a quarter of the pixels and decodes in about a
+quarter of the time; one of a 500x375 photo for 224-px crops (334 px) would save a fifth of a
+decode each later epoch and cost the first more than a decode to make. An image that small is
+fetched every epoch as without the cache: its bytes would save a GET but no decode. Validation reads the
+originals, as batch-predict and the served model do, so the metric that picks the model that ships
+is measured on the pixels it will be served. The folder may hold up to AUTO_DISK_SHARE of its
+disk's free space, as each rank finds it when it starts: a cache that fills stops adding (it never
+evicts), so it never takes more than that share of what was free when it was written.
+
+A number set keeps every image read there, originals and copies, training and validation, up to
+that many GB; 0 turns the cache off.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect_ddp.tasks.config import TrainingConfig
+from prefect_ddp.tasks.data.byte_cache import FOLDER_ENV, ByteCache, default_folder
+
+# A cache nobody sized is kept by runs of at least this many epochs (module docstring).
+AUTO_MIN_EPOCHS = 3
+# A cache nobody sized copies only images at least this many times the side the crop needs.
+AUTO_COPY_SHRINK = 2.0
+# The part of the cache folder's free disk space that a cache nobody sized may take.
+AUTO_DISK_SHARE = 0.1
+# Below this a cache nobody sized is not worth a folder: a few thousand copies.
+AUTO_MIN_BYTES = 64 * 2**20
+# Filesystems of a local disk (/proc/self/mountinfo's names); overlay is a container's root.
+# How mountinfo writes a space, tab, newline or backslash in a mount point: "\\040".
+OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+LOCAL_DISKS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "bcachefs", "overlay"})
+
+
+@dataclass(frozen=True)
+class CacheChoice:
+    """The byte cache a rank reads through: `cache` None for none; `copy_shrink` (None: every image
+    read, as fetched or copied; else copies only, of images at least that many times the side) and
+    `with_validation` as the module docstring says; `why` for the run's log."""
+
+    cache: ByteCache | None
+    copy_shrink: float | None
+    with_validation: bool
+    why: str
+
+
+def cache_choice(cfg: TrainingConfig, decodes_in_loaders: bool, folder: Path | None = None) -> CacheChoice:
+    """The byte cache for a rank reading with `cfg` (module docstring): as set, or where
+    cache_gb is empty, chosen from the run and the disk under `folder` (`default_folder`).
+
+    >>> cache_choice(TrainingConfig(cache_gb=0), True).why
+    'training.cache_gb=0: no byte cache'
+    >>> cache_choice(TrainingConfig(epochs=1), True).cache is None
+    True
+    """
+    if cfg.cache_gb is not None:
+        cache = ByteCache(int(cfg.cache_gb * 1e9), folder) if cfg.cache_gb else None
+        said = f"up to {cfg.cache_gb:g} GB in {cache.folder}" if cache else "no byte cache"
+        return CacheChoice(cache, copy_shrink=None, with_validation=True,
+                           why=f"training.cache_gb={cfg.cache_gb:g}: {said}")
+    folder = folder or default_folder()
+    off = not_worth_it(cfg, decodes_in_loaders) or not_on_local_disk(folder) or not_writable(folder)
+    if off:
+        return CacheChoice(None, None, False, f"no byte cache (training.cache_gb empty): {off}")
+    free = free_bytes(folder)
+    share = int(free * AUTO_DISK_SHARE)
+    if share < AUTO_MIN_BYTES:
+        return CacheChoice(None, None, False, f"no byte cache (training.cache_gb empty): {folder}'s disk has "
+                           f"{free / 2**30:.1f} GiB free, and a tenth of it holds too few copies to pay")
+    return CacheChoice(ByteCache(share, folder), copy_shrink=AUTO_COPY_SHRINK, with_validation=False,
+                       why=f"training images at least {AUTO_COPY_SHRINK:g}x the side the crop needs are kept as copies "
+                       f"resized to it, up to "
+                       f"{share / 1e9:.1f} GB (a tenth of the free space) in {folder}, so epochs after the first "
+                       "decode the copies (training.cache_gb empty; set a number of GB to keep every image read, "
+                       f"0 to read the originals every epoch, or {FOLDER_ENV} to keep them elsewhere)")
+
+
+def not_worth_it(cfg: TrainingConfig, decodes_in_loaders: bool) -> str:
+    """Why this run would not gain by resized copies, or "" where it would."""
+    if cfg.epochs < AUTO_MIN_EPOCHS:
+        return (f"{cfg.epochs} epoch(s), fewer than {AUTO_MIN_EPOCHS}: making the copies would cost the first "
+                "epoch more than the later ones gain")
+    if cfg.images_per_shard:
+        return "the shards are stored resized already (training.images_per_shard)"
+    if not decodes_in_loaders:
+        return "the rank decodes on its device, and its loaders hand it the bytes"
+    return ""
+
+
+def not_on_local_disk(folder: Path) -> str:
+    """Why a cache nobody sized stays out of `folder`, or "" where its filesystem is a local disk."""
+    kind = filesystem_type(folder)
+    if kind in LOCAL_DISKS:
+        return ""
+    where = f"a filesystem of type {kind}" if kind else "a filesystem this host's mount table does not name"
+    return (f"{folder} is on {where}, not a local disk ({', '.join(sorted(LOCAL_DISKS))}); set {FOLDER_ENV} "
+            "to a folder on one, or training.cache_gb to use it anyway")
+
+
+def not_writable(folder: Path) -> str:
+    """Why this user cannot make or fill `folder`, or "" where it can (a read-only home would
+    otherwise turn every run's default into a warning)."""
+    place = nearest_existing(folder)
+    if os.access(place, os.W_OK | os.X_OK):
+        return ""
+    return f"{place} is not writable by this user; set {FOLDER_ENV} to a folder that is"
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest of its parents that exists (the cache folder is made on first use)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem that holds `path` (or would), from /proc/self/mountinfo: that of
+    the last mount over the longest mount point above it (a later mount hides an earlier one);
+    None where none is found (no /proc: not Linux)."""
+    place = os.path.realpath(nearest_existing(path))
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    found: tuple[int, str] | None = None
+    for line in lines:
+        fields, _, described = line.partition(" - ")  # after " - ": type, source, options
+        parts = fields.split()
+        if len(parts) < 5 or not described:
+            continue
+        point = OCTAL_ESCAPE.sub(lambda escape: chr(int(escape.group(1), 8)), parts[4])
+        if (place == point or place.startswith(point.rstrip("/") + "/")) and (found is None or len(point) >= found[0]):
+            found = (len(point), described.split()[0])
+    return found[1] if found else None
+
+
+def free_bytes(path: Path) -> int:
+    """What this user may still write on the filesystem that holds `path` (or would)."""
+    stats = os.statvfs(nearest_existing(path))
+    return stats.f_bavail * stats.f_frsize
