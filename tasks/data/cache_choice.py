@@ -4,7 +4,7 @@ may hold: training.cache_gb as set, or, where it is empty (the default), as the 
 A loader process spends most of its CPU decoding (bench/RESULTS.md, "The train path per image on one
 core"), and every epoch decodes every training image again at its stored size. The byte cache keeps
 an image larger than the crop needs as a copy resized to that side (`S3ImageFolder`), so an epoch
-after the first decodes the copy: at 64-px crops of 500x375 photos the flow's loader process fed 2.3x
+after the first decodes the copy: at 64-px crops of 500x375 photos the flow's loader process fed 2.1x
 the images it fed from the originals (bench/RESULTS.md, "The flow's later epochs from the byte
 cache's resized copies").
 
@@ -16,13 +16,14 @@ So with cache_gb empty a rank keeps resized copies of its training images where 
 - it reads images one by one and decodes them in its loader processes: shards are stored resized
   already, and a rank that decodes on its device is handed the bytes;
 - the cache folder (`default_folder`) is on a local disk: a home folder on NFS, CIFS or a FUSE mount
-  is shared by a cluster's hosts and slower to read than the bucket, and one in memory (tmpfs) would
-  take what the loaders' budget counts on (tasks/data/host_budget.py).
+  is shared by a cluster's hosts, whose every write would then wait on one ledger's lock over the
+  network, and one in memory (tmpfs) would take what the loaders' budget counts on
+  (tasks/data/host_budget.py).
 
 It keeps copies only, of images at least AUTO_COPY_SHRINK times the side the crop needs, and of
-training images only. A copy at half the side holds a quarter of the pixels and decodes in about a
-quarter of the time; one of a 500x375 photo for 224-px crops (334 px) would save a fifth of a
-decode each later epoch and cost the first more than a decode to make. An image that small is
+training images only. On one core here a copy of a 500x375 photo at 96 px (64-px crops) cost 2.1 ms
+to make and decoded in 0.19 ms against the original's 1.24; one at 334 px (224-px crops) cost 7.0 ms
+and saved a quarter of the original's 1.22-ms decode (bench/RESULTS.md). A smaller image is
 fetched every epoch as without the cache: its bytes would save a GET but no decode. Validation reads the
 originals, as batch-predict and the served model do, so the metric that picks the model that ships
 is measured on the pixels it will be served. The folder may hold up to AUTO_DISK_SHARE of its
