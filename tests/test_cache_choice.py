@@ -18,11 +18,13 @@ from prefect_ddp.tasks.data.byte_cache import ByteCache
 from prefect_ddp.tasks.data.cache_choice import (
     AUTO_COPY_SHRINK,
     AUTO_DISK_SHARE,
+    AUTO_MIN_BYTES,
     LOCAL_DISKS,
     cache_choice,
     filesystem_type,
 )
 from prefect_ddp.tasks.data.dataset import S3ImageFolder, decode_side, train_transform
+from prefect_ddp.tasks.data.loaders import RankData, rank_data
 from prefect_ddp.tasks.data.splitting import stratified_split
 from prefect_ddp.tasks.training.job import TrainJob
 from prefect_ddp.tasks.training.recipe import train_classifier
@@ -44,7 +46,8 @@ def test_a_run_of_several_epochs_keeps_copies_of_its_training_images_on_a_local_
     chosen = cache_choice(TrainingConfig(epochs=3), decodes_in_loaders=True, folder=tmp_path)
     assert chosen.cache is not None and chosen.cache.max_bytes == int(500 * 10**9 * AUTO_DISK_SHARE)
     assert chosen.copy_shrink == AUTO_COPY_SHRINK == 2 and not chosen.with_validation
-    assert "up to 50.0 GB (a tenth of the free space) in " + str(tmp_path) in chosen.why
+    assert (f"kept as copies resized to it in {tmp_path} (up to 50.0 GB, a tenth of its disk's free space "
+            "counting the 0.0 GB it holds), so epochs after the first decode the copies") in chosen.why
     assert "0 to read the originals every epoch" in chosen.why
 
 
@@ -58,7 +61,8 @@ def test_a_run_of_several_epochs_keeps_copies_of_its_training_images_on_a_local_
     (TrainingConfig(epochs=3), True, "tmpfs", 10**12, "on a filesystem of type tmpfs, not a local disk"),
     (TrainingConfig(epochs=3), True, "fuse.s3fs", 10**12, "of type fuse.s3fs"),
     (TrainingConfig(epochs=3), True, None, 10**12, "a filesystem this host's mount table does not name"),
-    (TrainingConfig(epochs=3), True, "xfs", 300 * 2**20, "has 0.3 GiB free, and a tenth of it holds too few"),
+    (TrainingConfig(epochs=3), True, "overlay", 10**12, "on a filesystem of type overlay, not a local disk"),
+    (TrainingConfig(epochs=3), True, "xfs", 300 * 2**20, "a tenth of the space"),
 ])
 def test_a_run_that_would_not_gain_by_copies_keeps_none_and_says_why(tmp_path, monkeypatch, cfg, in_loaders, kind,
                                                                     free, why):
@@ -69,11 +73,35 @@ def test_a_run_that_would_not_gain_by_copies_keeps_none_and_says_why(tmp_path, m
 
 
 @pytest.mark.unit
-def test_a_folder_this_user_cannot_make_keeps_no_cache_and_says_why(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["under a file", "others may write", "a dangling symlink"])
+def test_a_folder_the_cache_would_refuse_keeps_no_cache_and_says_why_once(tmp_path, monkeypatch, caplog, kind):
     on_disk(monkeypatch, "ext4")
-    (tmp_path / "a-file").write_bytes(b"")  # no folder can be made below it, not even by root
-    chosen = cache_choice(TrainingConfig(epochs=3), decodes_in_loaders=True, folder=tmp_path / "a-file" / "cache")
-    assert chosen.cache is None and f"{tmp_path / 'a-file'} is not writable by this user" in chosen.why
+    folder = tmp_path / "cache"
+    if kind == "under a file":
+        (tmp_path / "a-file").write_bytes(b"")
+        folder = tmp_path / "a-file" / "cache"
+    elif kind == "others may write":
+        folder.mkdir(mode=0o775)
+        folder.chmod(0o775)
+    else:
+        folder.symlink_to(tmp_path / "gone")
+    with caplog.at_level(logging.WARNING):
+        chosen = cache_choice(TrainingConfig(epochs=3), decodes_in_loaders=True, folder=folder)
+    assert chosen.cache is None and f"{folder} cannot be the cache's folder (" in chosen.why
+    assert not caplog.records  # the reason for no cache, not a warning
+
+
+@pytest.mark.unit
+def test_the_share_counts_what_the_folder_holds_and_a_full_cache_is_still_read(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    assert ByteCache(10**9, folder).put("s3://bucket/a.jpg", 10**6, b"x" * 10**6)  # the ledger: 1 MB held
+    on_disk(monkeypatch, "ext4", free=9 * 10**6 + AUTO_MIN_BYTES * 10)
+    chosen = cache_choice(TrainingConfig(epochs=3), decodes_in_loaders=True, folder=folder)
+    assert chosen.cache is not None and chosen.cache.max_bytes == int((10**6 + 9 * 10**6 + AUTO_MIN_BYTES * 10) * AUTO_DISK_SHARE)
+    assert ByteCache(1, folder).held_bytes() == 10**6
+    monkeypatch.setattr(ByteCache, "held_bytes", lambda self: 10**12)  # a cache that took its tenth
+    full = cache_choice(TrainingConfig(epochs=3), decodes_in_loaders=True, folder=folder)
+    assert full.cache is not None and "full, so the copies kept are read and no more made" in full.why
 
 
 @pytest.mark.unit
@@ -132,6 +160,23 @@ def photo_job(tmp_path: Path, epochs: int, cache_gb: float | None = None) -> Tra
         model=ModelConfig(backbone="mobilenet_v3_small"),
         training=TrainingConfig(epochs=epochs, batch_size=4, image_size=32, num_workers=0, cache_gb=cache_gb),
     )
+
+
+@pytest.mark.unit
+def test_rank_zero_probes_the_decode_unless_a_cache_copies_every_image_larger_than_the_crop_needs(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setenv("PREFECT_DDP_CACHE_DIR", str(tmp_path / "cache"))
+    on_disk(monkeypatch, "ext4")  # whatever this host's temporary folder is on
+    job = photo_job(tmp_path, epochs=3)
+
+    def data(cache_gb: float | None) -> RankData:
+        cfg = job.training.model_copy(update={"cache_gb": cache_gb})
+        return rank_data(CTX, job.source, job.output, job.manifest, job.split, cfg, job.preprocessing)
+
+    # The flow's own cache leaves images under twice the side as stored: the loaders may still decode originals.
+    assert data(None).cache.copy_shrink == AUTO_COPY_SHRINK and data(None).decodes_originals
+    assert not data(1.0).decodes_originals  # a size set: every image larger than the crop needs, copied
+    assert data(0).decodes_originals
 
 
 # Not `unit` (it starts nothing): the recipe twice over, 5-15 s on 2 busy cores.

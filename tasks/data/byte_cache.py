@@ -153,6 +153,20 @@ class ByteCache:
                             "training.cache_gb=0 to turn the cache off.")
             return False
 
+    def held_bytes(self) -> int:
+        """What the folder holds by its ledger, read without the writers' lock (a glance: a write
+        under way may be counted or not); 0 where it has no ledger with a number yet, or one
+        that is not this user's alone."""
+        try:
+            ledger = _open_own(self.folder / LEDGER, os.O_RDONLY, stat.S_IFREG)
+        except OSError:  # none yet, or _Untrusted: put would not add to it either
+            return 0
+        try:
+            text = os.pread(ledger, LEDGER_DIGITS, 0)
+        finally:
+            os.close(ledger)
+        return int(text) if len(text) == LEDGER_DIGITS and text.isdigit() else 0
+
     def bytes_on_disk(self) -> int:
         """What the entries take on disk, counted file by file (the ledger keeps this total
         without counting; a folder without a ledger is counted once). Symlinks are not

@@ -17,8 +17,10 @@ So with cache_gb empty a rank keeps resized copies of its training images where 
   already, and a rank that decodes on its device is handed the bytes;
 - the cache folder (`default_folder`) is on a local disk: a home folder on NFS, CIFS or a FUSE mount
   is shared by a cluster's hosts, whose every write would then wait on one ledger's lock over the
-  network, and one in memory (tmpfs) would take what the loaders' budget counts on
-  (tasks/data/host_budget.py).
+  network, one in memory (tmpfs) would take what the loaders' budget counts on
+  (tasks/data/host_budget.py), and a container's root (overlay) may be bounded where it cannot be
+  seen (LOCAL_DISKS);
+- the folder is one the cache can use: this user's alone (`private_folder`).
 
 It keeps copies only, of images at least AUTO_COPY_SHRINK times the side the crop needs, and of
 training images only. On one core here a copy of a 500x375 photo at 96 px (64-px crops) cost 2.1 ms
@@ -27,8 +29,8 @@ and saved a quarter of the original's 1.22-ms decode (bench/RESULTS.md). A small
 fetched every epoch as without the cache: its bytes would save a GET but no decode. Validation reads the
 originals, as batch-predict and the served model do, so the metric that picks the model that ships
 is measured on the pixels it will be served. The folder may hold up to AUTO_DISK_SHARE of its
-disk's free space, as each rank finds it when it starts: a cache that fills stops adding (it never
-evicts), so it never takes more than that share of what was free when it was written.
+disk's free space counting what the folder holds already (its ledger), as each rank finds it when
+it starts: a cache that fills stops adding (it never evicts) and its copies are still read.
 
 A number set keeps every image read there, originals and copies, training and validation, up to
 that many GB; 0 turns the cache off.
@@ -43,6 +45,7 @@ from pathlib import Path
 
 from prefect_ddp.tasks.config import TrainingConfig
 from prefect_ddp.tasks.data.byte_cache import FOLDER_ENV, ByteCache, default_folder
+from prefect_ddp.tasks.private_folder import private_folder
 
 # A cache nobody sized is kept by runs of at least this many epochs (module docstring).
 AUTO_MIN_EPOCHS = 3
@@ -52,10 +55,12 @@ AUTO_COPY_SHRINK = 2.0
 AUTO_DISK_SHARE = 0.1
 # Below this a cache nobody sized is not worth a folder: a few thousand copies.
 AUTO_MIN_BYTES = 64 * 2**20
-# Filesystems of a local disk (/proc/self/mountinfo's names); overlay is a container's root.
+# Filesystems of a local disk (/proc/self/mountinfo's names). Not overlay, a container's root: a
+# Kubernetes pod that writes there past its ephemeral-storage limit is evicted, a limit a tenth
+# of the node's free space can pass unseen from inside the pod.
 # How mountinfo writes a space, tab, newline or backslash in a mount point: "\\040".
 OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
-LOCAL_DISKS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "bcachefs", "overlay"})
+LOCAL_DISKS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "bcachefs"})
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,12 @@ class CacheChoice:
     copy_shrink: float | None
     with_validation: bool
     why: str
+
+    @property
+    def keeps_every_image(self) -> bool:
+        """Whether every image read is kept (a number set): then every one larger than the crop
+        needs is read as a copy from the second epoch on, and no GET is sent for any."""
+        return self.cache is not None and self.copy_shrink is None
 
 
 def cache_choice(cfg: TrainingConfig, decodes_in_loaders: bool, folder: Path | None = None) -> CacheChoice:
@@ -85,20 +96,21 @@ def cache_choice(cfg: TrainingConfig, decodes_in_loaders: bool, folder: Path | N
         return CacheChoice(cache, copy_shrink=None, with_validation=True,
                            why=f"training.cache_gb={cfg.cache_gb:g}: {said}")
     folder = folder or default_folder()
-    off = not_worth_it(cfg, decodes_in_loaders) or not_on_local_disk(folder) or not_writable(folder)
+    off = not_worth_it(cfg, decodes_in_loaders) or not_on_local_disk(folder) or not_private(folder)
     if off:
         return CacheChoice(None, None, False, f"no byte cache (training.cache_gb empty): {off}")
-    free = free_bytes(folder)
-    share = int(free * AUTO_DISK_SHARE)
+    held = ByteCache(1, folder).held_bytes()
+    share = int((free_bytes(folder) + held) * AUTO_DISK_SHARE)
     if share < AUTO_MIN_BYTES:
-        return CacheChoice(None, None, False, f"no byte cache (training.cache_gb empty): {folder}'s disk has "
-                           f"{free / 2**30:.1f} GiB free, and a tenth of it holds too few copies to pay")
+        return CacheChoice(None, None, False, f"no byte cache (training.cache_gb empty): a tenth of the space "
+                           f"{folder}'s disk has free ({share / 2**30:.2f} GiB) holds too few copies to pay")
+    room = (f"up to {share / 1e9:.1f} GB, a tenth of its disk's free space counting the {held / 1e9:.1f} GB it holds"
+            + (": full, so the copies kept are read and no more made" if held >= share else ""))
     return CacheChoice(ByteCache(share, folder), copy_shrink=AUTO_COPY_SHRINK, with_validation=False,
                        why=f"training images at least {AUTO_COPY_SHRINK:g}x the side the crop needs are kept as copies "
-                       f"resized to it, up to "
-                       f"{share / 1e9:.1f} GB (a tenth of the free space) in {folder}, so epochs after the first "
-                       "decode the copies (training.cache_gb empty; set a number of GB to keep every image read, "
-                       f"0 to read the originals every epoch, or {FOLDER_ENV} to keep them elsewhere)")
+                       f"resized to it in {folder} ({room}), so epochs after the first decode the copies "
+                       "(training.cache_gb empty; set a number of GB to keep every image read, 0 to read the "
+                       f"originals every epoch, or {FOLDER_ENV} to keep them elsewhere)")
 
 
 def not_worth_it(cfg: TrainingConfig, decodes_in_loaders: bool) -> str:
@@ -123,13 +135,16 @@ def not_on_local_disk(folder: Path) -> str:
             "to a folder on one, or training.cache_gb to use it anyway")
 
 
-def not_writable(folder: Path) -> str:
-    """Why this user cannot make or fill `folder`, or "" where it can (a read-only home would
-    otherwise turn every run's default into a warning)."""
-    place = nearest_existing(folder)
-    if os.access(place, os.W_OK | os.X_OK):
-        return ""
-    return f"{place} is not writable by this user; set {FOLDER_ENV} to a folder that is"
+def not_private(folder: Path) -> str:
+    """Why the cache could not use `folder`, or "" where it can: the check `ByteCache` makes before
+    its first write (`private_folder`, which makes the folder), made here so that a folder it
+    would refuse (another user's, one others may write to, a dangling symlink, a read-only disk)
+    is said once as the reason for no cache, not warned of by every loader process of every run."""
+    try:
+        private_folder(folder, fix=f"set {FOLDER_ENV} to a folder of your own")
+    except OSError as error:
+        return f"{folder} cannot be the cache's folder ({error})"
+    return ""
 
 
 def nearest_existing(path: Path) -> Path:

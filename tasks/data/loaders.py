@@ -74,10 +74,12 @@ class RankData:
     images: ManifestImages  # the manifest's images for the reads outside the loaders
     output_options: dict[str, Any] = field(repr=False)  # the output's storage options: checkpoints, model.pt
     # Whether the train loader decodes the stored images on the rank's CPUs: not when they reach
-    # it encoded (training.decode_on="device"), from shards stored resized, or through the byte
-    # cache, which serves the resized copies it kept in the first epoch from then on. Only then is
-    # there a decoding cost for rank 0 to measure (prefect_ddp.tasks.training.decode_cost) after
-    # the first epoch.
+    # it encoded (training.decode_on="device"), from shards stored resized, or through a byte cache
+    # sized by the run, which serves a copy of every image larger than the crop needs from the
+    # second epoch on. Only then is there a decoding cost for rank 0 to measure
+    # (prefect_ddp.tasks.training.decode_cost) after the first epoch. The cache the flow sizes
+    # itself copies only images over twice that side (tasks/data/cache_choice.py): the others
+    # are decoded as stored every epoch.
     decodes_originals: bool
     loader_workers: LoaderWorkers  # how many loader processes each loader has, and why
     train_epochs: EpochAhead  # the train loader's epochs, the next started while this one validates
@@ -141,7 +143,7 @@ def rank_data(ctx: RankContext, source: Location, output: Location, manifest: Ma
         # of one image (it breaks BatchNorm in training mode) on every rank alike.
         sampler = PositionedSampler(len(train_set), ctx.world_size, ctx.rank, split.seed, cfg.batch_size)
         train_loader = FetchAheadLoader(train_set, sampler, cfg.batch_size, collate_fn=collate_fn, **loader_options)
-        stored_resized = cached.cache is not None  # from the second epoch on, the copies the cache kept
+        stored_resized = cached.keeps_every_image  # from the second epoch on, the copies the cache kept
     return RankData(train_loader, val_loader, images, output_options,
                     decodes_originals=not on_device and not stored_resized, loader_workers=chosen,
                     train_epochs=EpochAhead(train_loader), cache=cached)

@@ -116,7 +116,7 @@ def set_up_rank(ctx: RankContext, job: TrainJob, log: Any) -> RankSetup:
     state = TrainingState(model, optimizer, build_scheduler(optimizer, job.training), scaler,
                           weights_average(model, job.training.ema_decay))
     advice = input_advice(job.training, from_object_store="://" in job.manifest.root,
-                          loader_processes=data.loader_workers.workers, cached=data.cache.cache is not None)
+                          loader_processes=data.loader_workers.workers, cached=data.cache.keeps_every_image)
     warm_epochs = warmup_epochs(job.training, ctx.world_size)
     scaled_by = ctx.world_size if scales_lr(job.training) else 1
     warmup = Warmup(warm_epochs * len(data.train), start=1 / scaled_by if scaled_by > 1 else 0.0)

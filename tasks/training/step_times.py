@@ -158,7 +158,7 @@ def split_rows(flat: list[float]) -> list[list[float]]:
 
 def input_advice(cfg: TrainingConfig, from_object_store: bool, loader_processes: int, cached: bool) -> str:
     """What would feed the ranks faster, given how this run reads its images with `loader_processes`,
-    through the byte cache where `cached`."""
+    through a byte cache that keeps every image where `cached` (`CacheChoice.keeps_every_image`)."""
     advice = []
     if loader_processes == 0:
         advice.append("loader workers (training.num_workers) would decode in parallel with the steps")
