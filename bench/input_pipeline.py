@@ -10,7 +10,7 @@ DataLoader reached 0.80x (bench/RESULTS.md). Both feeds here read the same photo
 - flow: the recipe itself (`train_classifier` at world size 1, as a gang's rank runs it: rank_data's
   loaders, the step clock, progress, validation, checkpoints, the model card), each epoch's training
   pass timed by its own record (`images_per_s`: train images over the pass's wall time). Its byte
-  cache as the flow chooses it (tasks/data/cache_choice.py: with more than one epoch, resized copies
+  cache as the flow chooses it (tasks/data/cache_choice.py: with 3 epochs or more, resized copies
   of the training images, which the epochs after the first read), in a folder of the run's own;
   `--cache-gb 0` reads the originals every epoch, as the flow did before it chose.
 

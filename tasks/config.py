@@ -268,7 +268,7 @@ class TrainingConfig(_Strict):
         "host, so later epochs read them from there instead of S3; images larger than training needs "
         "(camera photos) are kept resized to the side the crop needs (folder: $PREFECT_DDP_CACHE_DIR, "
         "else ~/.cache/prefect-ddp/images, the user's own). 0 turns it off. Empty: a run of 3 epochs or more "
-        "that decodes in its loader processes keeps copies of its training images at least twice "
+        "that decodes in its loader processes keeps copies of its training images over twice "
         "the side the crop needs, resized to it, up to a tenth of the folder's free disk space, where that "
         "folder is on a local disk; the run's log says what it chose.",
     )

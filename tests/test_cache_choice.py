@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,8 +50,8 @@ def test_a_run_of_several_epochs_keeps_copies_of_its_training_images_on_a_local_
     chosen = cache_choice(TrainingConfig(epochs=3), decodes_in_loaders=True, folder=tmp_path)
     assert chosen.cache is not None and chosen.cache.max_bytes == int(500 * 10**9 * AUTO_DISK_SHARE)
     assert chosen.copy_shrink == AUTO_COPY_SHRINK == 2 and not chosen.with_validation
-    assert (f"kept as copies resized to it in {tmp_path} (up to 50.0 GB, a tenth of its disk's free space "
-            "counting the 0.0 GB it holds), so epochs after the first decode the copies") in chosen.why
+    assert (f"kept as copies resized to it in {tmp_path} (up to 50.0 GB of entries, a tenth of its disk's free "
+            "space counting the 0.0 GB it holds), so epochs after the first decode the copies") in chosen.why
     assert "0 to read the originals every epoch" in chosen.why
 
 
@@ -105,6 +109,44 @@ def test_the_share_counts_what_the_folder_holds_and_a_full_cache_is_still_read(t
 
 
 @pytest.mark.unit
+def test_a_choice_that_keeps_no_cache_makes_no_folder(tmp_path, monkeypatch):
+    on_disk(monkeypatch, "ext4", free=AUTO_MIN_BYTES)  # a tenth of it: too small
+    folder = tmp_path / "not" / "made"
+    assert cache_choice(TrainingConfig(epochs=3), decodes_in_loaders=True, folder=folder).cache is None
+    assert not (tmp_path / "not").exists()
+
+
+@pytest.mark.unit
+def test_what_a_folder_holds_is_its_ledgers_else_counted_and_nothing_in_a_ledger_planted(tmp_path):
+    folder = tmp_path / "cache"
+    assert ByteCache(10**9, folder).put("s3://bucket/a.jpg", 3000, b"x" * 3000)
+    (folder / "used-bytes").write_bytes(b"")  # an earlier version's folder: no number in its ledger
+    assert ByteCache(1, folder).held_bytes() == 3000
+    (folder / "used-bytes").unlink()
+    assert ByteCache(1, folder).held_bytes() == 3000
+    (tmp_path / "elsewhere").write_bytes(b"9" * 20)
+    (folder / "used-bytes").symlink_to(tmp_path / "elsewhere")  # planted: put would not add to it either
+    assert ByteCache(1, folder).held_bytes() == 0
+    assert ByteCache(1, tmp_path / "none-yet").held_bytes() == 0
+
+
+LAST_MOUNT_WINS = "from pathlib import Path; from {module} import filesystem_type; print(filesystem_type(Path('{path}')))"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) for a mount namespace of its own")
+def test_the_last_mount_over_a_folder_names_its_filesystem(tmp_path):
+    place = tmp_path / "stacked"
+    place.mkdir()
+    script = (f"mount -t tmpfs tmpfs {place} && mount -t ramfs ramfs {place} && mkdir {place}/sub && exec "
+              f"{sys.executable} -c \"{LAST_MOUNT_WINS.format(module=choice_module.__name__, path=place / 'sub' / 'x')}\"")
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ramfs"
+
+
+@pytest.mark.unit
 def test_a_cache_size_set_keeps_every_image_read_wherever_the_folder_is(tmp_path, monkeypatch):
     on_disk(monkeypatch, "nfs4", free=0)
     chosen = cache_choice(TrainingConfig(epochs=1, cache_gb=2.5), decodes_in_loaders=True, folder=tmp_path)
@@ -130,7 +172,7 @@ def jpeg(side: int, seed: int) -> bytes:
 
 
 @pytest.mark.unit
-def test_copies_only_of_images_at_least_twice_the_side_needed_and_nothing_of_the_others(tmp_path):
+def test_copies_only_of_images_over_twice_the_side_needed_and_nothing_of_the_others(tmp_path):
     side = decode_side(32)  # 48
     images = {"big.jpg": jpeg(2 * side + 1, 1), "twice.jpg": jpeg(2 * side, 2), "small.jpg": jpeg(32, 3)}
     (tmp_path / "photos").mkdir()

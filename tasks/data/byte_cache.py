@@ -154,18 +154,21 @@ class ByteCache:
             return False
 
     def held_bytes(self) -> int:
-        """What the folder holds by its ledger, read without the writers' lock (a glance: a write
-        under way may be counted or not); 0 where it has no ledger with a number yet, or one
-        that is not this user's alone."""
+        """What the folder holds, as `put` would count it: by its ledger, read without the writers'
+        lock (a glance: a write under way may be counted or not), else counted from the disk (a
+        folder an earlier version filled, or whose ledger holds no number yet); 0 where the
+        ledger is not this user's alone (`put` adds nothing there either)."""
         try:
             ledger = _open_own(self.folder / LEDGER, os.O_RDONLY, stat.S_IFREG)
-        except OSError:  # none yet, or _Untrusted: put would not add to it either
+        except _Untrusted:
             return 0
+        except OSError:  # no ledger (nor, perhaps, a folder) yet
+            return self.bytes_on_disk()
         try:
             text = os.pread(ledger, LEDGER_DIGITS, 0)
         finally:
             os.close(ledger)
-        return int(text) if len(text) == LEDGER_DIGITS and text.isdigit() else 0
+        return int(text) if len(text) == LEDGER_DIGITS and text.isdigit() else self.bytes_on_disk()
 
     def bytes_on_disk(self) -> int:
         """What the entries take on disk, counted file by file (the ledger keeps this total

@@ -22,7 +22,7 @@ So with cache_gb empty a rank keeps resized copies of its training images where 
   seen (LOCAL_DISKS);
 - the folder is one the cache can use: this user's alone (`private_folder`).
 
-It keeps copies only, of images at least AUTO_COPY_SHRINK times the side the crop needs, and of
+It keeps copies only, of images more than AUTO_COPY_SHRINK times the side the crop needs, and of
 training images only. On one core here a copy of a 500x375 photo at 96 px (64-px crops) cost 2.1 ms
 to make and decoded in 0.19 ms against the original's 1.24; one at 334 px (224-px crops) cost 7.0 ms
 and saved a quarter of the original's 1.22-ms decode (bench/RESULTS.md). A smaller image is
@@ -30,7 +30,9 @@ fetched every epoch as without the cache: its bytes would save a GET but no deco
 originals, as batch-predict and the served model do, so the metric that picks the model that ships
 is measured on the pixels it will be served. The folder may hold up to AUTO_DISK_SHARE of its
 disk's free space counting what the folder holds already (its ledger), as each rank finds it when
-it starts: a cache that fills stops adding (it never evicts) and its copies are still read.
+it starts: a cache that fills stops adding (it never evicts) and its copies are still read. The
+ledger counts the entries' bytes; on disk a small copy takes whole blocks (a 6-KB copy at 96 px
+about 1.3x its bytes), so the folder takes more of the disk than the share says.
 
 A number set keeps every image read there, originals and copies, training and validation, up to
 that many GB; 0 turns the cache off.
@@ -49,7 +51,7 @@ from prefect_ddp.tasks.private_folder import private_folder
 
 # A cache nobody sized is kept by runs of at least this many epochs (module docstring).
 AUTO_MIN_EPOCHS = 3
-# A cache nobody sized copies only images at least this many times the side the crop needs.
+# A cache nobody sized copies only images more than this many times the side the crop needs.
 AUTO_COPY_SHRINK = 2.0
 # The part of the cache folder's free disk space that a cache nobody sized may take.
 AUTO_DISK_SHARE = 0.1
@@ -66,7 +68,7 @@ LOCAL_DISKS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", 
 @dataclass(frozen=True)
 class CacheChoice:
     """The byte cache a rank reads through: `cache` None for none; `copy_shrink` (None: every image
-    read, as fetched or copied; else copies only, of images at least that many times the side) and
+    read, as fetched or copied; else copies only, of images more than that many times the side) and
     `with_validation` as the module docstring says; `why` for the run's log."""
 
     cache: ByteCache | None
@@ -96,18 +98,18 @@ def cache_choice(cfg: TrainingConfig, decodes_in_loaders: bool, folder: Path | N
         return CacheChoice(cache, copy_shrink=None, with_validation=True,
                            why=f"training.cache_gb={cfg.cache_gb:g}: {said}")
     folder = folder or default_folder()
-    off = not_worth_it(cfg, decodes_in_loaders) or not_on_local_disk(folder) or not_private(folder)
+    held = held_bytes(folder)
+    share = int((free_bytes(folder) + held) * AUTO_DISK_SHARE)
+    # The folder is made (by not_private) only where nothing else leaves the cache off.
+    off = (not_worth_it(cfg, decodes_in_loaders) or not_on_local_disk(folder) or too_small(folder, share)
+           or not_private(folder))
     if off:
         return CacheChoice(None, None, False, f"no byte cache (training.cache_gb empty): {off}")
-    held = ByteCache(1, folder).held_bytes()
-    share = int((free_bytes(folder) + held) * AUTO_DISK_SHARE)
-    if share < AUTO_MIN_BYTES:
-        return CacheChoice(None, None, False, f"no byte cache (training.cache_gb empty): a tenth of the space "
-                           f"{folder}'s disk has free ({share / 2**30:.2f} GiB) holds too few copies to pay")
-    room = (f"up to {share / 1e9:.1f} GB, a tenth of its disk's free space counting the {held / 1e9:.1f} GB it holds"
-            + (": full, so the copies kept are read and no more made" if held >= share else ""))
+    room = (f"up to {share / 1e9:.1f} GB of entries, a tenth of its disk's free space counting the "
+            f"{held / 1e9:.1f} GB it holds" + (": full, so the copies kept are read and no more made"
+                                                if held >= share else ""))
     return CacheChoice(ByteCache(share, folder), copy_shrink=AUTO_COPY_SHRINK, with_validation=False,
-                       why=f"training images at least {AUTO_COPY_SHRINK:g}x the side the crop needs are kept as copies "
+                       why=f"training images over {AUTO_COPY_SHRINK:g}x the side the crop needs are kept as copies "
                        f"resized to it in {folder} ({room}), so epochs after the first decode the copies "
                        "(training.cache_gb empty; set a number of GB to keep every image read, 0 to read the "
                        f"originals every epoch, or {FOLDER_ENV} to keep them elsewhere)")
@@ -133,6 +135,19 @@ def not_on_local_disk(folder: Path) -> str:
     where = f"a filesystem of type {kind}" if kind else "a filesystem this host's mount table does not name"
     return (f"{folder} is on {where}, not a local disk ({', '.join(sorted(LOCAL_DISKS))}); set {FOLDER_ENV} "
             "to a folder on one, or training.cache_gb to use it anyway")
+
+
+def too_small(folder: Path, share: int) -> str:
+    """Why a share of `share` bytes is not worth a cache, or "" where it is."""
+    if share >= AUTO_MIN_BYTES:
+        return ""
+    return f"a tenth of the space {folder}'s disk has free ({share / 2**30:.2f} GiB) holds too few copies to pay"
+
+
+def held_bytes(folder: Path) -> int:
+    """What the cache in `folder` holds (`ByteCache.held_bytes`: by its ledger, else counted); 0 where
+    there is no folder yet."""
+    return ByteCache(AUTO_MIN_BYTES, folder).held_bytes()
 
 
 def not_private(folder: Path) -> str:

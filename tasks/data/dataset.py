@@ -304,7 +304,7 @@ class S3ImageFolder(Dataset[tuple[torch.Tensor | EncodedImage, int]]):
             camera original (~2 ms instead of ~50-200), and a 12-MP photo takes ~20 KB of
             the cache instead of ~5 MB. Every epoch, the first too, trains on that copy.
         copy_shrink: None keeps every image in `cache`, as fetched or as such a copy; a
-            number keeps only copies, of images at least that many times the side on their
+            number keeps only copies, of images more than that many times the side on their
             shorter side (tasks/data/cache_choice.py: the others are fetched every epoch).
 
     >>> from prefect_ddp.tasks.data.dataset import S3ImageFolder, eval_transform
