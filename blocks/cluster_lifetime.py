@@ -46,6 +46,7 @@ from prefect_dask import DaskTaskRunner
 
 from prefect_ddp.blocks.cluster import DaskCluster
 from prefect_ddp.blocks.warm_cluster import WarmClaim, WarmClusterUnavailable, claim_warm_cluster
+from prefect_ddp.blocks.worker_events import send_workers_queued
 from prefect_ddp.tasks.reporting import flow_api_url, run_logger
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,8 @@ class ClusterLifetime:
         began = time.monotonic()
         try:
             if self.runner is not None:  # else not even made: nothing to close
+                if self._client is not None:
+                    send_workers_queued(self._client)
                 if self._warm:
                     self._warm.release(self._client)  # never raises: a failure leaves the in-use mark
                 self.runner.__exit__(exc_type, exc, tb)
