@@ -11,7 +11,9 @@ sends what it holds, for at most SEND_S a queue (`ClusterLifetime`, blocks/clust
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from distributed import Client
 from prefect.events.worker import EventsWorker
@@ -21,7 +23,9 @@ from prefect_ddp.tasks.reporting import run_logger
 
 # How long a worker may take to send each of its queues (events, then logs): a server that
 # answers nothing for longer (docs/architecture.md, "Facts: Prefect") loses them as before.
-SEND_S = 20.0
+SEND_S = 15.0
+# How long the flow waits for its workers' answers: both queues' time and a margin for the round trip.
+WAIT_S = 2 * SEND_S + 5
 
 
 def send_queued(timeout_s: float = SEND_S) -> bool:
@@ -40,16 +44,27 @@ def send_queued(timeout_s: float = SEND_S) -> bool:
         return pool.submit(drained).result()
 
 
-def send_workers_queued(client: Client) -> None:
+def send_workers_queued(client: Client, wait_s: float = WAIT_S) -> None:
     """Have every worker of `client`'s cluster send what it holds for the Prefect server
-    (`send_queued`); warn of those that could not. Never raises: the run's outcome is made."""
-    try:
-        sent = client.run(send_queued, SEND_S)
-    except Exception as error:  # a worker gone meanwhile: what it held is lost either way
-        run_logger().warning("Could not have the Dask workers send their Prefect events and logs before closing "
-                             "them (%s): task runs may show an earlier state than their last.", error)
-        return
-    unsent = sorted(worker for worker, done in sent.items() if not done)
-    if unsent:
-        run_logger().warning("Workers %s could not send their Prefect events and logs within %.0f s before they were "
-                             "closed: their task runs may show an earlier state than their last.", unsent, SEND_S)
+    (`send_queued`), waiting for their answers up to `wait_s`; warn of those that could not.
+    Never raises: the run's outcome is made.
+
+    The wait is bounded here, in a daemon thread: a frozen worker (stopped, or its event loop
+    held) never answers `client.run`, which has no deadline of its own; closing the client
+    ends the call left waiting."""
+    answers: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            answers.update(client.run(send_queued, SEND_S, on_error="return"))
+        except Exception as error:  # the scheduler gone, or the client closed while it waited
+            answers["the scheduler"] = error
+
+    asking = threading.Thread(target=ask, name="send-workers-queued", daemon=True)
+    asking.start()
+    asking.join(wait_s)
+    unsent = sorted(worker for worker, answer in answers.items() if answer is not True)
+    if asking.is_alive() or unsent:
+        said = f"{unsent}" if unsent else f"every worker (not all answered within {wait_s:.0f} s)"
+        run_logger().warning("Before closing its Dask workers the run could not have %s send the Prefect events and "
+                             "logs they held: their task runs may show an earlier state than their last.", said)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -32,12 +33,22 @@ def recorded(api_url: str, resource_id: str, wait_s: float = 90) -> bool:
     return False
 
 
-# Not `unit`: a real Prefect server and a cluster of its own, whose worker is killed as a nanny kills one.
-def test_a_workers_queued_events_reach_the_server_though_it_is_killed_right_after(prefect_api):
+# Not `unit`: a real Prefect server and a cluster of its own, whose workers are killed as a nanny kills one.
+def test_a_workers_queued_events_reach_the_server_though_it_is_killed_right_after_and_another_is_frozen(
+        prefect_api, caplog):
     resource_id = f"prefect-ddp.test.{uuid.uuid4()}"
-    with create_local_cluster(n_workers=1) as cluster, cluster.get_client() as client:
-        client.run(emit, resource_id)
-        send_workers_queued(client)
-        for pid in client.run(os.getpid).values():
-            os.kill(pid, signal.SIGKILL)  # as a nanny kills a worker that has not closed within seconds
+    with create_local_cluster(n_workers=2) as cluster, cluster.get_client() as client:
+        pids = client.run(os.getpid)
+        sending, frozen = sorted(pids)
+        client.run(emit, resource_id, workers=[sending])
+        os.kill(pids[frozen], signal.SIGSTOP)  # it never answers: the flow's end must not wait for it
+        try:
+            asked = time.monotonic()
+            with caplog.at_level(logging.WARNING):
+                send_workers_queued(client, wait_s=10)
+            waited = time.monotonic() - asked
+        finally:
+            for pid in pids.values():
+                os.kill(pid, signal.SIGKILL)  # as a nanny kills a worker that has not closed within seconds
+    assert waited < 60 and "not all answered within 10 s" in caplog.text
     assert recorded(prefect_api, resource_id)
