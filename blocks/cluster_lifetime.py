@@ -184,7 +184,7 @@ class ClusterLifetime:
         began = time.monotonic()
         try:
             if self.runner is not None:  # else not even made: nothing to close
-                if self._client is not None:
+                if self._client is not None and (self._warm or self.runner.address is None):  # workers it ends
                     send_workers_queued(self._client)
                 if self._warm:
                     self._warm.release(self._client)  # never raises: a failure leaves the in-use mark
