@@ -57,11 +57,11 @@ AUTO_COPY_SHRINK = 2.0
 AUTO_DISK_SHARE = 0.1
 # Below this a cache nobody sized is not worth a folder: a few thousand copies.
 AUTO_MIN_BYTES = 64 * 2**20
+# How mountinfo writes a space, tab, newline or backslash in a mount point: "\\040".
+OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 # Filesystems of a local disk (/proc/self/mountinfo's names). Not overlay, a container's root: a
 # Kubernetes pod that writes there past its ephemeral-storage limit is evicted, a limit a tenth
 # of the node's free space can pass unseen from inside the pod.
-# How mountinfo writes a space, tab, newline or backslash in a mount point: "\\040".
-OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 LOCAL_DISKS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "bcachefs"})
 
 
@@ -98,11 +98,11 @@ def cache_choice(cfg: TrainingConfig, decodes_in_loaders: bool, folder: Path | N
         return CacheChoice(cache, copy_shrink=None, with_validation=True,
                            why=f"training.cache_gb={cfg.cache_gb:g}: {said}")
     folder = folder or default_folder()
-    held = held_bytes(folder)
+    off = not_worth_it(cfg, decodes_in_loaders) or not_on_local_disk(folder)
+    held = 0 if off else held_bytes(folder)  # counted from the disk where its ledger holds no number
     share = int((free_bytes(folder) + held) * AUTO_DISK_SHARE)
     # The folder is made (by not_private) only where nothing else leaves the cache off.
-    off = (not_worth_it(cfg, decodes_in_loaders) or not_on_local_disk(folder) or too_small(folder, share)
-           or not_private(folder))
+    off = off or too_small(folder, share) or not_private(folder)
     if off:
         return CacheChoice(None, None, False, f"no byte cache (training.cache_gb empty): {off}")
     room = (f"up to {share / 1e9:.1f} GB of entries, a tenth of its disk's free space counting the "
