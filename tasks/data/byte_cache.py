@@ -165,10 +165,9 @@ class ByteCache:
         except OSError:  # no ledger (nor, perhaps, a folder) yet
             return self.bytes_on_disk()
         try:
-            text = os.pread(ledger, LEDGER_DIGITS, 0)
+            return self._total(ledger)
         finally:
             os.close(ledger)
-        return int(text) if len(text) == LEDGER_DIGITS and text.isdigit() else self.bytes_on_disk()
 
     def bytes_on_disk(self) -> int:
         """What the entries take on disk, counted file by file (the ledger keeps this total
