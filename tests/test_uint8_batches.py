@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader
-from torchvision.transforms import v2
+from torchvision.transforms import InterpolationMode, v2
 
 from prefect_ddp.tasks.data.dataset import (
     S3ImageFolder,
@@ -29,7 +29,7 @@ from prefect_ddp.tasks.data.dataset import (
 )
 from prefect_ddp.tasks.data.decoding import decoded_tensor, draft_scale, jpeg_header, libjpeg_decoded, open_rgb
 from prefect_ddp.tasks.data.device_batches import ToDevice, decode_on, pixel_chunks
-from prefect_ddp.tasks.data.loader_steps import collate_images, device_steps, loader_steps
+from prefect_ddp.tasks.data.loader_steps import collate_images, device_steps, loader_steps, resized
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 
 CPU = torch.device("cpu")
@@ -369,3 +369,18 @@ def test_a_loader_process_hands_over_uint8_batches_in_shared_memory(tmp_path):
     assert images.dtype == torch.uint8 and images.is_contiguous(memory_format=torch.channels_last)
     finished, _ = ToDevice(CPU, transform=transform)(images, labels)
     assert torch.equal(finished, torch.stack([todays(data, transform) for data in IMAGES.values()]))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("interpolation", [InterpolationMode.BILINEAR, InterpolationMode.BICUBIC])
+@pytest.mark.parametrize("antialias", [True, False])
+def test_the_loaders_resize_gives_torchvisions_pixels(interpolation, antialias):
+    generator = torch.Generator().manual_seed(0)
+    crops = [(375, 500, 224, 224), (301, 437, 224, 224), (90, 120, 224, 224), (224, 224, 224, 224), (1, 7, 3, 2),
+             (2000, 31, 64, 48)]  # (crop height, width, then the size asked): down, up, equal, odd and thin
+    for height, width, *size in crops:
+        image = torch.randint(0, 256, (1, height, width, 3), dtype=torch.uint8, generator=generator).permute(0, 3, 1, 2)
+        expected = v2.functional.resize(image, size, interpolation, antialias=antialias)
+        got = resized(image, size, interpolation, antialias)
+        assert torch.equal(got, expected), (height, width, size)
+        assert got.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(memory_format=torch.channels_last)
