@@ -9,6 +9,7 @@ Real LocalClusters: threaded ones where processes add nothing to what is checked
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -52,11 +53,21 @@ def test_a_close_in_background_goes_on_while_the_flow_reports_and_is_done_when_t
     assert started.status.name == "closed"
 
 
+# multiprocessing's own helpers, which stay for the process's life once started: the resource tracker
+# (with the first spawned worker) and the forkserver that forks the workers (blocks/worker_forkserver.py).
+LIFELONG_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def live_children() -> set[int]:
-    """This process's live descendants, less multiprocessing's resource tracker (it stays for
-    the process's life once the first worker has been spawned)."""
+    """This process's live descendants, less multiprocessing's LIFELONG_HELPERS (its own children
+    only: a process the forkserver forks carries the forkserver's command line). Left out of both
+    sides, so a worker forked from a forkserver started before the test still counts as started."""
     return {child.pid for child in psutil.Process().children(recursive=True)
-            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline())}
+            if child.status() != psutil.STATUS_ZOMBIE and not lifelong_helper(child)}
+
+
+def lifelong_helper(process: psutil.Process) -> bool:
+    return process.ppid() == os.getpid() and any(helper in " ".join(process.cmdline()) for helper in LIFELONG_HELPERS)
 
 
 def started_since(before: set[int]) -> set[int]:
