@@ -62,8 +62,14 @@ def live_children() -> set[int]:
     """This process's live descendants, less multiprocessing's LIFELONG_HELPERS (its own children
     only: a process the forkserver forks carries the forkserver's command line). Left out of both
     sides, so a worker forked from a forkserver started before the test still counts as started."""
-    return {child.pid for child in psutil.Process().children(recursive=True)
-            if child.status() != psutil.STATUS_ZOMBIE and not lifelong_helper(child)}
+    live = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and not lifelong_helper(child):
+                live.add(child.pid)
+        except psutil.NoSuchProcess:  # gone meanwhile (a zombie's reading raises its subclass)
+            continue
+    return live
 
 
 def lifelong_helper(process: psutil.Process) -> bool:

@@ -6,6 +6,7 @@ Unit tier (no processes) but for the last test, which runs a real loader process
 """
 
 import io
+import platform
 import random
 import struct
 import warnings
@@ -29,7 +30,8 @@ from prefect_ddp.tasks.data.dataset import (
 )
 from prefect_ddp.tasks.data.decoding import decoded_tensor, draft_scale, jpeg_header, libjpeg_decoded, open_rgb
 from prefect_ddp.tasks.data.device_batches import ToDevice, decode_on, pixel_chunks
-from prefect_ddp.tasks.data.loader_steps import collate_images, device_steps, loader_steps, resized
+from prefect_ddp.tasks.data.loader_steps import (collate_images, device_steps, loader_steps, native_uint8_bilinear, resized,
+                                                 resized_crop)
 from prefect_ddp.tasks.data.preprocessing import Preprocessing
 
 CPU = torch.device("cpu")
@@ -371,16 +373,48 @@ def test_a_loader_process_hands_over_uint8_batches_in_shared_memory(tmp_path):
     assert torch.equal(finished, torch.stack([todays(data, transform) for data in IMAGES.values()]))
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("interpolation", [InterpolationMode.BILINEAR, InterpolationMode.BICUBIC])
-@pytest.mark.parametrize("antialias", [True, False])
-def test_the_loaders_resize_gives_torchvisions_pixels(interpolation, antialias):
+# (height, width) of a decoded image, the crop's size and its area's share: boxes that downscale and
+# upscale, that span the whole width (a view that is channels-last already), the whole image, thin ones.
+CROPS = [(375, 500, 224, (0.6, 1.0)), (445, 334, 224, (0.6, 1.0)), (90, 120, 224, (0.6, 1.0)),
+         (224, 224, 224, (1.0, 1.0)), (7, 1, 3, (0.08, 1.0)), (2000, 31, (64, 48), (0.08, 1.0))]
+
+
+def loader_crops(interpolation, antialias) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(torchvision's RandomResizedCrop, the loaders' `resized_crop`) of each of CROPS' images, on the same seeds."""
     generator = torch.Generator().manual_seed(0)
-    crops = [(375, 500, 224, 224), (301, 437, 224, 224), (90, 120, 224, 224), (224, 224, 224, 224), (1, 7, 3, 2),
-             (2000, 31, 64, 48)]  # (crop height, width, then the size asked): down, up, equal, odd and thin
-    for height, width, *size in crops:
-        image = torch.randint(0, 256, (1, height, width, 3), dtype=torch.uint8, generator=generator).permute(0, 3, 1, 2)
-        expected = v2.functional.resize(image, size, interpolation, antialias=antialias)
-        got = resized(image, size, interpolation, antialias)
-        assert torch.equal(got, expected), (height, width, size)
-        assert got.is_contiguous(memory_format=torch.channels_last) == expected.is_contiguous(memory_format=torch.channels_last)
+    pairs = []
+    for height, width, size, scale in CROPS:
+        step = v2.RandomResizedCrop(size, scale=scale, interpolation=interpolation, antialias=antialias)
+        # As LoaderSteps has it: a decoder's CHW view of HWC memory, made a batch of one by unsqueeze.
+        decoded = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=generator).permute(2, 0, 1)
+        for seed in range(20):
+            torch.manual_seed(seed)
+            expected = step(decoded.unsqueeze(0))
+            torch.manual_seed(seed)
+            pairs.append((expected, resized_crop(step, decoded.unsqueeze(0))))
+    return pairs
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("interpolation", [InterpolationMode.BILINEAR, "bilinear", InterpolationMode.BICUBIC])
+@pytest.mark.parametrize("antialias", [True, False])
+def test_the_loaders_crop_and_resize_give_torchvisions_pixels_channels_last(interpolation, antialias):
+    for expected, got in loader_crops(interpolation, antialias):
+        assert torch.equal(got, expected) and got.is_contiguous(memory_format=torch.channels_last)
+        copy = got.clone(memory_format=torch.channels_last)  # `resized` as resized_crop calls it, on one copy
+        through = v2.functional.resize(copy, [9, 7], interpolation, antialias=antialias)
+        assert torch.equal(resized(copy, [9, 7], interpolation, antialias), through)
+
+
+@pytest.mark.unit
+def test_where_torchvision_resizes_uint8_in_float_so_do_the_loaders(monkeypatch):
+    """On a CPU without AVX2 (or ATEN_CPU_CAPABILITY=default) torchvision resizes uint8 in float and
+    rounds: pixels one level off torch's uint8 kernel, which the loaders then must not call."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    native_uint8_bilinear.cache_clear()
+    try:
+        pairs = loader_crops(InterpolationMode.BILINEAR, True)
+    finally:
+        native_uint8_bilinear.cache_clear()
+    assert all(torch.equal(got, expected) for expected, got in pairs)

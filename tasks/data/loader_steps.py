@@ -16,6 +16,7 @@ model takes (training.channels_last), so nothing is transposed on the CPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,26 +60,42 @@ class LoaderSteps(SizedTransform):
 
 
 def resized_crop(step: v2.RandomResizedCrop, image: torch.Tensor) -> torch.Tensor:
-    """`step` on a batch of one: its box drawn as it draws it (`drawn_params`), the crop made channels-last, then resized."""
+    """`step` on a batch of one: its box drawn as it draws it (`drawn_params`), the crop copied
+    channels-last (a copy even where the box spans the whole width and the view is channels-last
+    already: its batch stride is then not its size, and torch would lay the resize out NCHW), then
+    resized (`resized`)."""
     box = drawn_params(step, image)
     crop = image[..., box["top"]:box["top"] + box["height"], box["left"]:box["left"] + box["width"]]
-    return resized(crop.contiguous(memory_format=torch.channels_last), list(step.size), step.interpolation,
+    return resized(crop.clone(memory_format=torch.channels_last), list(step.size), step.interpolation,
                    step.antialias)
 
 
-def resized(image: torch.Tensor, size: list[int], interpolation: InterpolationMode, antialias: bool | None) -> torch.Tensor:
-    """`v2.functional.resize(image, size, interpolation, antialias=antialias)` for a (height, width) `size`.
+def resized(crop: torch.Tensor, size: list[int], interpolation: Any, antialias: bool | None) -> torch.Tensor:
+    """`v2.functional.resize(crop, size, interpolation, antialias=antialias)` of `resized_crop`'s
+    copy (a channels-last batch of one) to a (height, width) `size`.
 
-    A uint8 CPU image resized bilinear with antialiasing, the loaders' usual crop, goes straight
-    to the `interpolate` call torchvision's resize ends in, with the arguments it passes: the same
-    kernel, the same pixels (tests/test_uint8_batches.py), without its dispatch and checks, about
-    0.09 ms an image here, a twentieth of a 500x375 photo's loader path (bench/RESULTS.md, "The
-    loaders' resize"). Any other goes through torchvision's resize.
+    Where torchvision resizes a uint8 CPU image bilinear with antialiasing in uint8 itself
+    (`native_uint8_bilinear`), the loaders' usual crop, the crop goes straight to the `interpolate`
+    call its resize ends in, with the arguments it passes: the same kernel, the same pixels and
+    layout (tests/test_uint8_batches.py), without its dispatch and checks, 0.94-0.96x the loader
+    path's CPU on 500x375 photos (bench/RESULTS.md, "The loaders' resize"). Any other goes through
+    torchvision's resize.
     """
-    if image.dtype == torch.uint8 and image.device.type == "cpu" and interpolation == InterpolationMode.BILINEAR and antialias:
-        return torch.nn.functional.interpolate(image, size=size, mode="bilinear", align_corners=False, antialias=True)
-    same: torch.Tensor = v2.functional.resize(image, size, interpolation, antialias=antialias)
+    if (crop.dtype == torch.uint8 and crop.device.type == "cpu" and interpolation == InterpolationMode.BILINEAR
+            and antialias and native_uint8_bilinear()):
+        return torch.nn.functional.interpolate(crop, size=size, mode="bilinear", align_corners=False, antialias=True)
+    same: torch.Tensor = v2.functional.resize(crop, size, interpolation, antialias=antialias)
     return same
+
+
+@functools.cache
+def native_uint8_bilinear() -> bool:
+    """Whether torchvision's resize runs torch's uint8 bilinear kernel itself on this CPU (AVX2,
+    AVX512, ARM; elsewhere it resizes in float and rounds, other pixels by one level), asked of
+    torchvision once a process (the CPU's capability is fixed at torch's start); False where
+    this torchvision has no such check to ask, so that its resize decides."""
+    check = getattr(v2.functional._geometry, "_do_native_uint8_resize_on_cpu", None)
+    return bool(check(InterpolationMode.BILINEAR)) if check else False
 
 
 def split_at_device(transform: Callable[..., Any]) -> tuple[list[Any], list[Any]]:
