@@ -418,3 +418,14 @@ def test_where_torchvision_resizes_uint8_in_float_so_do_the_loaders(monkeypatch)
     finally:
         native_uint8_bilinear.cache_clear()
     assert all(torch.equal(got, expected) for expected, got in pairs)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")
+                    and platform.machine() not in ("aarch64", "arm64"),
+                    reason="torchvision resizes uint8 in float on this CPU: the loaders' shortcut is off by design")
+def test_on_a_cpu_torchvision_resizes_uint8_on_the_loaders_take_the_shortcut():
+    """Where torchvision's own check is gone (a release renamed it), the loaders would silently lose
+    their resize shortcut: every pixel test would still pass."""
+    native_uint8_bilinear.cache_clear()
+    assert native_uint8_bilinear()
