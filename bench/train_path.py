@@ -40,7 +40,12 @@ bytes into batches of 32 224-px training samples as its users get them, on one t
 - litdata: how a LitData user reads a JPEG: its `JPEGSerializer().deserialize` (torchvision's
   `decode_jpeg`, a full decode, to a uint8 CHW tensor) on the stored bytes, then today's v2
   transform from RandomResizedCrop on, `default_collate`. Measured directly on the bytes in
-  memory: its streaming from chunk files is left out, as every variant's reading is.
+  memory: its streaming from chunk files is left out, as every variant's reading is;
+- the floor, two parts of the new path alone: its decode (`decoded_tensor`), and its decode with
+  RandomResizedCrop's crop and resize (`resized_crop`) and the collation. Every path that keeps
+  today's pixels runs these kernels (libjpeg-turbo's exact decode, torch's uint8 antialiased resize),
+  so the 0.5x target leaves the rest of the path (the box's and the flip's draws, the flip, the
+  header's checks) what these leave of it. Not peers: the targets print them as ratios to today's.
 
 DALI (nvidia-dali-cuda120 2.4.0 with nvImageCodec) and LitData (0.2.76) are installed under
 bench/.cache on first use (bench.outside); where they cannot be, or DALI cannot run, their rows
@@ -152,6 +157,39 @@ def first_decoder(data: bytes, side: int) -> torch.Tensor:
     if min(width // side, height // side) < 2:
         return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     return torch.from_numpy(np.array(open_rgb(data, side))).permute(2, 0, 1)
+
+
+# --- the floor: what any path with today's pixels runs ------------------------------------------
+
+DECODE_ALONE, DECODE_AND_RESIZE = "floor: the new decode alone", "floor: the new decode, crop and resize alone"
+FLOORS = (DECODE_ALONE, DECODE_AND_RESIZE)
+
+
+def floor_variants() -> dict[str, Variant | str]:
+    """The new path's decode alone (`decoded_tensor`, then a batch made once), and its decode with
+    RandomResizedCrop's crop and resize alone (`resized_crop`, collated): the kernels every path that
+    keeps today's pixels runs (libjpeg-turbo's decode, torch's uint8 antialiased resize), the draws'
+    Python, the flip and the header's checks left out. What the 0.5x target leaves to the rest of
+    the path is the target less these; or why they cannot run."""
+    try:
+        from prefect_ddp.tasks.data.dataset import train_transform  # noqa: PLC0415
+        from prefect_ddp.tasks.data.decoding import decoded_tensor  # noqa: PLC0415
+        from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps, resized_crop  # noqa: PLC0415
+    except ImportError as error:
+        return dict.fromkeys(FLOORS, f"the new loader path is not in this checkout ({error})")
+    steps = loader_steps(train_transform(SIDE))
+    crop = steps.transforms[0]
+    made = torch.zeros((BATCH, 3, SIDE, SIDE), dtype=torch.uint8)
+
+    def decode_alone(datas: list[bytes], labels: list[int]) -> Batch:
+        for data in datas:
+            decoded_tensor(data, steps.decode_side)
+        return made[:len(datas)], torch.tensor(labels)
+
+    def decode_and_resize(datas: list[bytes], labels: list[int]) -> Batch:
+        return collate_images([(resized_crop(crop, decoded_tensor(data, steps.decode_side).unsqueeze(0))[0], label)
+                               for data, label in zip(datas, labels)])
+    return {DECODE_ALONE: decode_alone, DECODE_AND_RESIZE: decode_and_resize}
 
 
 # --- torchvision's reference recipe -------------------------------------------------------------
@@ -363,7 +401,11 @@ def targets(measured: Measured, names: list[str], sets: list[str], off: dict[str
     if "500x375" in sets:
         r = ratio_to_today(measured, "new", "500x375")
         lines.append(f"- new <= 0.5x today on 500x375: {r:.2f}x: {'held' if r <= 0.5 else 'NOT held'}")
-    peers = [n for n in names if n not in ("today", "new", "new, decoded as at 092522c") and n not in off]
+    if "500x375" in sets and not any(name in off for name in FLOORS):
+        floors = [f"{name[len('floor: '):]} {ratio_to_today(measured, name, '500x375'):.2f}x" for name in FLOORS]
+        lines.append(f"- what the kernels every path with today's pixels runs cost on 500x375: {', '.join(floors)} "
+                     "of today's whole path")
+    peers = [n for n in names if n not in ("today", "new", "new, decoded as at 092522c", *FLOORS) and n not in off]
     for s in sets:
         mine = statistics.median(measured.cpu_ms[("new", s)])
         verdicts = [f"{p} {statistics.median(measured.cpu_ms[(p, s)]):.2f}"
@@ -447,7 +489,7 @@ def main() -> None:
 
     candidates: dict[str, Variant | str] = {"today": today, "new": new_variant(),
                                            "new, decoded as at 092522c": new_variant(first_decoder), "torchvision": reference,
-                                           **dali_variants(), "litdata": litdata_variant()}
+                                           **dali_variants(), "litdata": litdata_variant(), **floor_variants()}
     off = {name: why for name, why in candidates.items() if isinstance(why, str)}
     variants = {name: v for name, v in candidates.items() if not isinstance(v, str)}
     for name, why in off.items():
