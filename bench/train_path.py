@@ -43,9 +43,10 @@ bytes into batches of 32 224-px training samples as its users get them, on one t
   memory: its streaming from chunk files is left out, as every variant's reading is;
 - the floor, two parts of the new path alone: its decode (`decoded_tensor`), and its decode with
   RandomResizedCrop's crop and resize (`resized_crop`) and the collation. Every path that keeps
-  today's pixels runs these kernels (libjpeg-turbo's exact decode, torch's uint8 antialiased resize),
-  so the 0.5x target leaves the rest of the path (the box's and the flip's draws, the flip, the
-  header's checks) what these leave of it. Not peers: the targets print them as ratios to today's.
+  today's pixels runs these kernels (libjpeg-turbo's exact decode, torch's uint8 antialiased resize;
+  the decode here with its header's and EXIF's read, 0.02-0.04 ms), so the 0.5x target leaves the
+  rest of the path (the box's and the flip's draws, the flip) what these leave of it. Not peers: the
+  targets print them as ratios to today's.
 
 DALI (nvidia-dali-cuda120 2.4.0 with nvImageCodec) and LitData (0.2.76) are installed under
 bench/.cache on first use (bench.outside); where they cannot be, or DALI cannot run, their rows
@@ -168,9 +169,9 @@ FLOORS = (DECODE_ALONE, DECODE_AND_RESIZE)
 def floor_variants() -> dict[str, Variant | str]:
     """The new path's decode alone (`decoded_tensor`, then a batch made once), and its decode with
     RandomResizedCrop's crop and resize alone (`resized_crop`, collated): the kernels every path that
-    keeps today's pixels runs (libjpeg-turbo's decode, torch's uint8 antialiased resize), the draws'
-    Python, the flip and the header's checks left out. What the 0.5x target leaves to the rest of
-    the path is the target less these; or why they cannot run."""
+    keeps today's pixels runs (libjpeg-turbo's decode, torch's uint8 antialiased resize), the decode
+    with its header's and EXIF's read, the draws and the flip left out. What the 0.5x target leaves to
+    the rest of the path is the target less these; or why they cannot run."""
     try:
         from prefect_ddp.tasks.data.dataset import train_transform  # noqa: PLC0415
         from prefect_ddp.tasks.data.decoding import decoded_tensor  # noqa: PLC0415
