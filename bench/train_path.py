@@ -41,12 +41,11 @@ bytes into batches of 32 224-px training samples as its users get them, on one t
   `decode_jpeg`, a full decode, to a uint8 CHW tensor) on the stored bytes, then today's v2
   transform from RandomResizedCrop on, `default_collate`. Measured directly on the bytes in
   memory: its streaming from chunk files is left out, as every variant's reading is;
-- the floor, two parts of the new path alone: its decode (`decoded_tensor`), and its decode with
-  RandomResizedCrop's crop and resize (`resized_crop`) and the collation. Every path that keeps
-  today's pixels runs these kernels (libjpeg-turbo's exact decode, torch's uint8 antialiased resize;
-  the decode here with its header's and EXIF's read, 0.02-0.04 ms), so the 0.5x target leaves the
-  rest of the path (the box's and the flip's draws, the flip) what these leave of it. Not peers: the
-  targets print them as ratios to today's.
+- the floor, what every path that keeps today's pixels runs and nothing else: libjpeg-turbo's
+  exact decode alone (as the new path calls it, without PIL's EXIF read), and that decode with the
+  box's draw, the crop's copy, torch's uint8 antialiased resize and the collation. The 0.5x target
+  leaves the rest of a path (EXIF's read, the flip, its own Python) what these leave of it. Not
+  peers: the targets print them as ratios to today's.
 
 DALI (nvidia-dali-cuda120 2.4.0 with nvImageCodec) and LitData (0.2.76) are installed under
 bench/.cache on first use (bench.outside); where they cannot be, or DALI cannot run, their rows
@@ -162,19 +161,21 @@ def first_decoder(data: bytes, side: int) -> torch.Tensor:
 
 # --- the floor: what any path with today's pixels runs ------------------------------------------
 
-DECODE_ALONE, DECODE_AND_RESIZE = "floor: the new decode alone", "floor: the new decode, crop and resize alone"
-FLOORS = (DECODE_ALONE, DECODE_AND_RESIZE)
+DECODE_ALONE, KERNELS_ALONE = "floor: libjpeg-turbo's decode alone", "floor: the decode, box, crop and resize alone"
+FLOORS = (DECODE_ALONE, KERNELS_ALONE)
 
 
 def floor_variants() -> dict[str, Variant | str]:
-    """The new path's decode alone (`decoded_tensor`, then a batch made once), and its decode with
-    RandomResizedCrop's crop and resize alone (`resized_crop`, collated): the kernels every path that
-    keeps today's pixels runs (libjpeg-turbo's decode, torch's uint8 antialiased resize), the decode
-    with its header's and EXIF's read, the draws and the flip left out. What the 0.5x target leaves to
-    the rest of the path is the target less these; or why they cannot run."""
+    """What every path that keeps today's pixels runs, and nothing else: libjpeg-turbo's exact decode
+    at the scale PIL's `draft` picks (`libjpeg_decoded`, the frame's size read by `jpeg_header`, no
+    EXIF read: a path may skip PIL's where no APP1 segment is), alone (then a batch made once); and
+    that decode with RandomResizedCrop's box drawn, the crop copied and resized by torch's uint8
+    antialiased kernel (`resized_crop`), collated. The new path's header and EXIF read and its flip
+    are left out. What the 0.5x target leaves to the rest of a path is the target less the second;
+    or why they cannot run."""
     try:
         from prefect_ddp.tasks.data.dataset import train_transform  # noqa: PLC0415
-        from prefect_ddp.tasks.data.decoding import decoded_tensor  # noqa: PLC0415
+        from prefect_ddp.tasks.data.decoding import draft_scale, jpeg_header, libjpeg_decoded  # noqa: PLC0415
         from prefect_ddp.tasks.data.loader_steps import collate_images, loader_steps, resized_crop  # noqa: PLC0415
     except ImportError as error:
         return dict.fromkeys(FLOORS, f"the new loader path is not in this checkout ({error})")
@@ -182,15 +183,23 @@ def floor_variants() -> dict[str, Variant | str]:
     crop = steps.transforms[0]
     made = torch.zeros((BATCH, 3, SIDE, SIDE), dtype=torch.uint8)
 
+    def decoded(data: bytes) -> torch.Tensor:
+        header = jpeg_header(data)
+        image = (libjpeg_decoded(data, header.size, draft_scale(header.size, steps.decode_side))
+                 if header and header.size else None)
+        if image is None:
+            raise AssertionError("libjpeg-turbo refused one of the bench's own JPEGs")
+        return image
+
     def decode_alone(datas: list[bytes], labels: list[int]) -> Batch:
         for data in datas:
-            decoded_tensor(data, steps.decode_side)
+            decoded(data)
         return made[:len(datas)], torch.tensor(labels)
 
-    def decode_and_resize(datas: list[bytes], labels: list[int]) -> Batch:
-        return collate_images([(resized_crop(crop, decoded_tensor(data, steps.decode_side).unsqueeze(0))[0], label)
+    def kernels_alone(datas: list[bytes], labels: list[int]) -> Batch:
+        return collate_images([(resized_crop(crop, decoded(data).unsqueeze(0))[0], label)
                                for data, label in zip(datas, labels)])
-    return {DECODE_ALONE: decode_alone, DECODE_AND_RESIZE: decode_and_resize}
+    return {DECODE_ALONE: decode_alone, KERNELS_ALONE: kernels_alone}
 
 
 # --- torchvision's reference recipe -------------------------------------------------------------
