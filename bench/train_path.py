@@ -170,8 +170,8 @@ def floor_variants() -> dict[str, Variant | str]:
     at the scale PIL's `draft` picks (`libjpeg_decoded`, the frame's size read by `jpeg_header`, no
     EXIF read: a path may skip PIL's where no APP1 segment is), alone (then a batch made once); and
     that decode with RandomResizedCrop's box drawn, the crop copied and resized by torch's uint8
-    antialiased kernel (`resized_crop`), collated. The new path's header and EXIF read and its flip
-    are left out. What the 0.5x target leaves to the rest of a path is the target less the second;
+    antialiased kernel (`resized_crop`), collated. The new path's reading of the header and EXIF
+    through PIL (`exif_orientation`) and its flip are left out. What the 0.5x target leaves to the rest of a path is the target less the second;
     or why they cannot run."""
     try:
         from prefect_ddp.tasks.data.dataset import train_transform  # noqa: PLC0415
@@ -411,10 +411,11 @@ def targets(measured: Measured, names: list[str], sets: list[str], off: dict[str
     if "500x375" in sets:
         r = ratio_to_today(measured, "new", "500x375")
         lines.append(f"- new <= 0.5x today on 500x375: {r:.2f}x: {'held' if r <= 0.5 else 'NOT held'}")
-    if "500x375" in sets and not any(name in off for name in FLOORS):
-        floors = [f"{name[len('floor: '):]} {ratio_to_today(measured, name, '500x375'):.2f}x" for name in FLOORS]
-        lines.append(f"- what the kernels every path with today's pixels runs cost on 500x375: {', '.join(floors)} "
-                     "of today's whole path")
+        if not any(name in off for name in FLOORS):
+            floors = [f"{name.removeprefix('floor: ')} {ratio_to_today(measured, name, '500x375'):.2f}x"
+                      for name in FLOORS]
+            lines.append(f"- what the kernels every path with today's pixels runs cost on 500x375: "
+                         f"{', '.join(floors)} of today's whole path")
     peers = [n for n in names if n not in ("today", "new", "new, decoded as at 092522c", *FLOORS) and n not in off]
     for s in sets:
         mine = statistics.median(measured.cpu_ms[("new", s)])
